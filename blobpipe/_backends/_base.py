@@ -1,0 +1,257 @@
+"""The narrow interface every device backend implements.
+
+A backend allocates host buffers (pinned when it is CUDA) and device buffers,
+runs copies between them on streams, and hands back events that say when a
+copy has finished. Everything above it (the pool, SyncedMemory, Blob, the
+loader) speaks only this interface:
+
+    Backend.alloc_host(nbytes)      -> 1-D uint8 numpy array (pinned on CUDA)
+    Backend.alloc_device(nbytes)    -> 1-D uint8 device array (xp array)
+    Backend.create_stream()         -> Stream
+    Backend.copy_to_device(dst, src, stream) -> Event   (asynchronous)
+    Backend.copy_to_host(dst, src, stream)   -> Event   (asynchronous)
+    Backend.fill_device_zero(dst)
+    Event.query() / Event.synchronize() / await wait_event(event)
+
+Invariant: a buffer that a copy reads or writes must not be reused or handed
+out again before that copy's event has completed.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._errors import BackendUnavailableError
+
+__all__ = [
+    "COMPLETED",
+    "Backend",
+    "BackendStatistics",
+    "CompletedEvent",
+    "Event",
+    "Stream",
+    "wait_event",
+]
+
+
+class Event(abc.ABC):
+    """Marks a point in a stream; completes when the work before it has."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True when the work recorded before this event has completed."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the event has completed."""
+
+
+class CompletedEvent(Event):
+    """An event that has always completed (synchronous work, host backend)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "CompletedEvent()"
+
+
+COMPLETED = CompletedEvent()
+
+
+class Stream(abc.ABC):
+    """An ordered queue of device work (copies, kernels)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block until all work queued on this stream has completed."""
+
+
+async def wait_event(event: Event) -> None:
+    """Wait for ``event`` without blocking the event loop.
+
+    Already-completed events return at once; otherwise the blocking wait runs
+    in a worker thread (CUDA's synchronize releases the GIL), so other tasks
+    keep running. Cancellation takes effect once the copy has finished: the
+    buffers involved must not be released while the copy may still touch them.
+    """
+    if event.query():
+        return
+    await anyio.to_thread.run_sync(event.synchronize)
+
+
+@dataclass(frozen=True)
+class BackendStatistics:
+    """Copy counters of a backend (see :meth:`Backend.statistics`)."""
+
+    h2d_copies: int
+    d2h_copies: int
+    h2d_bytes: int
+    d2h_bytes: int
+    host_allocations: int
+    device_allocations: int
+
+
+class Backend(abc.ABC):
+    """A device backend: host/device allocation, streams, copies, events."""
+
+    #: short name: "cupy", "host", "emulated"
+    name: str = "abstract"
+    #: True when device buffers exist (cupy, emulated); False for "host"
+    has_device: bool = False
+    #: True when host buffers are page-locked (CUDA)
+    pinned: bool = False
+
+    def __init__(self) -> None:
+        self._stats_lock = threading.Lock()
+        self._h2d_copies = 0
+        self._d2h_copies = 0
+        self._h2d_bytes = 0
+        self._d2h_bytes = 0
+        self._host_allocs = 0
+        self._device_allocs = 0
+
+    # -- identity ---------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device ordinal, or None for backends without one."""
+        return None
+
+    # -- array module ------------------------------------------------------
+    @property
+    def xp(self) -> ModuleType:
+        """The array module of device arrays (``cupy``, or ``numpy`` for emulation)."""
+        self._require_device("xp")
+        return np
+
+    def _require_device(self, what: str) -> None:
+        if not self.has_device:
+            raise BackendUnavailableError(
+                f"{what} needs a GPU, but this blob lives on the {self.name!r} backend, which "
+                "has no device memory. Use device='cuda' on a machine with CUDA (install "
+                "blobpipe[cuda12] or blobpipe[cuda13]), or use the host accessors "
+                "(cpu_data(), mutable_cpu_data())."
+            )
+
+    # -- allocation ----------------------------------------------------------
+    def alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """A new 1-D uint8 host buffer of ``nbytes`` (pinned where supported).
+
+        Raises MemoryError when the system cannot provide it.
+        """
+        buf = self._alloc_host(nbytes)
+        with self._stats_lock:
+            self._host_allocs += 1
+        return buf
+
+    def alloc_device(self, nbytes: int) -> Any:
+        """A new 1-D uint8 device buffer of ``nbytes``.
+
+        Raises BackendUnavailableError without a device, MemoryError when full.
+        """
+        self._require_device("device memory")
+        buf = self._alloc_device(nbytes)
+        with self._stats_lock:
+            self._device_allocs += 1
+        return buf
+
+    def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _alloc_device(self, nbytes: int) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fill_device_zero(self, dst: Any) -> None:
+        """Zero a device buffer (synchronously, in the default stream's order)."""
+        self._require_device("fill_device_zero")
+        dst.fill(0)
+
+    # -- streams and copies ------------------------------------------------------
+    def create_stream(self) -> Stream:
+        """A new non-blocking stream."""
+        self._require_device("create_stream")
+        raise NotImplementedError  # pragma: no cover
+
+    def default_stream(self) -> Stream:
+        """The stream used when a caller passes none."""
+        self._require_device("default_stream")
+        raise NotImplementedError  # pragma: no cover
+
+    def copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream | None = None) -> Event:
+        """Start copying host ``src`` into device ``dst`` (same byte size); return its event."""
+        self._require_device("copy_to_device")
+        if src.nbytes != dst.nbytes:
+            raise ValueError(f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes")
+        event = self._copy_to_device(dst, src, stream or self.default_stream())
+        with self._stats_lock:
+            self._h2d_copies += 1
+            self._h2d_bytes += src.nbytes
+        return event
+
+    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream | None = None) -> Event:
+        """Start copying device ``src`` into host ``dst`` (same byte size); return its event."""
+        self._require_device("copy_to_host")
+        if src.nbytes != dst.nbytes:
+            raise ValueError(f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes")
+        event = self._copy_to_host(dst, src, stream or self.default_stream())
+        with self._stats_lock:
+            self._d2h_copies += 1
+            self._d2h_bytes += src.nbytes
+        return event
+
+    def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
+        raise NotImplementedError  # pragma: no cover
+
+    def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
+        raise NotImplementedError  # pragma: no cover
+
+    def record_event(self, stream: Stream | None = None) -> Event:
+        """An event that completes when the work queued so far on ``stream`` has."""
+        self._require_device("record_event")
+        raise NotImplementedError  # pragma: no cover
+
+    def synchronize(self) -> None:
+        """Wait for all outstanding device work of this backend."""
+        return None
+
+    # -- views -----------------------------------------------------------------
+    def device_view(self, buf: Any, dtype: Any, shape: tuple[int, ...], readonly: bool) -> Any:
+        """A typed, shaped view of the first bytes of device buffer ``buf``.
+
+        ``readonly`` is honoured where the array module supports it (numpy);
+        CuPy arrays have no read-only flag.
+        """
+        self._require_device("device_view")
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        view = buf[: n * dt.itemsize].view(dt).reshape(shape)
+        if readonly and isinstance(view, np.ndarray):
+            view.flags.writeable = False
+        return view
+
+    # -- statistics ------------------------------------------------------------
+    def statistics(self) -> BackendStatistics:
+        """Counts of copies and raw allocations made through this backend."""
+        with self._stats_lock:
+            return BackendStatistics(
+                h2d_copies=self._h2d_copies,
+                d2h_copies=self._d2h_copies,
+                h2d_bytes=self._h2d_bytes,
+                d2h_bytes=self._d2h_bytes,
+                host_allocations=self._host_allocs,
+                device_allocations=self._device_allocs,
+            )

@@ -1,0 +1,160 @@
+"""The CUDA backend, on CuPy: pinned host memory, non-blocking streams, events.
+
+CuPy is imported when this backend is first constructed, never at
+``import blobpipe``.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._errors import BackendUnavailableError
+from ._base import Backend, Event, Stream
+
+__all__ = ["CupyBackend", "import_cupy"]
+
+_INSTALL_HINT = (
+    "Install it with: pip install 'blobpipe[cuda12]' (CUDA 12) or 'blobpipe[cuda13]' (CUDA 13), "
+    "or use device='cpu'."
+)
+
+
+def import_cupy() -> ModuleType:
+    """Import CuPy, or raise BackendUnavailableError saying which extra to install."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"CuPy is not installed. {_INSTALL_HINT}") from exc
+    return cupy  # type: ignore[no-any-return]
+
+
+class _CupyEvent(Event):
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def query(self) -> bool:
+        return bool(self._event.done)
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+class _CupyStream(Stream):
+    def __init__(self, stream: Any) -> None:
+        self.raw = stream
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class CupyBackend(Backend):
+    """Real CUDA through CuPy on device ``device_id``."""
+
+    name = "cupy"
+    has_device = True
+    pinned = True
+
+    def __init__(self, device_id: int = 0) -> None:
+        super().__init__()
+        cp = import_cupy()
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # CUDA driver missing or broken
+            raise BackendUnavailableError(
+                f"CuPy is installed but CUDA is not usable here ({exc}). Use device='cpu'."
+            ) from exc
+        if count == 0:
+            raise BackendUnavailableError("CuPy found no CUDA device. Use device='cpu'.")
+        if not 0 <= device_id < count:
+            raise BackendUnavailableError(
+                f"CUDA device {device_id} requested, but this machine has {count} "
+                f"(valid: cuda:0 .. cuda:{count - 1})."
+            )
+        self._cp = cp
+        self._device_id = device_id
+        self._device = cp.cuda.Device(device_id)
+        self._default: _CupyStream | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def device_id(self) -> int | None:
+        return self._device_id
+
+    def __repr__(self) -> str:
+        return f"<CupyBackend cuda:{self._device_id}>"
+
+    @property
+    def xp(self) -> ModuleType:
+        return self._cp
+
+    def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        cp = self._cp
+        try:
+            mem = cp.cuda.alloc_pinned_memory(max(nbytes, 1))
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise MemoryError(f"cannot allocate {nbytes} bytes of pinned host memory: {exc}") from exc
+        return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+
+    def _alloc_device(self, nbytes: int) -> Any:
+        cp = self._cp
+        with self._device:
+            try:
+                mem = cp.cuda.Memory(max(nbytes, 1))
+            except cp.cuda.memory.OutOfMemoryError as exc:
+                raise MemoryError(f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}") from exc
+            except cp.cuda.runtime.CUDARuntimeError as exc:
+                raise MemoryError(f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}") from exc
+            ptr = cp.cuda.MemoryPointer(mem, 0)
+            return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
+
+    def fill_device_zero(self, dst: Any) -> None:
+        with self._device:
+            dst.fill(0)
+            self._cp.cuda.get_current_stream().synchronize()
+
+    def create_stream(self) -> Stream:
+        with self._device:
+            return _CupyStream(self._cp.cuda.Stream(non_blocking=True))
+
+    def default_stream(self) -> Stream:
+        with self._lock:
+            if self._default is None:
+                with self._device:
+                    self._default = _CupyStream(self._cp.cuda.Stream(non_blocking=True))
+            return self._default
+
+    def _record(self, stream: Stream) -> Event:
+        assert isinstance(stream, _CupyStream)
+        ev = self._cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        ev.record(stream.raw)
+        return _CupyEvent(ev)
+
+    def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
+        assert isinstance(stream, _CupyStream)
+        if not src.flags.c_contiguous:
+            raise ValueError("host source of a device copy must be C-contiguous")
+        with self._device:
+            if src.nbytes:
+                dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.raw)
+            return self._record(stream)
+
+    def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
+        assert isinstance(stream, _CupyStream)
+        if not dst.flags.c_contiguous:
+            raise ValueError("host destination of a device copy must be C-contiguous")
+        with self._device:
+            if src.nbytes:
+                src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
+            return self._record(stream)
+
+    def record_event(self, stream: Stream | None = None) -> Event:
+        with self._device:
+            return self._record(stream or self.default_stream())
+
+    def synchronize(self) -> None:
+        with self._device:
+            self._device.synchronize()

@@ -1,0 +1,105 @@
+"""The exceptions blobpipe raises.
+
+Every error derives from :class:`BlobpipeError`; each subclass also derives from
+the standard exception a caller would naturally catch, so ``except ValueError``
+keeps working::
+
+    BlobpipeError
+    ├── ShapeError(ValueError)             bad shape, axis count, negative dim, dtype
+    ├── BlobIndexError(IndexError)         axis or index out of range
+    ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
+    ├── StateError(RuntimeError)           use after close, recycled batch, wrong head
+    ├── BackendUnavailableError(RuntimeError)  CuPy / a CUDA device is missing
+    ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
+    ├── ProtoError(ValueError)             a BlobProto / prototxt that cannot be used
+    └── DataError(ValueError)              a bad record or database (names path and key)
+        └── DatabaseNotFoundError(FileNotFoundError)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "BlobIndexError",
+    "BlobpipeError",
+    "DataError",
+    "DatabaseNotFoundError",
+    "PoolMemoryError",
+    "ProtoError",
+    "ShapeError",
+    "StateError",
+    "UnsupportedOperationError",
+]
+
+
+class BlobpipeError(Exception):
+    """Base class of every error raised by blobpipe."""
+
+
+class ShapeError(BlobpipeError, ValueError):
+    """A shape, axis count, dimension or dtype is not acceptable."""
+
+
+class BlobIndexError(BlobpipeError, IndexError):
+    """An axis or an index lies outside a blob's shape."""
+
+
+class UnsupportedOperationError(BlobpipeError, TypeError):
+    """The operation is not defined for this blob (e.g. math on an integer blob)."""
+
+
+class StateError(BlobpipeError, RuntimeError):
+    """An object is used in a state that does not allow it (closed, recycled, ...)."""
+
+
+class BackendUnavailableError(BlobpipeError, RuntimeError):
+    """The requested device backend cannot be used on this machine."""
+
+
+class PoolMemoryError(BlobpipeError, MemoryError):
+    """A buffer pool could not provide a block, even after freeing its cache."""
+
+
+class ProtoError(BlobpipeError, ValueError):
+    """A protobuf message or prototxt file cannot be used."""
+
+
+def _describe(message: str, path: object = None, key: bytes | str | None = None) -> str:
+    parts = [message]
+    if key is not None:
+        parts.append(f"record key {key!r}")
+    if path is not None:
+        parts.append(f"database {str(path)!r}")
+    return "; ".join(parts)
+
+
+class DataError(BlobpipeError, ValueError):
+    """A record or a database cannot be read.
+
+    ``path`` and ``key`` name the database and the record, when known, and are
+    part of the message.
+    """
+
+    def __init__(
+        self, message: str, *, path: object = None, key: bytes | str | None = None
+    ) -> None:
+        super().__init__(_describe(message, path, key))
+        self.path = path
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_data_error, (type(self), str(self), self.path, self.key))
+
+
+class DatabaseNotFoundError(DataError, FileNotFoundError):
+    """The database path does not exist or is not an LMDB environment."""
+
+
+def _rebuild_data_error(
+    cls: type[DataError], text: str, path: object, key: bytes | str | None
+) -> DataError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)
+    err.path = path
+    err.key = key
+    return err
