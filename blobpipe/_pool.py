@@ -1,0 +1,318 @@
+"""A capacity-recycling pool of host (pinned on CUDA) or device buffers.
+
+Requests are rounded up to a size class and served from that class's free
+list; a returned block goes back on its list instead of to the system.
+
+Size classes: sizes up to 4 KiB round up to a multiple of 512 bytes; above,
+each power-of-two range [2^(e-1), 2^e) is cut into 16 equal steps, so a block
+wastes less than 1/16 of its range's top, i.e. under 12.5% of the request (CuPy's
+pinned pool rounds to the next power of two, up to ~100% waste).
+
+Invariant: a block freed with an event (the copy that reads or writes it) is
+not handed out again before that event has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from ._backends import Backend, Event
+from ._errors import PoolMemoryError
+
+__all__ = ["Block", "MemoryPool", "PoolStatistics", "get_pool", "size_class"]
+
+_SMALL = 4096
+_SMALL_GRANULE = 512
+_STEPS_LOG2 = 4  # 16 classes per power of two
+
+
+def size_class(nbytes: int) -> int:
+    """The capacity a request of ``nbytes`` is rounded up to (0 stays 0)."""
+    if nbytes < 0:
+        raise ValueError(f"a block size must be >= 0, got {nbytes}")
+    if nbytes == 0:
+        return 0
+    if nbytes <= _SMALL:
+        return -(-nbytes // _SMALL_GRANULE) * _SMALL_GRANULE
+    granule = 1 << max((nbytes - 1).bit_length() - _STEPS_LOG2, 0)
+    return -(-nbytes // granule) * granule
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+class Block:
+    """A buffer handed out by a pool: ``buffer`` has ``capacity`` bytes, of which
+    ``nbytes`` were requested. Give it back with :meth:`MemoryPool.free`."""
+
+    __slots__ = ("__weakref__", "buffer", "capacity", "kind", "nbytes", "pool")
+
+    def __init__(self, pool: MemoryPool, buffer: Any, nbytes: int, capacity: int) -> None:
+        self.pool = pool
+        self.buffer = buffer
+        self.nbytes = nbytes
+        self.capacity = capacity
+        self.kind = pool.kind
+
+    def view(self) -> Any:
+        """The first ``nbytes`` bytes of the buffer (a 1-D uint8 array)."""
+        return self.buffer[: self.nbytes]
+
+    def __repr__(self) -> str:
+        return f"<Block {self.kind} {self.nbytes}/{self.capacity} B>"
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of a pool (see :meth:`MemoryPool.statistics`).
+
+    ``hits``: requests served from the cache; ``misses``: requests that needed
+    a new allocation from the backend; ``used_bytes``: capacity of blocks
+    handed out; ``requested_bytes``: bytes asked for by those blocks;
+    ``cached_bytes``: capacity of blocks kept for reuse (free or waiting for
+    their copy's event); ``free_blocks`` / ``pending_blocks`` count them;
+    ``allocations``: buffers ever obtained from the backend; ``limit``: the
+    byte limit (0: none).
+    """
+
+    kind: str
+    hits: int
+    misses: int
+    used_bytes: int
+    requested_bytes: int
+    cached_bytes: int
+    free_blocks: int
+    pending_blocks: int
+    allocations: int
+    limit: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held from the backend: in use plus cached."""
+        return self.used_bytes + self.cached_bytes
+
+    @property
+    def waste_ratio(self) -> float:
+        """Rounding waste of the blocks in use, relative to the bytes requested."""
+        if self.requested_bytes == 0:
+            return 0.0
+        return (self.used_bytes - self.requested_bytes) / self.requested_bytes
+
+
+class MemoryPool:
+    """A thread-safe pool of ``kind`` ("host" or "device") buffers of a backend.
+
+    ``limit`` caps the bytes held (in use + cached); 0 means no limit.
+    """
+
+    def __init__(self, backend: Backend, kind: str, limit: int = 0) -> None:
+        if kind not in ("host", "device"):
+            raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
+        self.backend = backend
+        self.kind = kind
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Any]] = defaultdict(list)
+        self._pending: list[tuple[Event, int, Any]] = []
+        self._limit = 0
+        self._hits = 0
+        self._misses = 0
+        self._used = 0
+        self._requested = 0
+        self._cached = 0
+        self._free_count = 0
+        self._allocations = 0
+        self.set_limit(limit)
+
+    def __repr__(self) -> str:
+        return f"<MemoryPool {self.kind} of {self.backend!r}>"
+
+    # -- configuration ---------------------------------------------------------
+    def set_limit(self, limit: int) -> None:
+        """Cap the bytes this pool holds (in use + cached); 0 removes the cap."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        with self._lock:
+            self._limit = int(limit)
+
+    def get_limit(self) -> int:
+        """The byte cap (0: none)."""
+        return self._limit
+
+    # -- allocation ------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Block:
+        """A block of at least ``nbytes`` bytes.
+
+        Raises PoolMemoryError when the limit or the backend cannot provide it
+        even after the cached blocks were released.
+        """
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative size ({nbytes})")
+        cap = size_class(nbytes)
+        with self._lock:
+            self._reap_locked()
+            lst = self._free.get(cap)
+            if lst:
+                buf = lst.pop()
+                self._free_count -= 1
+                self._cached -= cap
+                self._hits += 1
+                self._used += cap
+                self._requested += nbytes
+                return Block(self, buf, nbytes, cap)
+            if cap == 0:
+                self._hits += 1
+                return Block(self, self._empty(), 0, 0)
+        buf = self._allocate(cap, nbytes)
+        with self._lock:
+            self._misses += 1
+            self._allocations += 1
+            self._used += cap
+            self._requested += nbytes
+        return Block(self, buf, nbytes, cap)
+
+    def _empty(self) -> Any:
+        if self.kind == "host":
+            return self.backend.alloc_host(0)
+        return self.backend.alloc_device(0)
+
+    def _over_limit(self, cap: int) -> bool:
+        with self._lock:
+            return bool(self._limit) and self._used + self._cached + cap > self._limit
+
+    def _allocate(self, cap: int, nbytes: int) -> Any:
+        for attempt in range(2):
+            if self._over_limit(cap):
+                if attempt == 0:
+                    self.free_all_blocks(wait=True)
+                    continue
+                with self._lock:
+                    used, cached, limit = self._used, self._cached, self._limit
+                raise PoolMemoryError(
+                    f"{self.kind} pool limit reached: a request of {_fmt(nbytes)} "
+                    f"(block {_fmt(cap)}) would exceed the limit of {_fmt(limit)} "
+                    f"({_fmt(used)} in use, {_fmt(cached)} cached). Raise the limit with "
+                    "set_limit(), or close blobs and batches you no longer need."
+                )
+            try:
+                if self.kind == "host":
+                    return self.backend.alloc_host(cap)
+                return self.backend.alloc_device(cap)
+            except MemoryError as exc:
+                if attempt == 0:
+                    self.free_all_blocks(wait=True)
+                    continue
+                with self._lock:
+                    used = self._used
+                raise PoolMemoryError(
+                    f"out of {self.kind} memory on {self.backend!r}: cannot allocate "
+                    f"{_fmt(cap)} for a request of {_fmt(nbytes)} even after freeing the "
+                    f"pool's cache ({_fmt(used)} still in use): {exc}"
+                ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def free(self, block: Block, event: Event | None = None) -> None:
+        """Give ``block`` back. With ``event``, it is reused only once it completed.
+
+        Freeing a block twice, or a block of another pool, raises ValueError.
+        """
+        if block.pool is not self:
+            raise ValueError(f"{block!r} belongs to {block.pool!r}, not {self!r}")
+        buf = block.buffer
+        if buf is None:
+            raise ValueError(f"{block!r} was already freed")
+        block.buffer = None
+        cap = block.capacity
+        with self._lock:
+            self._used -= cap
+            self._requested -= block.nbytes
+            if cap == 0:
+                return
+            self._cached += cap
+            if event is not None and not event.query():
+                self._pending.append((event, cap, buf))
+            else:
+                self._free[cap].append(buf)
+                self._free_count += 1
+
+    def _reap_locked(self) -> None:
+        if not self._pending:
+            return
+        still = []
+        for item in self._pending:
+            event, cap, buf = item
+            if event.query():
+                self._free[cap].append(buf)
+                self._free_count += 1
+            else:
+                still.append(item)
+        self._pending = still
+
+    def free_all_blocks(self, wait: bool = False) -> None:
+        """Release every cached free block to the system.
+
+        Blocks still waiting for their copy's event are kept, unless ``wait``
+        is true: then those events are waited for and the blocks released too.
+        """
+        with self._lock:
+            pending = list(self._pending) if wait else []
+        for event, _, _ in pending:
+            event.synchronize()
+        with self._lock:
+            self._reap_locked()
+            for cap, lst in self._free.items():
+                self._cached -= cap * len(lst)
+                self._free_count -= len(lst)
+                lst.clear()
+            self._free.clear()
+
+    # -- introspection ----------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Capacity of the blocks handed out."""
+        return self._used
+
+    def total_bytes(self) -> int:
+        """Bytes held from the backend (in use + cached)."""
+        with self._lock:
+            return self._used + self._cached
+
+    def statistics(self) -> PoolStatistics:
+        """A frozen snapshot of the counters."""
+        with self._lock:
+            self._reap_locked()
+            return PoolStatistics(
+                kind=self.kind,
+                hits=self._hits,
+                misses=self._misses,
+                used_bytes=self._used,
+                requested_bytes=self._requested,
+                cached_bytes=self._cached,
+                free_blocks=self._free_count,
+                pending_blocks=len(self._pending),
+                allocations=self._allocations,
+                limit=self._limit,
+            )
+
+
+_registry_lock = threading.Lock()
+_registry: WeakKeyDictionary[Backend, dict[str, MemoryPool]] = WeakKeyDictionary()
+
+
+def get_pool(backend: Backend, kind: str) -> MemoryPool:
+    """The pool of ``kind`` ("host" or "device") shared by everything on ``backend``."""
+    if kind not in ("host", "device"):
+        raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
+    with _registry_lock:
+        pools = _registry.setdefault(backend, {})
+        pool = pools.get(kind)
+        if pool is None:
+            pool = pools[kind] = MemoryPool(backend, kind)
+        return pool

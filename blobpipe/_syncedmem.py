@@ -1,0 +1,348 @@
+"""SyncedMemory: Caffe's host/device memory with a "head" state machine.
+
+The head says where the freshest bytes are::
+
+    UNINITIALIZED --cpu_data/mutable_cpu_data--> HEAD_AT_CPU   (zero-filled)
+    UNINITIALIZED --gpu_data/mutable_gpu_data--> HEAD_AT_GPU   (zero-filled)
+    HEAD_AT_CPU   --gpu_data-->  SYNCED   (copies CPU→GPU)
+    HEAD_AT_GPU   --cpu_data-->  SYNCED   (copies GPU→CPU)
+    any           --mutable_cpu_data--> HEAD_AT_CPU  (copies GPU→CPU if head was at GPU)
+    any           --mutable_gpu_data--> HEAD_AT_GPU  (copies CPU→GPU if head was at CPU)
+
+Memory is allocated lazily, on first touch, from the backend's pools.
+
+Unlike Caffe, an asynchronous push (``async_gpu_push``) does not mark the head
+SYNCED when the copy is *issued*: until the copy's event has completed the copy
+is *pending*, and every accessor first waits for it. So no accessor can observe
+device bytes that have not landed, nor modify host bytes a copy still reads.
+
+A SyncedMemory is not thread-safe (neither is Caffe's); give each thread its own
+or guard it.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ._backends import Backend, Event, Stream, get_backend, wait_event
+from ._errors import ShapeError, StateError
+from ._pool import Block, MemoryPool, get_pool
+
+__all__ = ["Head", "SyncedMemory"]
+
+
+class Head(enum.Enum):
+    """Where the current bytes of a SyncedMemory live."""
+
+    UNINITIALIZED = 0
+    HEAD_AT_CPU = 1
+    HEAD_AT_GPU = 2
+    SYNCED = 3
+
+
+class _Owned:
+    """The pool blocks a SyncedMemory owns; shared with its finalizer."""
+
+    __slots__ = ("cpu", "event", "gpu")
+
+    def __init__(self) -> None:
+        self.cpu: Block | None = None
+        self.gpu: Block | None = None
+        # The last copy touching either buffer; blocks return only after it.
+        self.event: Event | None = None
+
+    def release(self) -> None:
+        event, self.event = self.event, None
+        for attr in ("cpu", "gpu"):
+            block = getattr(self, attr)
+            if block is not None:
+                setattr(self, attr, None)
+                block.pool.free(block, event)
+
+
+def _as_bytes(buf: Any, size: int, where: str) -> Any:
+    """A flat uint8 view of the first ``size`` bytes of a borrowed buffer."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ShapeError(f"set_{where}_data needs a C-contiguous array")
+        flat = buf.reshape(-1).view(np.uint8)
+    elif hasattr(buf, "__cuda_array_interface__") and where == "gpu":
+        if not buf.flags.c_contiguous:
+            raise ShapeError("set_gpu_data needs a C-contiguous array")
+        flat = buf.reshape(-1).view(np.uint8)
+    else:
+        try:
+            flat = np.frombuffer(buf, dtype=np.uint8)
+        except TypeError:
+            raise TypeError(
+                f"set_{where}_data expects an array or a buffer, got {type(buf).__name__}"
+            ) from None
+    if flat.nbytes < size:
+        raise ShapeError(
+            f"set_{where}_data: the buffer holds {flat.nbytes} bytes, this SyncedMemory "
+            f"needs {size}"
+        )
+    return flat[:size]
+
+
+class SyncedMemory:
+    """``size`` bytes that live on the host, the device, or both (see module doc).
+
+    ``backend`` defaults to the default backend (``"auto"``). Blocks come from
+    the backend's shared pools unless ``host_pool``/``device_pool`` are given,
+    and go back on :meth:`close` (also a context manager; a finalizer is only a
+    safety net).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        backend: Backend | str | None = None,
+        *,
+        host_pool: MemoryPool | None = None,
+        device_pool: MemoryPool | None = None,
+    ) -> None:
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool):
+            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        if size < 0:
+            raise ShapeError(f"SyncedMemory size must be >= 0, got {size}")
+        self._size = int(size)
+        self._backend = get_backend(backend)
+        self._host_pool = host_pool
+        self._device_pool = device_pool
+        self._head = Head.UNINITIALIZED
+        self._cpu: Any = None  # flat uint8 view of exactly size bytes
+        self._gpu: Any = None
+        self._owned = _Owned()
+        self._pending: Event | None = None
+        self._pending_head = Head.UNINITIALIZED
+        self._closed = False
+        self._finalizer = weakref.finalize(self, self._owned.release)
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """The number of bytes."""
+        return self._size
+
+    @property
+    def backend(self) -> Backend:
+        """The device backend this memory lives on."""
+        return self._backend
+
+    @property
+    def head(self) -> Head:
+        """Where the current bytes are (waits for a pending async copy first)."""
+        self._settle()
+        return self._head
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    @property
+    def copy_pending(self) -> bool:
+        """True while an async copy is in flight and has not been observed."""
+        return self._pending is not None and not self._pending.query()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self._head.name
+        return f"<SyncedMemory {self._size} B {state} on {self._backend.name}>"
+
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Return the owned blocks to their pools (after any in-flight copy). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None:
+            self._owned.event = self._pending
+        self._owned.release()
+        self._finalizer.detach()
+        self._cpu = self._gpu = None
+        self._pending = None
+
+    def __enter__(self) -> SyncedMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"this SyncedMemory ({self._size} B) was closed")
+
+    # -- allocation -------------------------------------------------------------
+    def _pool(self, kind: str) -> MemoryPool:
+        if kind == "host":
+            if self._host_pool is None:
+                self._host_pool = get_pool(self._backend, "host")
+            return self._host_pool
+        if self._device_pool is None:
+            self._device_pool = get_pool(self._backend, "device")
+        return self._device_pool
+
+    def _alloc_cpu(self) -> None:
+        block = self._pool("host").malloc(self._size)
+        self._owned.cpu = block
+        self._cpu = block.view()
+
+    def _alloc_gpu(self) -> None:
+        self._backend._require_device("gpu_data")
+        block = self._pool("device").malloc(self._size)
+        self._owned.gpu = block
+        self._gpu = block.view()
+
+    # -- transitions (Caffe's to_cpu / to_gpu) ----------------------------------
+    def _settle(self) -> None:
+        """Wait for a pending async copy and apply its head transition."""
+        if self._pending is not None:
+            self._pending.synchronize()
+            self._pending = None
+            self._head = self._pending_head
+
+    def _to_cpu(self) -> None:
+        self._check_open()
+        self._settle()
+        if self._head is Head.UNINITIALIZED:
+            if self._cpu is None:
+                self._alloc_cpu()
+            self._cpu.fill(0)
+            self._head = Head.HEAD_AT_CPU
+        elif self._head is Head.HEAD_AT_GPU:
+            if self._cpu is None:
+                self._alloc_cpu()
+            if self._size:
+                self._backend.copy_to_host(self._cpu, self._gpu).synchronize()
+            self._head = Head.SYNCED
+
+    def _to_gpu(self) -> None:
+        self._check_open()
+        self._backend._require_device("gpu_data")
+        self._settle()
+        if self._head is Head.UNINITIALIZED:
+            if self._gpu is None:
+                self._alloc_gpu()
+            if self._size:
+                self._backend.fill_device_zero(self._gpu)
+            self._head = Head.HEAD_AT_GPU
+        elif self._head is Head.HEAD_AT_CPU:
+            if self._gpu is None:
+                self._alloc_gpu()
+            if self._size:
+                self._backend.copy_to_device(self._gpu, self._cpu).synchronize()
+            self._head = Head.SYNCED
+
+    # -- accessors ---------------------------------------------------------------
+    def cpu_data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The bytes on the host, read-only (copies GPU→CPU when the head is at the GPU)."""
+        self._to_cpu()
+        view: np.ndarray[Any, np.dtype[np.uint8]] = self._cpu[:]
+        view.flags.writeable = False
+        return view
+
+    def mutable_cpu_data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The bytes on the host, writable; the head moves to the CPU."""
+        self._to_cpu()
+        self._head = Head.HEAD_AT_CPU
+        return self._cpu  # type: ignore[no-any-return]
+
+    def gpu_data(self) -> Any:
+        """The bytes on the device (read-only where the array type allows it).
+
+        Raises BackendUnavailableError on the host backend.
+        """
+        self._to_gpu()
+        view = self._gpu[:]
+        if isinstance(view, np.ndarray):
+            view.flags.writeable = False
+        return view
+
+    def mutable_gpu_data(self) -> Any:
+        """The bytes on the device, writable; the head moves to the GPU."""
+        self._to_gpu()
+        self._head = Head.HEAD_AT_GPU
+        return self._gpu
+
+    def set_cpu_data(self, buf: Any) -> None:
+        """Use a borrowed host buffer (never returned to a pool); head → HEAD_AT_CPU."""
+        self._check_open()
+        self._settle()
+        flat = _as_bytes(buf, self._size, "cpu")
+        if self._owned.cpu is not None:
+            block, self._owned.cpu = self._owned.cpu, None
+            block.pool.free(block)
+        self._cpu = flat
+        self._head = Head.HEAD_AT_CPU
+
+    def set_gpu_data(self, buf: Any) -> None:
+        """Use a borrowed device buffer (never returned to a pool); head → HEAD_AT_GPU."""
+        self._check_open()
+        self._backend._require_device("set_gpu_data")
+        self._settle()
+        flat = _as_bytes(buf, self._size, "gpu")
+        if self._owned.gpu is not None:
+            block, self._owned.gpu = self._owned.gpu, None
+            block.pool.free(block)
+        self._gpu = flat
+        self._head = Head.HEAD_AT_GPU
+
+    # -- asynchronous copies --------------------------------------------------------
+    def start_gpu_push(self, stream: Stream | None = None) -> Event:
+        """Issue the CPU→GPU copy on ``stream`` and return its event, without waiting.
+
+        The head must be HEAD_AT_CPU. The copy stays *pending* until its event
+        is observed complete: every accessor (and :attr:`head`) waits for it
+        first. Await :meth:`async_gpu_push` instead to wait without blocking.
+        """
+        self._check_open()
+        self._backend._require_device("async_gpu_push")
+        self._settle()
+        if self._head is not Head.HEAD_AT_CPU:
+            raise StateError(
+                f"async_gpu_push needs the head at the CPU, but it is {self._head.name} "
+                "(write the data with mutable_cpu_data() first)"
+            )
+        if self._gpu is None:
+            self._alloc_gpu()
+        event = self._backend.copy_to_device(self._gpu, self._cpu, stream)
+        self._pending, self._pending_head = event, Head.SYNCED
+        return event
+
+    def start_cpu_pull(self, stream: Stream | None = None) -> Event:
+        """Issue the GPU→CPU copy on ``stream`` and return its event (head must be HEAD_AT_GPU)."""
+        self._check_open()
+        self._backend._require_device("async_cpu_pull")
+        self._settle()
+        if self._head is not Head.HEAD_AT_GPU:
+            raise StateError(
+                f"async_cpu_pull needs the head at the GPU, but it is {self._head.name}"
+            )
+        if self._cpu is None:
+            self._alloc_cpu()
+        event = self._backend.copy_to_host(self._cpu, self._gpu, stream)
+        self._pending, self._pending_head = event, Head.SYNCED
+        return event
+
+    async def wait(self) -> None:
+        """Wait, without blocking the event loop, for a pending async copy."""
+        pending = self._pending
+        if pending is not None:
+            await wait_event(pending)
+            if self._pending is pending:
+                self._settle()
+
+    async def async_gpu_push(self, stream: Stream | None = None) -> None:
+        """Copy CPU→GPU on ``stream`` and await its completion; head → SYNCED after it."""
+        self.start_gpu_push(stream)
+        await self.wait()
+
+    async def async_cpu_pull(self, stream: Stream | None = None) -> None:
+        """Copy GPU→CPU on ``stream`` and await its completion; head → SYNCED after it."""
+        self.start_cpu_pull(stream)
+        await self.wait()

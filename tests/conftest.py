@@ -1,0 +1,68 @@
+"""Shared fixtures: backends parametrised over the emulated device and CUDA.
+
+Tests that take the ``device_backend`` fixture run against the emulated device
+(always) and against CuPy (marked ``gpu``; skipped without a GPU unless
+``BLOBPIPE_REQUIRE_GPU=1``, which turns the skip into a failure).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+
+DATA = Path(__file__).parent / "data"
+CAFFE = DATA / "caffe"
+
+
+def require_gpu() -> bool:
+    return os.environ.get("BLOBPIPE_REQUIRE_GPU", "") not in ("", "0")
+
+
+def cupy_backend_or_skip() -> Backend:
+    try:
+        from blobpipe._backends._cupy import CupyBackend
+
+        return CupyBackend(0)
+    except Exception as exc:  # BackendUnavailableError and anything CuPy raises
+        if require_gpu():
+            pytest.fail(f"BLOBPIPE_REQUIRE_GPU=1 but CUDA is unavailable: {exc}")
+        pytest.skip(f"no CUDA: {exc}")
+
+
+@pytest.fixture(
+    params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)],
+)
+def device_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """A backend with device memory: the emulated device, or real CUDA."""
+    if request.param == "emulated":
+        backend: Backend = EmulatedBackend(delay=0.002)
+    else:
+        backend = cupy_backend_or_skip()
+    yield backend
+    backend.synchronize()
+
+
+@pytest.fixture(
+    params=["host", "emulated", pytest.param("cupy", marks=pytest.mark.gpu)],
+)
+def any_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """Every backend: host (no device), emulated device, real CUDA."""
+    if request.param == "host":
+        backend: Backend = HostBackend()
+    elif request.param == "emulated":
+        backend = EmulatedBackend(delay=0.002)
+    else:
+        backend = cupy_backend_or_skip()
+    yield backend
+    backend.synchronize()
+
+
+def to_numpy(array: object) -> object:
+    """A host copy of a numpy or cupy array."""
+    get = getattr(array, "get", None)
+    return get() if callable(get) else array
