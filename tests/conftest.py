@@ -66,3 +66,9 @@ def to_numpy(array: object) -> object:
     """A host copy of a numpy or cupy array."""
     get = getattr(array, "get", None)
     return get() if callable(get) else array
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run ``@pytest.mark.anyio`` tests under both asyncio and trio."""
+    return str(request.param)

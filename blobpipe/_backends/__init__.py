@@ -85,14 +85,14 @@ def get_backend(device: str | Backend | None = None) -> Backend:
         try:
             idx = int(name[5:])
         except ValueError:
-            raise ValueError(f"bad device {device!r}: expected 'cuda:N' with N an integer") from None
+            raise ValueError(
+                f"bad device {device!r}: expected 'cuda:N' with N an integer"
+            ) from None
         if idx < 0:
             raise ValueError(f"bad device {device!r}: the device number must be >= 0")
         backend = _cuda_backend(idx)
     else:
-        raise ValueError(
-            f"unknown device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-        )
+        raise ValueError(f"unknown device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
     with _lock:
         return _cache.setdefault(name, backend)
 

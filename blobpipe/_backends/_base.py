@@ -103,7 +103,7 @@ class BackendStatistics:
     device_allocations: int
 
 
-class Backend(abc.ABC):
+class Backend:
     """A device backend: host/device allocation, streams, copies, events."""
 
     #: short name: "cupy", "host", "emulated"
@@ -191,22 +191,30 @@ class Backend(abc.ABC):
         self._require_device("default_stream")
         raise NotImplementedError  # pragma: no cover
 
-    def copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream | None = None) -> Event:
+    def copy_to_device(
+        self, dst: Any, src: np.ndarray[Any, Any], stream: Stream | None = None
+    ) -> Event:
         """Start copying host ``src`` into device ``dst`` (same byte size); return its event."""
         self._require_device("copy_to_device")
         if src.nbytes != dst.nbytes:
-            raise ValueError(f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes")
+            raise ValueError(
+                f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes"
+            )
         event = self._copy_to_device(dst, src, stream or self.default_stream())
         with self._stats_lock:
             self._h2d_copies += 1
             self._h2d_bytes += src.nbytes
         return event
 
-    def copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream | None = None) -> Event:
+    def copy_to_host(
+        self, dst: np.ndarray[Any, Any], src: Any, stream: Stream | None = None
+    ) -> Event:
         """Start copying device ``src`` into host ``dst`` (same byte size); return its event."""
         self._require_device("copy_to_host")
         if src.nbytes != dst.nbytes:
-            raise ValueError(f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes")
+            raise ValueError(
+                f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes"
+            )
         event = self._copy_to_host(dst, src, stream or self.default_stream())
         with self._stats_lock:
             self._d2h_copies += 1

@@ -96,7 +96,9 @@ class CupyBackend(Backend):
         try:
             mem = cp.cuda.alloc_pinned_memory(max(nbytes, 1))
         except cp.cuda.runtime.CUDARuntimeError as exc:
-            raise MemoryError(f"cannot allocate {nbytes} bytes of pinned host memory: {exc}") from exc
+            raise MemoryError(
+                f"cannot allocate {nbytes} bytes of pinned host memory: {exc}"
+            ) from exc
         return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
 
     def _alloc_device(self, nbytes: int) -> Any:
@@ -105,9 +107,13 @@ class CupyBackend(Backend):
             try:
                 mem = cp.cuda.Memory(max(nbytes, 1))
             except cp.cuda.memory.OutOfMemoryError as exc:
-                raise MemoryError(f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}") from exc
+                raise MemoryError(
+                    f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}"
+                ) from exc
             except cp.cuda.runtime.CUDARuntimeError as exc:
-                raise MemoryError(f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}") from exc
+                raise MemoryError(
+                    f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}"
+                ) from exc
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
 

@@ -1,0 +1,99 @@
+"""Backend selection and the emulated device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blobpipe
+from blobpipe import BackendUnavailableError
+from blobpipe._backends import (
+    COMPLETED,
+    EmulatedBackend,
+    HostBackend,
+    get_backend,
+    set_default_backend,
+    wait_event,
+)
+
+
+def test_names() -> None:
+    assert isinstance(get_backend("cpu"), HostBackend)
+    assert get_backend("host") is get_backend("cpu")
+    backend = EmulatedBackend()
+    assert get_backend(backend) is backend
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        get_backend("tpu")
+    with pytest.raises(ValueError, match="cuda:N"):
+        get_backend("cuda:x")
+    with pytest.raises(TypeError, match="str or a Backend"):
+        get_backend(3)  # type: ignore[arg-type]
+
+
+def test_auto_falls_back_to_host_without_cuda() -> None:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert isinstance(get_backend("auto"), HostBackend)
+        with pytest.raises(BackendUnavailableError, match=r"pip install 'blobpipe\[cuda12\]'"):
+            get_backend("cuda")
+    else:  # pragma: no cover - GPU machines
+        pytest.skip("CuPy is installed")
+
+
+def test_default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    old = set_default_backend(None)
+    try:
+        monkeypatch.setenv("BLOBPIPE_DEVICE", "cpu")
+        assert isinstance(get_backend(None), HostBackend)
+        emu = EmulatedBackend()
+        set_default_backend(emu)
+        assert get_backend(None) is emu
+    finally:
+        set_default_backend(old)
+
+
+def test_import_does_not_import_cupy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, blobpipe; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert blobpipe.__version__
+
+
+def test_host_backend_has_no_device() -> None:
+    host = HostBackend()
+    with pytest.raises(BackendUnavailableError, match="no device memory"):
+        host.alloc_device(4)
+    with pytest.raises(BackendUnavailableError):
+        host.create_stream()
+    assert host.alloc_host(4).dtype == np.uint8
+
+
+def test_emulated_streams_are_ordered() -> None:
+    backend = EmulatedBackend(delay=0.01)
+    stream = backend.create_stream()
+    dev = backend.alloc_device(4)
+    for value in range(1, 6):
+        backend.copy_to_device(dev, np.full(4, value, np.uint8), stream)
+    back = np.zeros(4, np.uint8)
+    backend.copy_to_host(back, dev, stream).synchronize()
+    assert back.tolist() == [5] * 4
+    stats = backend.statistics()
+    assert (stats.h2d_copies, stats.d2h_copies, stats.h2d_bytes) == (5, 1, 20)
+
+
+def test_copy_size_mismatch() -> None:
+    backend = EmulatedBackend()
+    with pytest.raises(ValueError, match="copy size mismatch"):
+        backend.copy_to_device(backend.alloc_device(4), np.zeros(8, np.uint8))
+
+
+@pytest.mark.anyio
+async def test_wait_event() -> None:
+    await wait_event(COMPLETED)
+    backend = EmulatedBackend(delay=0.05)
+    event = backend.copy_to_device(backend.alloc_device(4), np.ones(4, np.uint8))
+    await wait_event(event)
+    assert event.query()

@@ -1,0 +1,192 @@
+"""The buffer pool: size classes, reuse, waste bound, limits, events."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from blobpipe import PoolMemoryError
+from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+from blobpipe._pool import MemoryPool, get_pool, size_class
+
+
+def test_size_classes() -> None:
+    assert size_class(0) == 0
+    assert size_class(1) == 512
+    assert size_class(512) == 512
+    assert size_class(513) == 1024
+    assert size_class(4096) == 4096
+    assert size_class(4097) == 4608
+    assert size_class(1 << 20) == 1 << 20
+    assert size_class((1 << 20) + 1) == (1 << 20) + (1 << 17)
+    with pytest.raises(ValueError, match=">= 0"):
+        size_class(-1)
+
+
+def test_rounding_waste_under_one_eighth() -> None:
+    rng = random.Random(0)
+    sizes = [rng.randrange(4097, 1 << 28) for _ in range(20000)]
+    assert max((size_class(n) - n) / n for n in sizes) < 0.125
+    # small requests waste at most one 512-byte granule
+    assert all(size_class(n) - n < 512 for n in range(1, 4097))
+
+
+def test_measured_waste_of_a_realistic_workload() -> None:
+    """Batches of assorted image shapes: bytes held vs bytes requested."""
+    pool = MemoryPool(HostBackend(), "host")
+    rng = random.Random(1)
+    blocks = []
+    for _ in range(300):
+        n, c, h, w = rng.choice([32, 64, 128]), 3, rng.randrange(24, 300), rng.randrange(24, 300)
+        blocks.append(pool.malloc(n * c * h * w * 4))
+    stats = pool.statistics()
+    assert stats.waste_ratio < 0.125
+    # CuPy's pinned pool rounds to the next power of two: far more waste here
+    pow2 = sum(1 << (b.nbytes - 1).bit_length() for b in blocks)
+    assert pow2 / stats.requested_bytes - 1 > 2 * stats.waste_ratio
+    for b in blocks:
+        pool.free(b)
+
+
+def test_reuse_hits_and_misses() -> None:
+    backend = HostBackend()
+    pool = MemoryPool(backend, "host")
+    a = pool.malloc(1000)
+    assert a.capacity == 1024 and a.view().shape == (1000,)
+    buf = a.buffer
+    pool.free(a)
+    b = pool.malloc(900)  # same class
+    assert b.buffer is buf
+    stats = pool.statistics()
+    assert (stats.hits, stats.misses, stats.allocations) == (1, 1, 1)
+    assert stats.used_bytes == 1024 and stats.requested_bytes == 900
+    pool.free(b)
+    stats = pool.statistics()
+    assert (stats.used_bytes, stats.cached_bytes, stats.free_blocks) == (0, 1024, 1)
+    pool.free_all_blocks()
+    assert pool.statistics().cached_bytes == 0
+    assert backend.statistics().host_allocations == 1
+
+
+def test_double_free_and_foreign_block() -> None:
+    p1, p2 = MemoryPool(HostBackend(), "host"), MemoryPool(HostBackend(), "host")
+    block = p1.malloc(10)
+    with pytest.raises(ValueError, match="belongs to"):
+        p2.free(block)
+    p1.free(block)
+    with pytest.raises(ValueError, match="already freed"):
+        p1.free(block)
+
+
+def test_limit_frees_cache_then_raises_with_sizes() -> None:
+    pool = MemoryPool(HostBackend(), "host", limit=8192)
+    a = pool.malloc(4096)
+    pool.free(a)  # cached: 4096
+    b = pool.malloc(8192)  # needs the cache freed first, then fits
+    assert pool.statistics().cached_bytes == 0
+    with pytest.raises(PoolMemoryError, match=r"request of 100 B .*limit of 8\.0 KiB") as info:
+        pool.malloc(100)
+    assert isinstance(info.value, MemoryError)
+    pool.free(b)
+    pool.set_limit(0)
+    pool.malloc(1 << 20)
+
+
+def test_backend_out_of_memory_retries_after_freeing_cache() -> None:
+    class Tight(HostBackend):
+        budget = 4096
+
+        def _alloc_host(self, nbytes: int):  # type: ignore[no-untyped-def]
+            if nbytes > self.budget:
+                raise MemoryError("no room")
+            self.budget -= nbytes
+            return np.empty(nbytes, np.uint8)
+
+    backend = Tight()
+    pool = MemoryPool(backend, "host")
+    pool.free(pool.malloc(4096))
+
+    def release_on_free_all() -> None:
+        backend.budget += 4096
+
+    orig = pool.free_all_blocks
+
+    def free_all(wait: bool = False) -> None:
+        if pool.statistics().cached_bytes:
+            release_on_free_all()
+        orig(wait)
+
+    pool.free_all_blocks = free_all  # type: ignore[method-assign]
+    block = pool.malloc(2048)  # not a hit (other class); succeeds after freeing the cache
+    assert block.capacity == 2048
+    with pytest.raises(PoolMemoryError, match="out of host memory"):
+        pool.malloc(1 << 20)
+
+
+def test_pending_block_not_reused_until_event() -> None:
+    backend = EmulatedBackend(delay=0.2)
+    pool = MemoryPool(backend, "host")
+    block = pool.malloc(1024)
+    dev = backend.alloc_device(1024)
+    event = backend.copy_to_device(dev, block.view())
+    buf = block.buffer
+    pool.free(block, event)
+    other = pool.malloc(1024)
+    assert other.buffer is not buf
+    event.synchronize()
+    third = pool.malloc(1024)
+    assert third.buffer is buf
+
+
+def test_free_all_blocks_wait_releases_pending() -> None:
+    backend = EmulatedBackend(delay=0.1)
+    pool = MemoryPool(backend, "host")
+    block = pool.malloc(1024)
+    event = backend.copy_to_device(backend.alloc_device(1024), block.view())
+    pool.free(block, event)
+    pool.free_all_blocks()
+    assert pool.statistics().pending_blocks in (0, 1)
+    pool.free_all_blocks(wait=True)
+    stats = pool.statistics()
+    assert stats.pending_blocks == 0 and stats.cached_bytes == 0
+
+
+def test_thread_safety() -> None:
+    pool = MemoryPool(HostBackend(), "host")
+
+    def work() -> None:
+        rng = random.Random(threading.get_ident())
+        for _ in range(500):
+            blocks = [pool.malloc(rng.choice([100, 2000, 9000])) for _ in range(3)]
+            for b in blocks:
+                pool.free(b)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = pool.statistics()
+    assert stats.used_bytes == 0 and stats.requested_bytes == 0
+    assert stats.hits + stats.misses == 4 * 500 * 3
+    assert stats.misses <= 4 * 3 * 3  # bounded by concurrency, not by iterations
+
+
+def test_device_pool(device_backend: Backend) -> None:
+    pool = get_pool(device_backend, "device")
+    assert pool is get_pool(device_backend, "device")
+    a = pool.malloc(5000)
+    pool.free(a)
+    b = pool.malloc(5000)
+    assert pool.statistics().hits >= 1
+    pool.free(b)
+
+
+def test_bad_kind() -> None:
+    with pytest.raises(ValueError, match="'host' or 'device'"):
+        MemoryPool(HostBackend(), "gpu")
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        MemoryPool(HostBackend(), "host", limit=-1)

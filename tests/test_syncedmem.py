@@ -1,0 +1,345 @@
+"""SyncedMemory: every head transition, Caffe's nine-step sequence, async copies."""
+
+from __future__ import annotations
+
+import gc
+
+import anyio
+import numpy as np
+import pytest
+
+from blobpipe import BackendUnavailableError, ShapeError, StateError
+from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+from blobpipe._pool import get_pool
+from blobpipe._syncedmem import Head, SyncedMemory
+
+from .conftest import to_numpy
+
+
+def copies(backend: Backend) -> tuple[int, int]:
+    s = backend.statistics()
+    return s.h2d_copies, s.d2h_copies
+
+
+def test_lazy_allocation_and_zero_fill(any_backend: Backend) -> None:
+    pool = get_pool(any_backend, "host")
+    before = pool.statistics()
+    mem = SyncedMemory(10, any_backend)
+    assert mem.head is Head.UNINITIALIZED
+    assert mem.size == 10
+    assert pool.statistics().used_bytes == before.used_bytes  # nothing allocated yet
+    data = mem.cpu_data()
+    assert data.dtype == np.uint8 and data.shape == (10,)
+    assert not data.any()
+    assert mem.head is Head.HEAD_AT_CPU
+    mem.close()
+
+
+def test_gpu_first_touch_zero_filled(device_backend: Backend) -> None:
+    mem = SyncedMemory(10, device_backend)
+    gpu = mem.gpu_data()
+    assert mem.head is Head.HEAD_AT_GPU
+    assert not to_numpy(gpu).any()
+    mem.close()
+
+
+def test_read_only_views(any_backend: Backend) -> None:
+    mem = SyncedMemory(4, any_backend)
+    ro = mem.cpu_data()
+    assert not ro.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        ro[0] = 1
+    rw = mem.mutable_cpu_data()
+    assert rw.flags.writeable
+    rw[:] = 5
+    assert mem.cpu_data().tolist() == [5, 5, 5, 5]
+    mem.close()
+
+
+def test_readonly_gpu_view_on_emulated() -> None:
+    mem = SyncedMemory(4, EmulatedBackend())
+    view = mem.gpu_data()
+    assert not view.flags.writeable
+    mem.close()
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected_head"),
+    [
+        (["cpu_data"], Head.HEAD_AT_CPU),
+        (["mutable_cpu_data"], Head.HEAD_AT_CPU),
+        (["gpu_data"], Head.HEAD_AT_GPU),
+        (["mutable_gpu_data"], Head.HEAD_AT_GPU),
+        (["mutable_cpu_data", "gpu_data"], Head.SYNCED),
+        (["mutable_gpu_data", "cpu_data"], Head.SYNCED),
+        (["mutable_cpu_data", "gpu_data", "mutable_cpu_data"], Head.HEAD_AT_CPU),
+        (["mutable_cpu_data", "gpu_data", "mutable_gpu_data"], Head.HEAD_AT_GPU),
+        (["mutable_gpu_data", "cpu_data", "cpu_data"], Head.SYNCED),
+        (["mutable_gpu_data", "mutable_cpu_data"], Head.HEAD_AT_CPU),
+        (["mutable_cpu_data", "mutable_gpu_data"], Head.HEAD_AT_GPU),
+    ],
+)
+def test_every_head_transition(
+    device_backend: Backend, steps: list[str], expected_head: Head
+) -> None:
+    mem = SyncedMemory(8, device_backend)
+    for step in steps:
+        getattr(mem, step)()
+    assert mem.head is expected_head
+    mem.close()
+
+
+def test_caffe_nine_step_sequence_counts_real_copies(device_backend: Backend) -> None:
+    """The sequence from Caffe's "Blobs, Layers, and Nets" docs, data written on the CPU."""
+    mem = SyncedMemory(64, device_backend)
+    mem.mutable_cpu_data()[:] = np.arange(64, dtype=np.uint8)
+    assert mem.head is Head.HEAD_AT_CPU
+    base = copies(device_backend)
+
+    def step(name: str, h2d: int, d2h: int, head: Head) -> None:
+        nonlocal base
+        getattr(mem, name)()
+        now = copies(device_backend)
+        assert (now[0] - base[0], now[1] - base[1]) == (h2d, d2h), name
+        assert mem.head is head, name
+        base = now
+
+    step("gpu_data", 1, 0, Head.SYNCED)  # 1: copies CPU→GPU
+    step("cpu_data", 0, 0, Head.SYNCED)  # 2: no copy
+    step("mutable_gpu_data", 0, 0, Head.HEAD_AT_GPU)  # 3: no copy
+    step("mutable_gpu_data", 0, 0, Head.HEAD_AT_GPU)  # 4: no copy
+    step("cpu_data", 0, 1, Head.SYNCED)  # 5: copies GPU→CPU
+    step("mutable_cpu_data", 0, 0, Head.HEAD_AT_CPU)  # 6: no copy
+    step("cpu_data", 0, 0, Head.HEAD_AT_CPU)  # 7: no copy
+    step("mutable_gpu_data", 1, 0, Head.HEAD_AT_GPU)  # 8: copies CPU→GPU
+    step("mutable_cpu_data", 0, 1, Head.HEAD_AT_CPU)  # 9: copies GPU→CPU
+    assert mem.cpu_data().tolist() == list(range(64))
+    mem.close()
+
+
+def test_data_survives_round_trips(device_backend: Backend) -> None:
+    mem = SyncedMemory(16, device_backend)
+    mem.mutable_cpu_data()[:] = 3
+    gpu = mem.mutable_gpu_data()
+    gpu[:8] = 9  # kernel-side write
+    assert mem.cpu_data().tolist() == [9] * 8 + [3] * 8
+    mem.close()
+
+
+def test_host_backend_gpu_accessors_raise() -> None:
+    mem = SyncedMemory(4, HostBackend())
+    for name in ("gpu_data", "mutable_gpu_data"):
+        with pytest.raises(BackendUnavailableError, match="no device memory"):
+            getattr(mem, name)()
+    with pytest.raises(BackendUnavailableError, match=r"blobpipe\[cuda12\]"):
+        mem.gpu_data()
+    assert mem.head is Head.UNINITIALIZED
+    mem.close()
+
+
+def test_set_cpu_data_is_borrowed(any_backend: Backend) -> None:
+    pool = get_pool(any_backend, "host")
+    buf = np.arange(8, dtype=np.uint8)
+    mem = SyncedMemory(8, any_backend)
+    mem.mutable_cpu_data()  # owns a pooled block
+    used = pool.statistics().used_bytes
+    mem.set_cpu_data(buf)
+    assert pool.statistics().used_bytes == used - 512  # the owned block went back
+    assert mem.head is Head.HEAD_AT_CPU
+    assert mem.cpu_data().tolist() == list(range(8))
+    mem.mutable_cpu_data()[0] = 42
+    assert buf[0] == 42  # writes go to the borrowed memory
+    free_before = pool.statistics().free_blocks
+    mem.close()
+    assert buf[0] == 42  # not zeroed or touched by close
+    assert pool.statistics().free_blocks == free_before  # the borrowed buffer is not pooled
+
+
+def test_set_cpu_data_too_small() -> None:
+    mem = SyncedMemory(16, HostBackend())
+    with pytest.raises(ShapeError, match="holds 8 bytes, this SyncedMemory needs 16"):
+        mem.set_cpu_data(np.zeros(8, np.uint8))
+    with pytest.raises(TypeError, match="expects an array or a buffer"):
+        mem.set_cpu_data(3.5)
+
+
+def test_set_gpu_data(device_backend: Backend) -> None:
+    dev = device_backend.alloc_device(8)
+    device_backend.copy_to_device(dev, np.full(8, 4, np.uint8)).synchronize()
+    mem = SyncedMemory(8, device_backend)
+    mem.set_gpu_data(dev)
+    assert mem.head is Head.HEAD_AT_GPU
+    assert mem.cpu_data().tolist() == [4] * 8
+    mem.close()
+
+
+def test_negative_size_and_type() -> None:
+    with pytest.raises(ShapeError, match=">= 0"):
+        SyncedMemory(-1, HostBackend())
+    with pytest.raises(TypeError, match="size must be an int"):
+        SyncedMemory(1.5, HostBackend())  # type: ignore[arg-type]
+
+
+def test_zero_size(any_backend: Backend) -> None:
+    with SyncedMemory(0, any_backend) as mem:
+        assert mem.cpu_data().size == 0
+        if any_backend.has_device:
+            assert mem.gpu_data().size == 0
+
+
+def test_close_returns_blocks_and_is_idempotent(any_backend: Backend) -> None:
+    pool = get_pool(any_backend, "host")
+    base = pool.statistics().used_bytes
+    mem = SyncedMemory(1000, any_backend)
+    mem.mutable_cpu_data()
+    assert pool.statistics().used_bytes == base + 1024
+    mem.close()
+    mem.close()
+    assert pool.statistics().used_bytes == base
+    with pytest.raises(StateError, match="was closed"):
+        mem.cpu_data()
+
+
+def test_finalizer_is_a_safety_net() -> None:
+    backend = HostBackend()
+    pool = get_pool(backend, "host")
+    mem = SyncedMemory(100, backend)
+    mem.mutable_cpu_data()
+    assert pool.statistics().used_bytes == 512
+    del mem
+    gc.collect()
+    assert pool.statistics().used_bytes == 0
+
+
+# -- asynchronous copies ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_async_gpu_push(device_backend: Backend) -> None:
+    mem = SyncedMemory(32, device_backend)
+    mem.mutable_cpu_data()[:] = 7
+    await mem.async_gpu_push()
+    assert mem.head is Head.SYNCED
+    assert to_numpy(mem.gpu_data()).tolist() == [7] * 32
+    mem.close()
+
+
+@pytest.mark.anyio
+async def test_async_cpu_pull(device_backend: Backend) -> None:
+    mem = SyncedMemory(32, device_backend)
+    mem.mutable_gpu_data()[:] = 5
+    await mem.async_cpu_pull()
+    assert mem.head is Head.SYNCED
+    assert mem.cpu_data().tolist() == [5] * 32
+    mem.close()
+
+
+@pytest.mark.anyio
+async def test_async_push_needs_head_at_cpu(device_backend: Backend) -> None:
+    mem = SyncedMemory(8, device_backend)
+    with pytest.raises(StateError, match="needs the head at the CPU, but it is UNINITIALIZED"):
+        await mem.async_gpu_push()
+    mem.mutable_gpu_data()
+    with pytest.raises(StateError, match="HEAD_AT_GPU"):
+        await mem.async_gpu_push()
+    mem.mutable_cpu_data()
+    with pytest.raises(StateError, match="needs the head at the GPU, but it is HEAD_AT_CPU"):
+        await mem.async_cpu_pull()
+    mem.close()
+
+
+def test_pending_push_is_invisible_until_its_event_completed() -> None:
+    """Caffe marks the head SYNCED when it issues the copy; here accessors wait for it.
+
+    The emulated copy lands 0.2 s later: reading the device bytes right after
+    issuing it must still see the pushed values, never the stale ones.
+    """
+    backend = EmulatedBackend(delay=0.2)
+    mem = SyncedMemory(16, backend)
+    mem.mutable_gpu_data()[:] = 1  # stale device bytes
+    mem.mutable_cpu_data()[:] = 2
+    event = mem.start_gpu_push()
+    assert not event.query()  # the copy really is still in flight
+    assert mem.copy_pending
+    assert mem.gpu_data().tolist() == [2] * 16  # waited for the event
+    assert mem.head is Head.SYNCED
+
+
+def test_emulated_copy_really_is_late() -> None:
+    """Without waiting, the device bytes are stale: the emulation catches missing waits."""
+    backend = EmulatedBackend(delay=0.2)
+    dev = backend.alloc_device(4)
+    dev[:] = 1
+    event = backend.copy_to_device(dev, np.full(4, 2, np.uint8))
+    assert dev.tolist() == [1, 1, 1, 1]
+    event.synchronize()
+    assert dev.tolist() == [2, 2, 2, 2]
+
+
+def test_mutable_cpu_waits_before_overwriting_host_bytes_being_read() -> None:
+    backend = EmulatedBackend(delay=0.2)
+    mem = SyncedMemory(8, backend)
+    mem.mutable_cpu_data()[:] = 3
+    mem.start_gpu_push()
+    mem.mutable_cpu_data()[:] = 4  # must not race the in-flight copy
+    assert mem.gpu_data().tolist() == [4] * 8  # re-pushed after the write
+    mem.close()
+
+
+@pytest.mark.anyio
+async def test_awaiting_a_copy_does_not_block_the_event_loop() -> None:
+    backend = EmulatedBackend(delay=0.3)
+    mem = SyncedMemory(8, backend)
+    mem.mutable_cpu_data()[:] = 1
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await mem.async_gpu_push()
+        tg.cancel_scope.cancel()
+    assert ticks >= 10  # the loop kept running for the copy's ~0.3 s
+    mem.close()
+
+
+def test_close_with_copy_in_flight_defers_block_reuse() -> None:
+    backend = EmulatedBackend(delay=0.2)
+    host_pool = get_pool(backend, "host")
+    mem = SyncedMemory(600, backend)
+    mem.mutable_cpu_data()[:] = 1
+    event = mem.start_gpu_push()
+    mem.close()
+    stats = host_pool.statistics()
+    assert stats.pending_blocks == 1 and stats.free_blocks == 0
+    again = host_pool.malloc(600)  # must not get the block the copy still reads
+    assert again.buffer is not None
+    assert host_pool.statistics().misses == 2
+    event.synchronize()
+    assert host_pool.statistics().free_blocks == 1
+    host_pool.free(again)
+
+
+def test_steady_state_allocates_nothing(any_backend: Backend) -> None:
+    host = get_pool(any_backend, "host")
+
+    def cycle() -> None:
+        for size in (1000, 5000, 70000):
+            with SyncedMemory(size, any_backend) as mem:
+                mem.mutable_cpu_data()[:] = 1
+                if any_backend.has_device:
+                    mem.gpu_data()
+
+    cycle()
+    before = any_backend.statistics()
+    misses = host.statistics().misses
+    for _ in range(20):
+        cycle()
+    after = any_backend.statistics()
+    assert host.statistics().misses == misses
+    assert after.host_allocations == before.host_allocations
+    assert after.device_allocations == before.device_allocations
