@@ -97,3 +97,14 @@ async def test_wait_event() -> None:
     event = backend.copy_to_device(backend.alloc_device(4), np.ones(4, np.uint8))
     await wait_event(event)
     assert event.query()
+
+
+def test_launch_runs_in_stream_order() -> None:
+    backend = EmulatedBackend(delay=0.05)
+    stream = backend.create_stream()
+    dev = backend.alloc_device(4)
+    backend.copy_to_device(dev, np.full(4, 3, np.uint8), stream)
+    seen: list[list[int]] = []
+    event = backend.launch(lambda: seen.append(dev.tolist()), stream)
+    event.synchronize()
+    assert seen == [[3, 3, 3, 3]]  # ran after the copy it depends on

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -225,6 +226,18 @@ class Backend:
         raise NotImplementedError  # pragma: no cover
 
     def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
+        raise NotImplementedError  # pragma: no cover
+
+    def launch(self, fn: Callable[[], object], stream: Stream | None = None) -> Event:
+        """Run device work ``fn`` (kernels on ``xp`` arrays) in ``stream``'s order.
+
+        ``fn`` runs after the work already queued on the stream (e.g. the copy
+        that brings its input) and the returned event completes after it.
+        """
+        self._require_device("launch")
+        return self._launch(fn, stream or self.default_stream())
+
+    def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
         raise NotImplementedError  # pragma: no cover
 
     def record_event(self, stream: Stream | None = None) -> Event:

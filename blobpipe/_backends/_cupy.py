@@ -7,6 +7,7 @@ CuPy is imported when this backend is first constructed, never at
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -155,6 +156,12 @@ class CupyBackend(Backend):
         with self._device:
             if src.nbytes:
                 src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
+            return self._record(stream)
+
+    def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
+        assert isinstance(stream, _CupyStream)
+        with self._device, stream.raw:
+            fn()
             return self._record(stream)
 
     def record_event(self, stream: Stream | None = None) -> Event:

@@ -135,6 +135,12 @@ class EmulatedBackend(Backend):
         s = src.reshape(-1).view(np.uint8)
         return self._enqueue(stream, lambda: np.copyto(d, s))
 
+    def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
+        def run() -> None:
+            fn()
+
+        return self._enqueue(stream, run)
+
     def record_event(self, stream: Stream | None = None) -> Event:
         s = stream or self.default_stream()
         if not isinstance(s, EmulatedStream):
