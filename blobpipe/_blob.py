@@ -1,0 +1,965 @@
+"""Blob: Caffe's N-D array with data and diff, each a SyncedMemory.
+
+A Blob owns two :class:`~blobpipe._syncedmem.SyncedMemory` objects (``data``
+and ``diff``) of ``capacity`` elements and views their first ``count``
+elements as arrays of the blob's shape and dtype: NumPy arrays on the host,
+device arrays (CuPy on CUDA) on the device. The head of each SyncedMemory
+moves exactly as in Caffe: read-only accessors copy without moving it,
+``mutable_*`` accessors move it.
+
+Invariants:
+
+* ``count() <= capacity``; both memories hold at least ``capacity`` elements.
+  :meth:`Blob.reshape` allocates new memories only when the new count exceeds
+  the capacity (the old blocks go back to the pool), so shrinking and
+  re-growing within the capacity keeps the memory and its bytes.
+* A SyncedMemory shared by several blobs (:meth:`Blob.share_data`,
+  :meth:`Blob.share_diff`) is closed when the last of them lets go of it
+  (Caffe's ``shared_ptr``): closing one blob never frees memory another uses.
+* Math (``update``, ``asum_*``, ``sumsq_*``, ``scale_*``) and ``copy_from``
+  run on the side of the head, as Caffe does in GPU mode: ``HEAD_AT_CPU`` on
+  the host, ``HEAD_AT_GPU`` and ``SYNCED`` on the device.
+
+Differences from Caffe, all of them raising where Caffe aborts or misbehaves:
+
+* ``offset`` refuses ``n == num`` (and ``c == channels`` …): every index must
+  name an element.
+* ``Blob()`` without a shape is Caffe's default blob (no axes, count 0,
+  capacity 0); its array accessors raise StateError until :meth:`reshape`,
+  where Caffe's ``CHECK(data_)`` aborts. ``Blob(())`` is a 0-axis scalar blob
+  of count 1.
+* ``set_cpu_data`` with a different size replaces data and diff by memories of
+  exactly ``count`` elements and sets ``capacity`` to match (Caffe leaves its
+  capacity stale).
+* Integer blobs (int32, uint32) have no math and no proto form (Caffe has
+  neither): both raise UnsupportedOperationError.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from ._backends import Backend, get_backend
+from ._errors import (
+    BlobIndexError,
+    ProtoError,
+    ShapeError,
+    StateError,
+    UnsupportedOperationError,
+)
+from ._syncedmem import Head, SyncedMemory
+
+if TYPE_CHECKING:
+    from ._proto.caffe_pb2 import BlobProto
+
+__all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
+
+#: Caffe's ``kMaxBlobAxes``.
+MAX_BLOB_AXES: Final = 32
+
+#: The element types a Blob can hold (Caffe instantiates Blob for these four).
+SUPPORTED_DTYPES: Final = (
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(np.int32),
+    np.dtype(np.uint32),
+)
+
+_FLOAT_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
+_LEGACY_NAMES: Final = ("num", "channels", "height", "width")
+_DLPACK_CPU: Final = 1  # DLDeviceType.kDLCPU
+
+
+def _check_dtype(dtype: Any) -> np.dtype[Any]:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise ShapeError(
+            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32 or uint32"
+        ) from exc
+    if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
+        raise ShapeError(
+            f"unsupported blob dtype {dt}: expected float32, float64, int32 or uint32"
+        )
+    result: np.dtype[Any] = dt
+    return result
+
+
+def _as_dim(value: object, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _format_shape(shape: Sequence[int], count: int) -> str:
+    # Caffe's shape_string(): every dim followed by a space, then "(count)".
+    return "".join(f"{d} " for d in shape) + f"({count})"
+
+
+def _validate_shape(dims: object, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """The shape as a tuple of ints and its count; raises ShapeError/TypeError."""
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__len__"):
+        raise TypeError(
+            f"a blob shape must be a sequence of ints such as (2, 3, 4, 5), got {dims!r}"
+        )
+    values = list(dims)  # type: ignore[call-overload]
+    if len(values) > MAX_BLOB_AXES:
+        raise ShapeError(
+            f"a blob has at most {MAX_BLOB_AXES} axes, got {len(values)} "
+            f"(shape {_format_shape(values, 0)})"
+        )
+    shape = tuple(_as_dim(v, f"dimension {i}") for i, v in enumerate(values))
+    count = 1
+    for d in shape:
+        count *= d
+    for i, d in enumerate(shape):
+        if d < 0:
+            raise ShapeError(
+                f"dimension {i} of a blob shape must be >= 0, got {d} "
+                f"(shape {_format_shape(shape, count)})"
+            )
+    if count * itemsize > sys.maxsize:
+        raise ShapeError(
+            f"a blob of shape {_format_shape(shape, count)} needs {count * itemsize} bytes, "
+            f"more than this platform can address ({sys.maxsize})"
+        )
+    return shape, count
+
+
+class _SharedMemory:
+    """A SyncedMemory with a reference count: each blob using it holds one.
+
+    The last :meth:`release` closes the SyncedMemory, returning its blocks.
+    """
+
+    __slots__ = ("_lock", "mem", "refs")
+
+    def __init__(self, mem: SyncedMemory) -> None:
+        self.mem = mem
+        self.refs = 1
+        self._lock = threading.Lock()
+
+    def acquire(self) -> _SharedMemory:
+        with self._lock:
+            if self.refs == 0:
+                raise StateError(f"{self.mem!r} was already released")
+            self.refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            self.mem.close()
+
+
+class _Holder:
+    """The two memories of a blob; shared with the blob's finalizer."""
+
+    __slots__ = ("data", "diff")
+
+    def __init__(self, data: _SharedMemory, diff: _SharedMemory) -> None:
+        self.data: _SharedMemory | None = data
+        self.diff: _SharedMemory | None = diff
+
+    def release(self) -> None:
+        data, diff, self.data, self.diff = self.data, self.diff, None, None
+        if data is not None:
+            data.release()
+        if diff is not None:
+            diff.release()
+
+
+class Blob:
+    """Caffe's Blob: an N-D array of ``dtype`` with data and diff memories.
+
+    ``shape`` is a sequence of at most 32 non-negative ints, or None for
+    Caffe's default blob (no axes, count 0; array accessors raise StateError
+    until :meth:`reshape`). ``dtype`` is float32 (default), float64, int32 or
+    uint32. ``backend`` is a Backend or a device name (see
+    :func:`blobpipe.get_backend`); None means the default backend.
+
+    Memory is allocated lazily, from the backend's pools, on first access, and
+    zero-filled. Give it back with :meth:`close` (or use the blob as a context
+    manager); a finalizer does it only as a safety net. A Blob is not
+    thread-safe.
+
+    Raises ShapeError for a bad shape or dtype, TypeError for a shape that is
+    not a sequence of ints.
+    """
+
+    def __init__(
+        self,
+        shape: Sequence[int] | None = None,
+        dtype: Any = np.float32,
+        *,
+        backend: Backend | str | None = None,
+    ) -> None:
+        self._dtype = _check_dtype(dtype)
+        self._itemsize = self._dtype.itemsize
+        if shape is None:
+            self._shape: tuple[int, ...] = ()
+            self._count = 0
+            self._shaped = False
+        else:
+            self._shape, self._count = _validate_shape(shape, self._itemsize)
+            self._shaped = True
+        self._backend = get_backend(backend)
+        nbytes = self._count * self._itemsize
+        self._holder = _Holder(self._new_memory(nbytes), self._new_memory(nbytes))
+        self._closed = False
+        self._finalizer = weakref.finalize(self, self._holder.release)
+
+    def _new_memory(self, nbytes: int) -> _SharedMemory:
+        return _SharedMemory(SyncedMemory(nbytes, self._backend))
+
+    # -- lifetime -----------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of data and diff; memories no other blob shares return to the pool.
+
+        Idempotent. Afterwards every array accessor raises StateError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._holder.release()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def __enter__(self) -> Blob:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        shape = self._shape if self._shaped else "unshaped"
+        return f"<Blob {self._dtype} {shape} on {self._backend.name}{state}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(
+                f"this Blob (shape {self.shape_string()}) was closed; create a new one"
+            )
+
+    def _mem(self, which: str) -> SyncedMemory:
+        self._check_open()
+        ref = self._holder.data if which == "data" else self._holder.diff
+        assert ref is not None  # only None after close
+        return ref.mem
+
+    # -- shape ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The element type."""
+        return self._dtype
+
+    @property
+    def backend(self) -> Backend:
+        """The device backend the memories live on."""
+        return self._backend
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dimensions, as a tuple."""
+        return self._shape
+
+    @property
+    def num_axes(self) -> int:
+        """The number of axes."""
+        return len(self._shape)
+
+    @property
+    def capacity(self) -> int:
+        """Elements the current memories hold; :meth:`reshape` within it does not allocate."""
+        h = self._holder
+        if h.data is None or h.diff is None:
+            return 0
+        return min(h.data.mem.size, h.diff.mem.size) // self._itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ``count()`` elements (of data, or of diff)."""
+        return self._count * self._itemsize
+
+    def reshape(self, *shape: Any) -> None:
+        """Change the shape: ``reshape((n, c, h, w, ...))``, Caffe's legacy
+        ``reshape(n, c, h, w)``, or ``reshape(blob_shape_proto)``.
+
+        Reallocates only when the new count exceeds :attr:`capacity`: then data
+        and diff get new (lazily zero-filled) memories and the old blocks go
+        back to the pool. Within the capacity the memories, and their bytes,
+        are kept. A failing reshape leaves the blob unchanged.
+
+        Raises ShapeError (more than 32 axes, a negative dimension, an
+        unaddressable size), TypeError (not ints), StateError (closed).
+        """
+        self._check_open()
+        if len(shape) == 4:
+            dims: Any = shape
+        elif len(shape) == 1:
+            dims = shape[0]
+            if hasattr(dims, "dim"):
+                dims = list(dims.dim)  # a caffe BlobShape
+        else:
+            raise TypeError(
+                "reshape takes one shape sequence, e.g. reshape((2, 3, 4, 5)), or the four "
+                f"legacy ints reshape(n, c, h, w); got {len(shape)} arguments"
+            )
+        new_shape, count = _validate_shape(dims, self._itemsize)
+        if count > self.capacity:
+            nbytes = count * self._itemsize
+            data, diff = self._new_memory(nbytes), self._new_memory(nbytes)
+            self._holder.release()
+            self._holder.data, self._holder.diff = data, diff
+        self._shape, self._count, self._shaped = new_shape, count, True
+
+    def reshape_like(self, other: Blob) -> None:
+        """Reshape to ``other``'s shape (see :meth:`reshape`)."""
+        self.reshape(other.shape)
+
+    def shape_string(self) -> str:
+        """Caffe's shape string, e.g. ``"2 3 4 5 (120)"``."""
+        return _format_shape(self._shape, self._count)
+
+    def canonical_axis_index(self, axis_index: int) -> int:
+        """``axis_index`` in ``[0, num_axes)``; negative values count from the end.
+
+        Raises BlobIndexError outside ``[-num_axes, num_axes)``.
+        """
+        axis = _as_dim(axis_index, "axis")
+        n = self.num_axes
+        if not -n <= axis < n:
+            raise BlobIndexError(
+                f"axis {axis} out of range for {n}-D Blob with shape {self.shape_string()}"
+            )
+        return axis + n if axis < 0 else axis
+
+    def shape_at(self, axis: int) -> int:
+        """The dimension of ``axis`` (negative counts from the end); Caffe's ``shape(i)``.
+
+        Raises BlobIndexError for an axis out of range.
+        """
+        return self._shape[self.canonical_axis_index(axis)]
+
+    def count(self, start_axis: int | None = None, end_axis: int | None = None) -> int:
+        """The number of elements; with axes, the product of dims in ``[start, end)``.
+
+        ``count()`` is the element count (0 for an unshaped blob, as in Caffe);
+        ``count(start)`` runs to the last axis. As in Caffe the axes are not
+        canonicalised: ``0 <= start <= end <= num_axes`` is required, else
+        BlobIndexError.
+        """
+        if start_axis is None and end_axis is None:
+            return self._count
+        start = 0 if start_axis is None else _as_dim(start_axis, "start_axis")
+        end = self.num_axes if end_axis is None else _as_dim(end_axis, "end_axis")
+        if not 0 <= start <= end <= self.num_axes:
+            raise BlobIndexError(
+                f"count({start}, {end}) needs 0 <= start_axis <= end_axis <= num_axes "
+                f"({self.num_axes}) for Blob with shape {self.shape_string()}"
+            )
+        result = 1
+        for d in self._shape[start:end]:
+            result *= d
+        return result
+
+    def legacy_shape(self, index: int) -> int:
+        """Caffe's ``LegacyShape``: the dim of ``index`` in ``[-4, 4)``, 1 for the
+        axes a blob of fewer than 4 axes lacks (the one-padding of legacy blobs).
+
+        Raises ShapeError for a blob of more than 4 axes, BlobIndexError for an
+        index outside ``[-4, 4)``.
+        """
+        idx = _as_dim(index, "index")
+        if self.num_axes > 4:
+            raise ShapeError(
+                "cannot use legacy accessors (num/channels/height/width, legacy_shape, "
+                f"offset(n, c, h, w)) on a Blob with more than 4 axes: shape "
+                f"{self.shape_string()}; use shape_at() and offset(indices)"
+            )
+        if not -4 <= idx < 4:
+            raise BlobIndexError(
+                f"legacy axis {idx} out of range [-4, 4) for Blob with shape "
+                f"{self.shape_string()}"
+            )
+        if idx >= self.num_axes or idx < -self.num_axes:
+            return 1
+        return self._shape[idx]
+
+    @property
+    def num(self) -> int:
+        """Legacy ``shape_at(0)`` (1 when missing); raises ShapeError beyond 4 axes."""
+        return self.legacy_shape(0)
+
+    @property
+    def channels(self) -> int:
+        """Legacy ``shape_at(1)`` (1 when missing); raises ShapeError beyond 4 axes."""
+        return self.legacy_shape(1)
+
+    @property
+    def height(self) -> int:
+        """Legacy ``shape_at(2)`` (1 when missing); raises ShapeError beyond 4 axes."""
+        return self.legacy_shape(2)
+
+    @property
+    def width(self) -> int:
+        """Legacy ``shape_at(3)`` (1 when missing); raises ShapeError beyond 4 axes."""
+        return self.legacy_shape(3)
+
+    def offset(self, n: int | Sequence[int], c: int = 0, h: int = 0, w: int = 0) -> int:
+        """The flat (row-major) index of an element.
+
+        ``offset(n, c=0, h=0, w=0)`` uses the legacy 4-D view:
+        ``((n * channels + c) * height + h) * width + w``. ``offset(indices)``
+        takes a sequence of at most ``num_axes`` indices; missing trailing
+        indices are 0.
+
+        Every index must lie in ``[0, dim)`` (Caffe lets ``n == num`` through;
+        this does not). Raises BlobIndexError for an index out of range or too
+        many indices, ShapeError for the legacy form on more than 4 axes.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+            if (c, h, w) != (0, 0, 0):
+                raise TypeError("offset(indices) takes the indices as one sequence only")
+            return self._offset_indices(n)
+        dims = (self.num, self.channels, self.height, self.width)
+        result = 0
+        for name, dim, value in zip(_LEGACY_NAMES, dims, (n, c, h, w), strict=True):
+            idx = _as_dim(value, name)
+            if not 0 <= idx < dim:
+                raise BlobIndexError(
+                    f"index {name}={idx} out of range [0, {dim}) for Blob with shape "
+                    f"{self.shape_string()}"
+                )
+            result = result * dim + idx
+        return result
+
+    def _offset_indices(self, indices: Any) -> int:
+        if isinstance(indices, (str, bytes)) or not hasattr(indices, "__len__"):
+            raise TypeError(f"offset expects ints or a sequence of ints, got {indices!r}")
+        idx = [_as_dim(v, f"index {i}") for i, v in enumerate(indices)]
+        if len(idx) > self.num_axes:
+            raise BlobIndexError(
+                f"{len(idx)} indices given for a {self.num_axes}-D Blob with shape "
+                f"{self.shape_string()}"
+            )
+        result = 0
+        for axis, dim in enumerate(self._shape):
+            result *= dim
+            if axis < len(idx):
+                if not 0 <= idx[axis] < dim:
+                    raise BlobIndexError(
+                        f"index {idx[axis]} out of range [0, {dim}) for axis {axis} of Blob "
+                        f"with shape {self.shape_string()}"
+                    )
+                result += idx[axis]
+        return result
+
+    # -- typed views ----------------------------------------------------------------
+    def _check_shaped(self, what: str) -> None:
+        if not self._shaped:
+            raise StateError(
+                f"{what}: this Blob has no shape yet (Caffe's default Blob); call "
+                "reshape() first"
+            )
+
+    def _host(self, which: str, mutable: bool) -> np.ndarray[Any, Any]:
+        mem = self._mem(which)
+        self._check_shaped(f"cpu_{which}")
+        raw = mem.mutable_cpu_data() if mutable else mem.cpu_data()
+        return raw[: self.nbytes].view(self._dtype).reshape(self._shape)
+
+    def _device(self, which: str, mutable: bool) -> Any:
+        mem = self._mem(which)
+        self._backend._require_device(f"gpu_{which}")
+        self._check_shaped(f"gpu_{which}")
+        raw = mem.mutable_gpu_data() if mutable else mem.gpu_data()
+        return self._backend.device_view(raw, self._dtype, self._shape, readonly=not mutable)
+
+    @property
+    def data(self) -> SyncedMemory:
+        """The SyncedMemory of the data (Caffe's ``data()``); owned by the blob, do
+        not close it. Raises StateError after close."""
+        return self._mem("data")
+
+    @property
+    def diff(self) -> SyncedMemory:
+        """The SyncedMemory of the diff (Caffe's ``diff()``); owned by the blob, do
+        not close it. Raises StateError after close."""
+        return self._mem("diff")
+
+    def cpu_data(self) -> np.ndarray[Any, Any]:
+        """The data on the host, read-only, of the blob's shape and dtype.
+
+        Copies from the device when the head is there (the head becomes SYNCED).
+        Raises StateError when closed or unshaped.
+        """
+        return self._host("data", False)
+
+    def mutable_cpu_data(self) -> np.ndarray[Any, Any]:
+        """The data on the host, writable; the head moves to the CPU."""
+        return self._host("data", True)
+
+    def cpu_diff(self) -> np.ndarray[Any, Any]:
+        """The diff on the host, read-only (see :meth:`cpu_data`)."""
+        return self._host("diff", False)
+
+    def mutable_cpu_diff(self) -> np.ndarray[Any, Any]:
+        """The diff on the host, writable; the diff's head moves to the CPU."""
+        return self._host("diff", True)
+
+    def gpu_data(self) -> Any:
+        """The data on the device (a CuPy array on CUDA), of the blob's shape and dtype.
+
+        Read-only where the array type supports it (CuPy arrays have no such
+        flag: do not write to them). Copies from the host when the head is
+        there. Raises BackendUnavailableError on the host backend.
+        """
+        return self._device("data", False)
+
+    def mutable_gpu_data(self) -> Any:
+        """The data on the device, writable; the head moves to the GPU.
+
+        Raises BackendUnavailableError on the host backend.
+        """
+        return self._device("data", True)
+
+    def gpu_diff(self) -> Any:
+        """The diff on the device (see :meth:`gpu_data`)."""
+        return self._device("diff", False)
+
+    def mutable_gpu_diff(self) -> Any:
+        """The diff on the device, writable; the diff's head moves to the GPU."""
+        return self._device("diff", True)
+
+    def set_cpu_data(self, array: np.ndarray[Any, Any]) -> None:
+        """Make the data use ``array`` (borrowed, never returned to a pool).
+
+        ``array`` must be a C-contiguous NumPy array of the blob's dtype with
+        ``count()`` elements (its shape does not matter). If the data memory
+        is not exactly ``count()`` elements, data and diff are first replaced
+        by new memories of that size (as Caffe does), so :attr:`capacity`
+        becomes ``count()`` and sharing with other blobs ends. The head moves
+        to the CPU.
+
+        Raises ShapeError for a wrong dtype, size or layout.
+        """
+        self._check_open()
+        self._check_shaped("set_cpu_data")
+        self._check_borrowed(array, "set_cpu_data", np.ndarray)
+        self._fit_memories()
+        self._mem("data").set_cpu_data(array)
+
+    def set_gpu_data(self, array: Any) -> None:
+        """Make the data use the device ``array`` (borrowed); see :meth:`set_cpu_data`.
+
+        Raises BackendUnavailableError on the host backend, ShapeError for a
+        wrong dtype, size or layout.
+        """
+        self._check_open()
+        self._backend._require_device("set_gpu_data")
+        self._check_shaped("set_gpu_data")
+        self._check_borrowed(array, "set_gpu_data", None)
+        self._fit_memories()
+        self._mem("data").set_gpu_data(array)
+
+    def _check_borrowed(self, array: Any, what: str, kind: type | None) -> None:
+        if kind is not None and not isinstance(array, kind):
+            raise TypeError(f"{what} expects a numpy array, got {type(array).__name__}")
+        dtype = getattr(array, "dtype", None)
+        if dtype != self._dtype:
+            raise ShapeError(
+                f"{what}: the array's dtype is {dtype}, this blob's is {self._dtype}"
+            )
+        size = int(getattr(array, "size", -1))
+        if size != self._count:
+            raise ShapeError(
+                f"{what}: the array has {size} elements, the blob {self.shape_string()} "
+                f"needs {self._count}"
+            )
+        if not array.flags.c_contiguous:
+            raise ShapeError(f"{what} needs a C-contiguous array")
+
+    def _fit_memories(self) -> None:
+        data = self._mem("data")
+        if data.size != self.nbytes:
+            fresh_data = self._new_memory(self.nbytes)
+            fresh_diff = self._new_memory(self.nbytes)
+            self._holder.release()
+            self._holder.data, self._holder.diff = fresh_data, fresh_diff
+
+    # -- DLPack -----------------------------------------------------------------------
+    def _export_array(self) -> Any:
+        if self._backend.has_device and self._mem("data").head in (
+            Head.HEAD_AT_GPU,
+            Head.SYNCED,
+        ):
+            return self.mutable_gpu_data()
+        return self.mutable_cpu_data()
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """Export the data through DLPack, on the side of the head, without a copy.
+
+        The side is the device when the data's head is HEAD_AT_GPU or SYNCED
+        (on a device backend), else the host. The export is a writable alias,
+        so the head moves there as with ``mutable_gpu_data()`` /
+        ``mutable_cpu_data()``. ``np.from_dlpack(blob)`` and
+        ``torch.from_dlpack(blob)`` take it. Keyword arguments (``stream``,
+        ``max_version``, ``dl_device``, ``copy``) go to the array's own
+        ``__dlpack__``.
+        """
+        return self._export_array().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        """The DLPack device of what :meth:`__dlpack__` would export."""
+        self._check_shaped("__dlpack_device__")
+        mem = self._mem("data")
+        if self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED):
+            return self.gpu_data().__dlpack_device__()  # type: ignore[no-any-return]
+        return (_DLPACK_CPU, 0)
+
+    # -- element access ---------------------------------------------------------------
+    def data_at(self, n: int | Sequence[int], c: int = 0, h: int = 0, w: int = 0) -> Any:
+        """The data element at ``offset(n, c, h, w)`` or ``offset(indices)``, as a
+        Python number (read on the host, like Caffe's ``data_at``)."""
+        return self._at("data", n, c, h, w)
+
+    def diff_at(self, n: int | Sequence[int], c: int = 0, h: int = 0, w: int = 0) -> Any:
+        """The diff element at ``offset(n, c, h, w)`` or ``offset(indices)``."""
+        return self._at("diff", n, c, h, w)
+
+    def _at(self, which: str, n: int | Sequence[int], c: int, h: int, w: int) -> Any:
+        self._check_open()
+        off = self.offset(n, c, h, w)
+        if off >= self._count:  # only when an omitted trailing axis has size 0
+            raise BlobIndexError(
+                f"no element at offset {off} in Blob with shape {self.shape_string()}"
+            )
+        return self._host(which, False).reshape(-1)[off].item()
+
+    # -- math -------------------------------------------------------------------------
+    def _check_math(self, what: str) -> None:
+        if self._dtype not in _FLOAT_DTYPES:
+            raise UnsupportedOperationError(
+                f"{what}() is not implemented for {self._dtype} blobs (Caffe's "
+                "NOT_IMPLEMENTED); use a float32 or float64 blob"
+            )
+        self._check_open()
+
+    def _on_device(self, which: str) -> bool | None:
+        """True: compute on the device; False: on the host; None: uninitialised."""
+        head = self._mem(which).head
+        if head is Head.UNINITIALIZED:
+            return None
+        return head is not Head.HEAD_AT_CPU
+
+    def _device_done(self) -> None:
+        # Device math runs on the array module's current stream, the backend's
+        # copies on its own stream: finish the math before any copy can read.
+        if self._backend.xp is not np:
+            self._backend.xp.cuda.get_current_stream().synchronize()
+
+    def update(self) -> None:
+        """``data -= diff`` (Caffe's ``Update``), on the side of the data's head.
+
+        Raises UnsupportedOperationError for integer blobs, StateError when the
+        data was never initialised (Caffe: "Syncedmem not initialized.") or the
+        blob is closed.
+        """
+        self._check_math("update")
+        side = self._on_device("data")
+        if side is None:
+            raise StateError(
+                f"update(): the data of Blob {self.shape_string()} was never initialised "
+                "(Caffe: 'Syncedmem not initialized'); write it with mutable_cpu_data() "
+                "or mutable_gpu_data() first"
+            )
+        if side:
+            diff = self.gpu_diff()
+            data = self.mutable_gpu_data()
+            data -= diff
+            self._device_done()
+        else:
+            diff = self.cpu_diff()
+            data = self.mutable_cpu_data()
+            data -= diff
+
+    def _reduce(self, which: str, what: str, squares: bool) -> float:
+        self._check_math(what)
+        if not self._shaped:
+            return 0.0
+        side = self._on_device(which)
+        if side is None:
+            return 0.0
+        arr = self._device(which, False) if side else self._host(which, False)
+        flat = arr.reshape(-1)
+        total = (flat * flat).sum() if squares else abs(flat).sum()
+        return float(total)
+
+    def asum_data(self) -> float:
+        """The sum of absolute values of the data, on the side of its head (0 when
+        uninitialised). Raises UnsupportedOperationError for integer blobs."""
+        return self._reduce("data", "asum_data", squares=False)
+
+    def asum_diff(self) -> float:
+        """The sum of absolute values of the diff (see :meth:`asum_data`)."""
+        return self._reduce("diff", "asum_diff", squares=False)
+
+    def sumsq_data(self) -> float:
+        """The sum of squares of the data, on the side of its head (0 when
+        uninitialised). Raises UnsupportedOperationError for integer blobs."""
+        return self._reduce("data", "sumsq_data", squares=True)
+
+    def sumsq_diff(self) -> float:
+        """The sum of squares of the diff (see :meth:`sumsq_data`)."""
+        return self._reduce("diff", "sumsq_diff", squares=True)
+
+    def _scale(self, which: str, what: str, factor: float) -> None:
+        self._check_math(what)
+        if not self._shaped:
+            return
+        side = self._on_device(which)
+        if side is None:
+            return
+        arr = self._device(which, True) if side else self._host(which, True)
+        arr *= self._dtype.type(factor)
+        if side:
+            self._device_done()
+
+    def scale_data(self, factor: float) -> None:
+        """Multiply the data by ``factor`` in place, on the side of its head (nothing
+        when uninitialised). Raises UnsupportedOperationError for integer blobs."""
+        self._scale("data", "scale_data", factor)
+
+    def scale_diff(self, factor: float) -> None:
+        """Multiply the diff by ``factor`` in place (see :meth:`scale_data`)."""
+        self._scale("diff", "scale_diff", factor)
+
+    # -- sharing and copying -------------------------------------------------------------
+    def _check_compatible(self, other: Blob, what: str) -> None:
+        if not isinstance(other, Blob):
+            raise TypeError(f"{what} expects a Blob, got {type(other).__name__}")
+        self._check_open()
+        other._check_open()
+        if other._dtype != self._dtype:
+            raise ShapeError(
+                f"{what}: dtype mismatch, this blob is {self._dtype}, the other {other._dtype}"
+            )
+
+    def _share(self, other: Blob, which: str) -> None:
+        what = f"share_{which}"
+        self._check_compatible(other, what)
+        if other._backend is not self._backend:
+            raise UnsupportedOperationError(
+                f"{what}: the blobs live on different backends ({self._backend!r} and "
+                f"{other._backend!r}); memory cannot be shared across them"
+            )
+        if other._count != self._count:
+            raise ShapeError(
+                f"{what}: counts differ, this blob {self.shape_string()}, the other "
+                f"{other.shape_string()}"
+            )
+        src = other._holder.data if which == "data" else other._holder.diff
+        assert src is not None
+        new = src.acquire()
+        if which == "data":
+            old, self._holder.data = self._holder.data, new
+        else:
+            old, self._holder.diff = self._holder.diff, new
+        if old is not None:
+            old.release()
+
+    def share_data(self, other: Blob) -> None:
+        """Use ``other``'s data memory (Caffe's ``ShareData``); the blob's own data
+        memory is released unless another blob still uses it.
+
+        The count must be equal (the shapes may differ). :attr:`capacity`
+        becomes the smaller of the two memories; a later reshape beyond it
+        allocates new memories and ends the sharing. Raises ShapeError for a
+        count or dtype mismatch, UnsupportedOperationError across backends.
+        """
+        self._share(other, "data")
+
+    def share_diff(self, other: Blob) -> None:
+        """Use ``other``'s diff memory (Caffe's ``ShareDiff``); see :meth:`share_data`."""
+        self._share(other, "diff")
+
+    def copy_from(self, source: Blob, copy_diff: bool = False, reshape: bool = False) -> None:
+        """Copy ``source``'s data (or diff, with ``copy_diff``) into this blob's.
+
+        With ``reshape`` this blob first takes ``source``'s shape; without it
+        the shapes must be equal. The copy runs on the device when the
+        source's head is on it (HEAD_AT_GPU or SYNCED) and both blobs share
+        the backend, else on the host.
+
+        Raises ShapeError for a shape or dtype mismatch.
+        """
+        self._check_compatible(source, "copy_from")
+        if source._shape != self._shape or source._count != self._count:
+            if not reshape:
+                raise ShapeError(
+                    f"copy_from: trying to copy blobs of different shapes, source "
+                    f"{source.shape_string()}, destination {self.shape_string()}; pass "
+                    "reshape=True to reshape the destination"
+                )
+            self.reshape_like(source)
+        if self._count == 0:
+            return
+        which = "diff" if copy_diff else "data"
+        src_head = source._mem(which).head
+        on_device = (
+            source._backend is self._backend
+            and self._backend.has_device
+            and src_head in (Head.HEAD_AT_GPU, Head.SYNCED)
+        )
+        if on_device:
+            dst = self._device(which, True)
+            dst[...] = source._device(which, False)
+            self._device_done()
+        else:
+            np.copyto(self._host(which, True), source._host(which, False))
+
+    # -- protobuf ------------------------------------------------------------------------
+    def shape_equals(self, proto: BlobProto) -> bool:
+        """Whether ``proto``'s shape equals this blob's (Caffe's ``ShapeEquals``).
+
+        When any legacy field (num, channels, height, width) is set, the blob
+        must have at most 4 axes and match them padded with leading 1s, as
+        legacy parameter blobs were indexed from the end.
+        """
+        if _has_legacy(proto):
+            if self.num_axes > 4:
+                return False
+            legacy = tuple(self.legacy_shape(i) for i in (-4, -3, -2, -1))
+            return legacy == (proto.num, proto.channels, proto.height, proto.width)
+        return tuple(proto.shape.dim) == self._shape
+
+    def from_proto(self, proto: BlobProto, reshape: bool = True) -> None:
+        """Load shape (with ``reshape``), data and diff from a ``caffe.BlobProto``.
+
+        The shape comes from the legacy num/channels/height/width fields when
+        any is set (unset ones read 0, as in Caffe), else from ``shape``.
+        Without ``reshape`` the proto's shape must equal the blob's
+        (:meth:`shape_equals`). Data comes from ``double_data`` when it is not
+        empty, else ``data``; the diff likewise, and stays untouched when the
+        proto has none. Values are cast to the blob's dtype. Everything is
+        validated before the blob changes.
+
+        Raises ProtoError for a bad shape or a value count that differs from
+        the shape's, ShapeError for a shape mismatch without ``reshape``,
+        UnsupportedOperationError for integer blobs.
+        """
+        self._check_open()
+        if self._dtype not in _FLOAT_DTYPES:
+            raise UnsupportedOperationError(
+                f"from_proto: BlobProto holds float or double values, but this blob is "
+                f"{self._dtype}; use a float32 or float64 blob"
+            )
+        if reshape:
+            if _has_legacy(proto):
+                dims: list[int] = [proto.num, proto.channels, proto.height, proto.width]
+            else:
+                dims = list(proto.shape.dim)
+            try:
+                shape, count = _validate_shape(dims, self._itemsize)
+            except ShapeError as exc:
+                raise ProtoError(f"BlobProto has an unusable shape: {exc}") from exc
+        else:
+            if not self.shape_equals(proto):
+                raise ShapeError(
+                    f"from_proto: shape mismatch (reshape not set): blob "
+                    f"{self.shape_string()}, proto {_proto_shape_text(proto)}"
+                )
+            shape, count = self._shape, self._count
+        text = _format_shape(shape, count)
+        data_field = "double_data" if len(proto.double_data) else "data"
+        data_values = getattr(proto, data_field)
+        if len(data_values) != count:
+            raise ProtoError(
+                f"BlobProto of shape {text} has {len(data_values)} values in {data_field}, "
+                f"expected {count}"
+            )
+        diff_field = "double_diff" if len(proto.double_diff) else "diff"
+        diff_values = getattr(proto, diff_field)
+        if len(diff_values) not in (0, count):
+            raise ProtoError(
+                f"BlobProto of shape {text} has {len(diff_values)} values in {diff_field}, "
+                f"expected {count} (or none)"
+            )
+        if reshape:
+            self.reshape(shape)
+        if count:
+            self.mutable_cpu_data().reshape(-1)[:] = _values(data_values, data_field)
+            if len(diff_values):
+                self.mutable_cpu_diff().reshape(-1)[:] = _values(diff_values, diff_field)
+
+    def to_proto(self, write_diff: bool = False, proto: BlobProto | None = None) -> BlobProto:
+        """This blob as a ``caffe.BlobProto`` (Caffe's ``ToProto``).
+
+        Writes the ``shape`` field (never the legacy ones) and the data; float64
+        blobs write ``double_data``/``double_diff``, float32 blobs
+        ``data``/``diff``. With ``write_diff`` the diff is written too. A
+        ``proto`` passed in is cleared, filled and returned.
+
+        Raises UnsupportedOperationError for integer blobs (BlobProto has no
+        integer fields), StateError when closed.
+        """
+        self._check_open()
+        if self._dtype not in _FLOAT_DTYPES:
+            raise UnsupportedOperationError(
+                f"to_proto: BlobProto has no integer fields, and this blob is {self._dtype}; "
+                "convert it to a float32 or float64 blob first"
+            )
+        if proto is None:
+            from ._proto import caffe_pb2
+
+            proto = caffe_pb2.BlobProto()
+        else:
+            proto.Clear()
+        proto.shape.dim.extend(self._shape)
+        if self._count:
+            double = self._dtype == np.float64
+            data_field = proto.double_data if double else proto.data
+            data_field.extend(self.cpu_data().reshape(-1).tolist())
+            if write_diff:
+                diff_field = proto.double_diff if double else proto.diff
+                diff_field.extend(self.cpu_diff().reshape(-1).tolist())
+        return proto
+
+
+def _has_legacy(proto: BlobProto) -> bool:
+    return any(proto.HasField(name) for name in _LEGACY_NAMES)
+
+
+def _proto_shape_text(proto: BlobProto) -> str:
+    if _has_legacy(proto):
+        return f"legacy {proto.num} {proto.channels} {proto.height} {proto.width}"
+    return " ".join(str(d) for d in proto.shape.dim) or "()"
+
+
+def _values(values: Any, field: str) -> np.ndarray[Any, Any]:
+    dtype = np.float64 if field.startswith("double") else np.float32
+    return np.fromiter(values, dtype=dtype, count=len(values))
