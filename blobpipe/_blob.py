@@ -41,7 +41,7 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -676,11 +676,10 @@ class Blob:
             return None
         return head is not Head.HEAD_AT_CPU
 
-    def _device_done(self) -> None:
-        # Device math runs on the array module's current stream, the backend's
-        # copies on its own stream: finish the math before any copy can read.
-        if self._backend.xp is not np:
-            self._backend.xp.cuda.get_current_stream().synchronize()
+    def _run_on_device(self, fn: Callable[[], object]) -> None:
+        # In the order of the backend's stream, after the copies that brought
+        # the operands; waited for, so no later copy or host read can overtake.
+        self._backend.launch(fn).synchronize()
 
     def update(self) -> None:
         """``data -= diff`` (Caffe's ``Update``), on the side of the data's head.
@@ -698,10 +697,10 @@ class Blob:
                 "or mutable_gpu_data() first"
             )
         if side:
+            xp = self._backend.xp
             diff = self.gpu_diff()
             data = self.mutable_gpu_data()
-            data -= diff
-            self._device_done()
+            self._run_on_device(lambda: xp.subtract(data, diff, out=data))
         else:
             diff = self.cpu_diff()
             data = self.mutable_cpu_data()
@@ -714,10 +713,18 @@ class Blob:
         side = self._on_device(which)
         if side is None:
             return 0.0
-        arr = self._device(which, False) if side else self._host(which, False)
-        flat = arr.reshape(-1)
-        total = (flat * flat).sum() if squares else abs(flat).sum()
-        return float(total)
+        if not side:
+            flat = self._host(which, False).reshape(-1)
+            return float((flat * flat).sum() if squares else np.abs(flat).sum())
+        xp = self._backend.xp
+        dev = self._device(which, False).reshape(-1)
+        result: list[Any] = []
+
+        def reduce() -> None:
+            result.append((dev * dev).sum() if squares else xp.abs(dev).sum())
+
+        self._run_on_device(reduce)
+        return float(result[0])
 
     def asum_data(self) -> float:
         """The sum of absolute values of the data, on the side of its head (0 when
@@ -744,10 +751,14 @@ class Blob:
         side = self._on_device(which)
         if side is None:
             return
-        arr = self._device(which, True) if side else self._host(which, True)
-        arr *= self._dtype.type(factor)
+        value = self._dtype.type(factor)
         if side:
-            self._device_done()
+            xp = self._backend.xp
+            dev = self._device(which, True)
+            self._run_on_device(lambda: xp.multiply(dev, value, out=dev))
+        else:
+            host = self._host(which, True)
+            host *= value
 
     def scale_data(self, factor: float) -> None:
         """Multiply the data by ``factor`` in place, on the side of its head (nothing
@@ -836,9 +847,10 @@ class Blob:
             and src_head in (Head.HEAD_AT_GPU, Head.SYNCED)
         )
         if on_device:
+            xp = self._backend.xp
+            src = source._device(which, False)
             dst = self._device(which, True)
-            dst[...] = source._device(which, False)
-            self._device_done()
+            self._run_on_device(lambda: xp.copyto(dst, src))
         else:
             np.copyto(self._host(which, True), source._host(which, False))
 

@@ -35,7 +35,9 @@ def host() -> HostBackend:
     return HostBackend()
 
 
-def filled(shape: tuple[int, ...], backend: Backend, dtype: Any = np.float32, seed: int = 0) -> Blob:
+def filled(
+    shape: tuple[int, ...], backend: Backend, dtype: Any = np.float32, seed: int = 0
+) -> Blob:
     """A blob whose data is uniform in [-3, 3) (Caffe's filler in the math tests)."""
     blob = Blob(shape, dtype, backend=backend)
     rng = np.random.default_rng(seed)
@@ -89,7 +91,8 @@ def test_default_blob_accessors_need_a_shape(host: HostBackend) -> None:
 def test_dtypes(host: HostBackend, dtype: Any) -> None:
     blob = Blob((2, 3), dtype, backend=host)
     assert blob.dtype == np.dtype(dtype)
-    for view in (blob.cpu_data(), blob.mutable_cpu_data(), blob.cpu_diff(), blob.mutable_cpu_diff()):
+    views = (blob.cpu_data(), blob.mutable_cpu_data(), blob.cpu_diff(), blob.mutable_cpu_diff())
+    for view in views:
         assert view.dtype == np.dtype(dtype)
         assert view.shape == (2, 3)
     assert blob.data.size == 6 * np.dtype(dtype).itemsize
@@ -216,7 +219,8 @@ def test_shape_at_and_canonical_axis(host: HostBackend) -> None:
     assert [blob.shape_at(-i) for i in range(1, 5)] == [5, 4, 3, 2]
     assert blob.canonical_axis_index(-1) == 3
     assert blob.canonical_axis_index(2) == 2
-    with pytest.raises(BlobIndexError, match=r"axis 4 out of range for 4-D Blob with shape 2 3 4 5 \(120\)"):
+    message = r"axis 4 out of range for 4-D Blob with shape 2 3 4 5 \(120\)"
+    with pytest.raises(BlobIndexError, match=message):
         blob.shape_at(4)
     with pytest.raises(IndexError, match="axis -5 out of range"):
         blob.canonical_axis_index(-5)
@@ -352,7 +356,8 @@ def test_data_at_and_diff_at(host: HostBackend, dtype: Any) -> None:
 def test_data_at_with_empty_trailing_axis(host: HostBackend) -> None:
     blob = Blob((2, 0), backend=host)
     assert blob.offset((1,)) == 0
-    with pytest.raises(BlobIndexError, match=r"no element at offset 0 in Blob with shape 2 0 \(0\)"):
+    message = r"no element at offset 0 in Blob with shape 2 0 \(0\)"
+    with pytest.raises(BlobIndexError, match=message):
         blob.data_at((1,))
 
 
@@ -605,7 +610,8 @@ def test_math_on_integer_blobs_is_not_implemented(
     blob = Blob((2,), dtype, backend=host)
     blob.mutable_cpu_data()[...] = 1
     name = np.dtype(dtype).name
-    with pytest.raises(UnsupportedOperationError, match=rf"{method}\(\) is not implemented for {name}"):
+    message = rf"{method}\(\) is not implemented for {name}"
+    with pytest.raises(UnsupportedOperationError, match=message):
         getattr(blob, method)(*args)
     with pytest.raises(TypeError):
         getattr(blob, method)(*args)
@@ -685,7 +691,8 @@ def test_copy_from_data_and_diff(any_backend: Backend) -> None:
 def test_copy_from_shape_mismatch(host: HostBackend) -> None:
     src = filled((2, 3), host)
     dst = Blob((3, 2), backend=host)
-    with pytest.raises(ShapeError, match=r"different shapes, source 2 3 \(6\), destination 3 2 \(6\)"):
+    message = r"different shapes, source 2 3 \(6\), destination 3 2 \(6\)"
+    with pytest.raises(ShapeError, match=message):
         dst.copy_from(src)
     dst.copy_from(src, reshape=True)
     assert dst.shape == (2, 3)
@@ -721,6 +728,10 @@ def test_copy_from_empty(host: HostBackend) -> None:
 
 
 # -- protobuf ------------------------------------------------------------------------------------
+
+
+def _proto(dims: list[int], **fields: Any) -> Any:
+    return caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=dims), **fields)
 
 
 def test_legacy_proto_shape_equals(host: HostBackend) -> None:
@@ -809,7 +820,8 @@ def test_from_proto_without_reshape(host: HostBackend) -> None:
     assert blob.shape == (3, 2)  # kept
     np.testing.assert_array_equal(blob.cpu_data().ravel(), np.arange(6))
     other = caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2, 3]), data=range(6))
-    with pytest.raises(ShapeError, match=r"shape mismatch \(reshape not set\): blob 3 2 \(6\), proto 2 3"):
+    message = r"shape mismatch \(reshape not set\): blob 3 2 \(6\), proto 2 3"
+    with pytest.raises(ShapeError, match=message):
         blob.from_proto(other, reshape=False)
 
 
@@ -823,11 +835,11 @@ def test_from_proto_keeps_diff_when_proto_has_none(host: HostBackend) -> None:
 @pytest.mark.parametrize(
     ("proto", "message"),
     [
-        (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2, 3]), data=range(5)), r"2 3 \(6\) has 5 values in data, expected 6"),
-        (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2]), double_data=[1.0]), "has 1 values in double_data, expected 2"),
-        (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2]), data=[1, 2], diff=[1]), r"1 values in diff, expected 2 \(or none\)"),
-        (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2, -1])), "unusable shape: dimension 1 .* >= 0"),
-        (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[1] * 33)), "unusable shape: .*at most 32 axes"),
+        (_proto([2, 3], data=range(5)), r"2 3 \(6\) has 5 values in data, expected 6"),
+        (_proto([2], double_data=[1.0]), "has 1 values in double_data, expected 2"),
+        (_proto([2], data=[1, 2], diff=[1]), r"1 values in diff, expected 2 \(or none\)"),
+        (_proto([2, -1]), "unusable shape: dimension 1 .* >= 0"),
+        (_proto([1] * 33), "unusable shape: .*at most 32 axes"),
         (caffe_pb2.BlobProto(num=-1, channels=1, height=1, width=1), "unusable shape"),
     ],
 )
