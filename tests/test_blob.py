@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import runpy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ from blobpipe._proto import caffe_pb2
 from blobpipe._syncedmem import Head
 from tests.conftest import to_numpy
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FLOATS = [np.float32, np.float64]
 INTS = [np.int32, np.uint32]
 
@@ -970,3 +973,20 @@ def test_dlpack_cupy_device() -> None:
     arr += 1
     np.testing.assert_allclose(to_numpy(arr), blob.cpu_data())
     blob.close()
+
+
+# -- the example -------------------------------------------------------------------------------
+
+
+def test_blob_basics_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(str(EXAMPLES / "blob_basics.py"), run_name="example")
+    assert example["main"]() == 0
+    out = capsys.readouterr().out
+    assert "all as the tutorial says" in out
+    assert "differs" not in out
+
+
+def test_bench_runs_quickly(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = runpy.run_path(str(EXAMPLES.parent / "bench" / "bench_blob.py"), run_name="bench")
+    assert bench["main"](["--quick"]) == 0
+    assert "reshape within capacity" in capsys.readouterr().out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -12,6 +15,8 @@ from blobpipe._blob import Blob
 from blobpipe._errors import BlobIndexError, ShapeError
 from blobpipe._layout import nchw_offset, nchw_to_nhwc, nhwc_offset, nhwc_to_nchw
 from tests.conftest import to_numpy
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_worked_offset() -> None:
@@ -93,3 +98,11 @@ def test_rgb_to_gray_in_both_layouts() -> None:
     np.testing.assert_allclose(gray_nchw, gray_nhwc, rtol=1e-6)
     pixel = nchw[1, :, 3, 9]
     assert gray_nchw[1, 3, 9] == pytest.approx(float(pixel @ weights_bgr), rel=1e-6)
+
+
+def test_layout_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(str(EXAMPLES / "layout.py"), run_name="example")
+    assert example["main"]() == 0
+    out = capsys.readouterr().out
+    assert "= 953" in out
+    assert "= 940" in out
