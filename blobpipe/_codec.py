@@ -13,7 +13,6 @@ the shape's raise ProtoError naming the file.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +75,15 @@ def read_blobproto(
 def write_blobproto(blob: Blob, path: StrPath, *, write_diff: bool = False) -> None:
     """Write ``blob`` as a ``.binaryproto`` file (see :meth:`Blob.to_proto`).
 
-    The file is written to a temporary name beside ``path`` and then renamed,
-    so readers never see half a file. Raises UnsupportedOperationError for
-    integer blobs, StateError for a closed blob, OSError from the filesystem.
+    The ``shape`` field is written, never the legacy num/channels/height/width
+    ones; Caffe reads either. The message is built before the file is opened,
+    so a blob that cannot be written leaves no file behind.
+
+    Raises UnsupportedOperationError for integer blobs, StateError for a
+    closed blob, OSError from the filesystem.
     """
     payload = blob.to_proto(write_diff=write_diff).SerializeToString()
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    Path(path).write_bytes(payload)
 
 
 def read_caffemodel(
