@@ -140,11 +140,24 @@ class CupyBackend(Backend):
         ev.record(stream.raw)
         return _CupyEvent(ev)
 
+    def _after_current_stream(self, stream: _CupyStream) -> None:
+        """Order ``stream`` after the work queued on CuPy's current stream.
+
+        Kernels a user runs on ``mutable_gpu_data()`` arrays go to CuPy's current
+        stream (the legacy null stream by default), which a non-blocking copy
+        stream does not wait for: without this, a copy could read device bytes
+        before the kernel that writes them has run.
+        """
+        current = self._cp.cuda.get_current_stream()
+        if current.ptr != stream.raw.ptr:
+            stream.raw.wait_event(current.record())
+
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
         assert isinstance(stream, _CupyStream)
         if not src.flags.c_contiguous:
             raise ValueError("host source of a device copy must be C-contiguous")
         with self._device:
+            self._after_current_stream(stream)
             if src.nbytes:
                 dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.raw)
             return self._record(stream)
@@ -154,6 +167,7 @@ class CupyBackend(Backend):
         if not dst.flags.c_contiguous:
             raise ValueError("host destination of a device copy must be C-contiguous")
         with self._device:
+            self._after_current_stream(stream)
             if src.nbytes:
                 src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
             return self._record(stream)
