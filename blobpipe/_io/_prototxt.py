@@ -196,9 +196,7 @@ def read_data_layer(
             candidates.append((layer, False))
     for v1 in net.layers:
         is_data = v1.HasField("data_param")
-        found.append(
-            f"{v1.name!r} (V1 {'data ' if is_data else ''}layer, {_rules_text(v1)})"
-        )
+        found.append(f"{v1.name!r} (V1 {'data ' if is_data else ''}layer, {_rules_text(v1)})")
         if is_data and _included(v1, where, phase_enum, level, all_stages):
             candidates.append((v1, True))
     if name is not None:
