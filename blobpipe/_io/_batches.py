@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import decode_datum
+from ._datum import datum_view
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
@@ -536,7 +536,7 @@ class Batches:
     def _read(self, key: bytes) -> tuple[np.ndarray, int]:
         t = self._transform
         buf = self._reader.get(key)
-        chw, label = decode_datum(
+        chw, label = datum_view(
             buf, force_color=t.force_color, force_gray=t.force_gray, key=key, path=self._path
         )
         return chw, int(label)
