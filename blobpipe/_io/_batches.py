@@ -515,8 +515,8 @@ class Batches:
         first = self._read(keys[0])
         record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
         try:
-            out_shape = t.output_shape(record_shape)
-            t.mean_array(record_shape)  # validate and cache before worker threads use it
+            # validates the record against the transform and caches what fill needs
+            out_shape = t._shape_info(record_shape, self._phase).out_shape
         except ShapeError as exc:
             raise DataError(str(exc), path=self._path, key=keys[0]) from exc
         return BatchPlan(
@@ -594,18 +594,20 @@ class Batches:
             else:
                 chw, label = self._read(key)
             try:
-                got = t.output_shape(chw.shape)
-                if got != expected:
+                info = t._shape_info(chw.shape, phase)
+                if info.out_shape != expected:
                     raise DataError(
-                        f"record {key!r} has shape {tuple(chw.shape)} (output {got}) but the "
-                        f"batch's first record {plan.keys[0]!r} has shape {plan.record_shape} "
-                        f"(output {expected}); records in one batch must share a shape: use "
-                        "batch_size=1 or a crop_size",
+                        f"record {key!r} has shape {tuple(chw.shape)} (output "
+                        f"{info.out_shape}) but the batch's first record {plan.keys[0]!r} has "
+                        f"shape {plan.record_shape} (output {expected}); records in one batch "
+                        "must share a shape: use batch_size=1 or a crop_size",
                         path=self._path,
                         key=key,
                     )
-                params = t.record_params(chw.shape, phase=phase, word=plan.words[row])
-                t._apply(chw, data_out[row], params)
+                params = info.fixed
+                if params is None:
+                    params = t.record_params(chw.shape, phase=phase, word=plan.words[row])
+                t._apply_fast(chw, data_out[row], params, info.mean)
             except DataError:
                 raise
             except BlobpipeError as exc:

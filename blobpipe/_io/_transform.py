@@ -33,7 +33,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +55,15 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
+
+
+_INFO_CACHE_SIZE = 16
+
+
+class _ShapeInfo(NamedTuple):
+    out_shape: tuple[int, int, int]
+    mean: npt.NDArray[np.float32] | None  # full (C, H, W), uncropped; None for uint8 output
+    fixed: RecordParams | None  # the params when nothing is random for this phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +201,7 @@ class Transform:
         if self._mean_blob is not None:
             self._mean_blob.setflags(write=False)
         self._mean_cache: dict[tuple[int, int, int], npt.NDArray[np.float32]] = {}
+        self._info_cache: dict[tuple[tuple[int, ...], Phase], _ShapeInfo] = {}
         self._lock = threading.Lock()
 
     # -- construction from Caffe's parameters -------------------------------------------
@@ -419,6 +429,29 @@ class Transform:
         self._apply(chw, out, params)
         return params
 
+    def _shape_info(self, shape: tuple[int, ...], phase: Phase) -> _ShapeInfo:
+        """Everything per record shape the hot path needs, computed once (thread-safe)."""
+        info = self._info_cache.get((shape, phase))
+        if info is not None:
+            return info
+        chw = _chw(shape)
+        out_shape = self.output_shape(chw)
+        mean = None if self._dtype == "uint8" else self.mean_array(chw)
+        if mean is not None and mean.shape != chw:
+            # A full-size copy of the per-channel values: a contiguous subtract is
+            # faster than a broadcast one, and gives the same float32 results.
+            mean = np.ascontiguousarray(np.broadcast_to(mean, chw))
+            mean.setflags(write=False)
+        fixed = None
+        if not self._mirror and (self._crop == 0 or phase == "test"):
+            fixed = self.record_params(chw, phase=phase)
+        info = _ShapeInfo(out_shape, mean, fixed)
+        with self._lock:
+            if len(self._info_cache) >= _INFO_CACHE_SIZE:
+                self._info_cache.pop(next(iter(self._info_cache)))
+            self._info_cache[(shape, phase)] = info
+        return info
+
     def _apply(
         self,
         chw: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
@@ -431,18 +464,28 @@ class Transform:
                 f"output slot has shape {out.shape} dtype {out.dtype}; this record needs "
                 f"shape {expected} dtype {self.dtype}"
             )
-        src: np.ndarray = chw
-        mean = None if self._dtype == "uint8" else self.mean_array(chw.shape)
+        info = self._shape_info(chw.shape, "test")
+        self._apply_fast(chw, out, params, info.mean)
+
+    def _apply_fast(
+        self,
+        chw: np.ndarray,
+        out: np.ndarray,
+        params: RecordParams,
+        mean: npt.NDArray[np.float32] | None,
+    ) -> None:
+        # Invariant: out has output_shape(chw.shape) and self.dtype; mean is None or
+        # the full (C, H, W) float32 mean for chw's shape.
+        src = chw
         crop = self._crop
         if crop:
-            hs = slice(params.h_off, params.h_off + crop)
-            ws = slice(params.w_off, params.w_off + crop)
-            src = src[:, hs, ws]
-            if mean is not None and mean.shape[1] != 1:
-                mean = mean[:, hs, ws]
+            h, w = params.h_off, params.w_off
+            src = src[:, h : h + crop, w : w + crop]
+            if mean is not None:
+                mean = mean[:, h : h + crop, w : w + crop]
         if params.mirror:
             src = src[:, :, ::-1]
-            if mean is not None and mean.shape[2] != 1:
+            if mean is not None:
                 mean = mean[:, :, ::-1]
         if self._layout == "NHWC":
             src = src.transpose(1, 2, 0)
@@ -456,16 +499,14 @@ class Transform:
                 )
             np.copyto(out, src)
             return
-        scale = self._scale
+        # Caffe: (float(x) - mean) * scale, each step rounded to float32. The uint8 to
+        # float32 conversion is exact, so converting first and then working in place
+        # gives the same bits (and is faster than a mixed-type ufunc).
+        np.copyto(out, src)
         if mean is not None:
-            # Caffe: (float(x) - mean) * scale, each step rounded to float32.
-            np.subtract(src, mean, out=out, dtype=np.float32)
-            if scale != 1:
-                np.multiply(out, scale, out=out)
-        elif scale != 1:
-            np.multiply(src, scale, out=out, dtype=np.float32)
-        else:
-            np.copyto(out, src)
+            np.subtract(out, mean, out=out)
+        if self._scale != 1:
+            np.multiply(out, self._scale, out=out)
 
     def __call__(
         self,
