@@ -15,6 +15,16 @@ The batch shape is that of the plan's first record: :meth:`next_plan` reads it
 ones, so run ``next_plan`` off the event loop when records are encoded) and keeps
 the decoded record in the plan, so filling row 0 does not decode it again.
 
+How a loader drives them (``data``/``label`` preallocated, e.g. pinned)::
+
+    plan = batches.next_plan()        # one consumer; None = end of epoch ("epoch" mode)
+    data = slot.data_for(plan.data_shape, plan.dtype)      # any writable array
+    label = slot.label[: len(plan)]                         # float32
+    chunks = [(0, 64), (64, 128), (128, 192), (192, 256)]
+    futures = [pool.submit(batches.fill, plan, data, label, lo, hi) for lo, hi in chunks]
+    ...                               # wait; rows >= plan.valid are padding
+    checkpoint = plan.state           # resume here once this batch is consumed
+
 Record order within an epoch
 ----------------------------
 The database's keys are numbered ``0..n-1`` in key (byte) order: a record's
