@@ -608,3 +608,53 @@ def test_open_reader_source_is_not_closed(db10: Path) -> None:
             assert labels(take(b, 1)) == [[0, 1, 2, 3, 4]]
         assert len(reader.keys()) == 10
         assert reader.get(b"00000000_r")
+
+
+class DictSource:
+    """A minimal in-memory source: keys() and get(), optionally transaction()."""
+
+    def __init__(self, items: dict[bytes, bytes]) -> None:
+        self._items = items
+        self.path = "<dict>"
+        self.transactions = 0
+
+    def keys(self) -> list[bytes]:
+        return sorted(self._items)
+
+    def get(self, key: bytes) -> bytes:
+        return self._items[key]
+
+
+class TxnDictSource(DictSource):
+    def transaction(self) -> Any:
+        source = self
+
+        class Txn:
+            def __enter__(self) -> Txn:
+                source.transactions += 1
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                pass
+
+            def get(self, key: bytes) -> memoryview:
+                return memoryview(source._items[key])
+
+        return Txn()
+
+
+@pytest.mark.parametrize("cls", [DictSource, TxnDictSource])
+def test_any_record_source(cls: type[DictSource]) -> None:
+    src = cls({f"{i}".encode(): raw_datum(image(i), i) for i in range(5)})
+    with Batches(src, 5, transform=Transform(scale=0.5)) as b:
+        batch = next(iter(b))
+    assert np.array_equal(batch.data, np.stack([image(i) for i in range(5)]) * np.float32(0.5))
+    assert src.get(b"0")  # not closed: the caller owns it
+    if isinstance(src, TxnDictSource):
+        assert src.transactions == 1
+    bad = cls({b"a": raw_datum(image(0)), b"b": b"\xff"})
+    with (
+        Batches(bad, 2) as b,
+        pytest.raises(DataError, match=r"record key b'b'; database '<dict>'"),
+    ):
+        next(iter(b))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
@@ -75,7 +75,12 @@ class RecordSource(Protocol):
         ...
 
     def get(self, key: bytes) -> bytes:
-        """The value stored under ``key``."""
+        """The value stored under ``key``.
+
+        A source may also offer ``transaction()``, a context manager whose ``get``
+        returns views valid inside the block (as :class:`LmdbReader` does);
+        :meth:`Batches.fill` then reads without copying.
+        """
         ...
 
 
@@ -543,9 +548,11 @@ class Batches:
             _first=first,
         )
 
-    def _read(self, key: bytes) -> tuple[np.ndarray, int]:
+    def _read(
+        self, key: bytes, get: Callable[[bytes], bytes | memoryview] | None = None
+    ) -> tuple[np.ndarray, int]:
         t = self._transform
-        buf = self._reader.get(key)
+        buf = (get or self._reader.get)(key)
         chw, label = datum_view(
             buf, force_color=t.force_color, force_gray=t.force_gray, key=key, path=self._path
         )
@@ -594,6 +601,24 @@ class Batches:
             )
         if params_out is not None and params_out.shape != (n, 3):
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
+        transaction = getattr(self._reader, "transaction", None)
+        if transaction is None:
+            self._fill_rows(plan, data_out, label_out, start, stop, params_out, self._reader.get)
+        else:
+            # Zero-copy: each view is decoded straight into data_out inside the block.
+            with transaction() as txn:
+                self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get)
+
+    def _fill_rows(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+        get: Callable[[bytes], bytes | memoryview],
+    ) -> None:
         t = self._transform
         phase = self._phase
         expected = plan.data_shape[1:]
@@ -602,7 +627,7 @@ class Batches:
             if row == 0 and plan._first is not None:
                 chw, label = plan._first
             else:
-                chw, label = self._read(key)
+                chw, label = self._read(key, get)
             try:
                 info = t._shape_info(chw.shape, phase)
                 if info.out_shape != expected:
