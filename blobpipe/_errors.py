@@ -13,7 +13,8 @@ keeps working::
     ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
     ├── ProtoError(ValueError)             a BlobProto / prototxt that cannot be used
     └── DataError(ValueError)              a bad record or database (names path and key)
-        └── DatabaseNotFoundError(FileNotFoundError)
+        ├── DatabaseNotFoundError(FileNotFoundError)
+        └── RecordNotFoundError(KeyError)  no record under that key
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "DatabaseNotFoundError",
     "PoolMemoryError",
     "ProtoError",
+    "RecordNotFoundError",
     "ShapeError",
     "StateError",
     "UnsupportedOperationError",
@@ -93,6 +95,13 @@ class DataError(BlobpipeError, ValueError):
 
 class DatabaseNotFoundError(DataError, FileNotFoundError):
     """The database path does not exist or is not an LMDB environment."""
+
+
+class RecordNotFoundError(DataError, KeyError):
+    """The database holds no record under the requested key."""
+
+    # KeyError.__str__ would print the message as a quoted repr.
+    __str__ = Exception.__str__
 
 
 def _rebuild_data_error(
