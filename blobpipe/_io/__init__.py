@@ -1,0 +1,1 @@
+"""Input: the LMDB reader, the Datum codec, transforms and batches."""

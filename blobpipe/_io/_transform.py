@@ -1,0 +1,495 @@
+"""Caffe's DataTransformer: mean subtraction, scaling, cropping and mirroring.
+
+The arithmetic is Caffe's, bit for bit: every element is computed in float32 as
+``(x - mean) * scale`` (``x * scale`` without a mean), where ``x`` is the uint8
+pixel or the float_data value, ``mean`` is the mean-file value at the pixel's
+*uncropped* position or the channel's ``mean_value``, and ``scale`` is a float32.
+
+Randomness (the TRAIN-phase crop offset and the mirror flip) is not drawn from a
+shared generator as in Caffe, but derived from ``(seed, epoch, index)`` by a
+counter-based hash (SplitMix64), so any thread can compute any record's choice
+on its own and the output never depends on scheduling:
+
+* ``word = Transform.draw(seed, epoch, index)`` is a 64-bit integer;
+* ``mirror = mirror_enabled and bool(word & 1)``;
+* ``h_off = ((word >> 1) & 0x7FFFFFFF) % (H - crop + 1)`` and
+  ``w_off = (word >> 32) % (W - crop + 1)`` in the TRAIN phase, and the centre
+  ``((H - crop) // 2, (W - crop) // 2)`` in the TEST phase.
+
+A device implementation reproduces the CPU output from the pure parameters:
+:meth:`Transform.mean_array` (float32, the *uncropped* ``(C, H, W)`` mean or a
+``(C, 1, 1)`` mean_value column; ``None`` without a mean), :attr:`Transform.scale`
+(a ``numpy.float32``) and :meth:`Transform.record_params` (``h_off``, ``w_off``,
+``mirror``). For an output pixel ``(c, h, w)`` of a crop of width ``cw``, the
+source column is ``sw = cw - 1 - w`` when mirrored else ``w``, and::
+
+    out[c, h, w] = (float32(x[c, h_off + h, w_off + sw])
+                    - mean[c, h_off + h, w_off + sw]) * scale
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import ProtoError, ShapeError
+from .._proto import caffe_pb2
+
+__all__ = ["Phase", "RecordParams", "Transform"]
+
+Phase = Literal["train", "test"]
+Layout = Literal["NCHW", "NHWC"]
+OutDtype = Literal["float32", "uint8"]
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordParams:
+    """The random choices for one record: crop offset and horizontal flip.
+
+    ``h_off``/``w_off`` index the top-left corner of the crop in the uncropped
+    record (both 0 without a crop); ``mirror`` flips the output horizontally.
+    """
+
+    h_off: int
+    w_off: int
+    mirror: bool
+
+
+def _check_phase(phase: str) -> Phase:
+    if phase not in ("train", "test"):
+        raise ValueError(f"phase must be 'train' or 'test', got {phase!r}")
+    return cast(Phase, phase)
+
+
+def load_mean_file(path: str | os.PathLike[str]) -> npt.NDArray[np.float32]:
+    """Read a Caffe mean file (a binary ``BlobProto``) as a float32 ``(C, H, W)`` array.
+
+    The blob's shape comes from the legacy ``num/channels/height/width`` fields
+    when any is set (as ``compute_image_mean`` writes them), else from ``shape``;
+    ``double_data`` is used when present, as in Caffe's ``Blob::FromProto``.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ProtoError: the file is not a BlobProto, its data count does not match
+            its shape, or it holds more than one image (num > 1).
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    proto = caffe_pb2.BlobProto()
+    try:
+        proto.ParseFromString(raw)
+    except Exception as exc:  # protobuf raises its own DecodeError
+        raise ProtoError(f"mean file {str(path)!r} is not a serialized caffe.BlobProto") from exc
+    if (
+        proto.HasField("num")
+        or proto.HasField("channels")
+        or proto.HasField("height")
+        or proto.HasField("width")
+    ):
+        shape: tuple[int, ...] = (proto.num, proto.channels, proto.height, proto.width)
+    else:
+        shape = tuple(int(d) for d in proto.shape.dim)
+    if len(proto.double_data) > 0:
+        values = np.asarray(proto.double_data, dtype=np.float64).astype(np.float32)
+    else:
+        values = np.asarray(proto.data, dtype=np.float32)
+    count = int(np.prod(shape)) if shape else 0
+    if len(shape) not in (3, 4) or count == 0 or values.size != count:
+        raise ProtoError(
+            f"mean file {str(path)!r}: shape {shape} with {values.size} values; expected a "
+            "(1, C, H, W) or (C, H, W) blob with C*H*W values"
+        )
+    if len(shape) == 4:
+        if shape[0] != 1:
+            raise ProtoError(
+                f"mean file {str(path)!r} holds {shape[0]} images (shape {shape}); "
+                "expected num == 1"
+            )
+        shape = shape[1:]
+    return np.ascontiguousarray(values.reshape(shape))
+
+
+class Transform:
+    """Caffe's ``DataTransformer``: ``(x - mean) * scale``, crop and mirror.
+
+    Args:
+        scale: multiplies every element (after the mean is subtracted); a float32.
+        mirror: flip each record horizontally at random (both phases, as Caffe).
+        crop_size: crop a ``crop_size`` square (random offset in TRAIN, centred in
+            TEST); 0 keeps the whole record.
+        mean_file: path of a Caffe mean ``BlobProto``; its shape must equal the
+            records' ``(C, H, W)``.
+        mean_value: one value for every channel, or one per channel.
+        force_color: decode encoded records as 3-channel BGR.
+        force_gray: decode encoded records as 1-channel gray.
+        layout: ``"NCHW"`` (Caffe) or ``"NHWC"`` for the output.
+        dtype: ``"float32"`` (Caffe) or ``"uint8"``: raw cropped/mirrored pixels,
+            without mean or scale, for a transform finished later on a device.
+
+    Raises:
+        ValueError: a bad layout, dtype, negative crop, or both force flags.
+        ProtoError: both ``mean_file`` and ``mean_value`` are given, or the mean
+            file cannot be read as a BlobProto.
+        FileNotFoundError: the mean file does not exist.
+
+    Instances are immutable after construction except for an internal cache of
+    mean arrays per record shape, which is thread-safe; one instance may serve
+    many worker threads.
+    """
+
+    def __init__(
+        self,
+        scale: float = 1.0,
+        mirror: bool = False,
+        crop_size: int = 0,
+        mean_file: str | os.PathLike[str] | None = None,
+        mean_value: Sequence[float] = (),
+        force_color: bool = False,
+        force_gray: bool = False,
+        *,
+        layout: Layout = "NCHW",
+        dtype: OutDtype = "float32",
+    ) -> None:
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if dtype not in ("float32", "uint8"):
+            raise ValueError(f"dtype must be 'float32' or 'uint8', got {dtype!r}")
+        if int(crop_size) != crop_size or crop_size < 0:
+            raise ValueError(f"crop_size must be a non-negative integer, got {crop_size!r}")
+        if force_color and force_gray:
+            raise ValueError("force_color and force_gray cannot both be set")
+        values = tuple(float(v) for v in mean_value)
+        if mean_file is not None and values:
+            raise ProtoError(
+                "cannot specify mean_file and mean_value at the same time "
+                f"(mean_file={str(mean_file)!r}, mean_value={values})"
+            )
+        self._scale: np.float32 = np.float32(scale)
+        self._mirror = bool(mirror)
+        self._crop = int(crop_size)
+        self._mean_file = None if mean_file is None else os.fspath(mean_file)
+        self._mean_value = values
+        self._force_color = bool(force_color)
+        self._force_gray = bool(force_gray)
+        self._layout: Layout = layout
+        self._dtype: OutDtype = dtype
+        self._mean_blob = None if mean_file is None else load_mean_file(mean_file)
+        if self._mean_blob is not None:
+            self._mean_blob.setflags(write=False)
+        self._mean_cache: dict[tuple[int, int, int], npt.NDArray[np.float32]] = {}
+        self._lock = threading.Lock()
+
+    # -- construction from Caffe's parameters -------------------------------------------
+
+    @classmethod
+    def from_proto(
+        cls,
+        param: caffe_pb2.TransformationParameter,
+        base_dir: str | os.PathLike[str] = ".",
+        *,
+        layout: Layout = "NCHW",
+        dtype: OutDtype = "float32",
+    ) -> Transform:
+        """Build a Transform from a ``caffe.TransformationParameter``.
+
+        A relative ``mean_file`` is resolved against ``base_dir`` (Caffe resolves
+        it against the current directory, the default).
+
+        Raises:
+            ProtoError, FileNotFoundError, ValueError: as :class:`Transform`.
+        """
+        mean_file: str | None = None
+        if param.HasField("mean_file"):
+            base = os.fspath(base_dir)
+            mean_file = param.mean_file
+            if base not in ("", "."):
+                mean_file = os.path.join(base, mean_file)
+        return cls(
+            scale=param.scale,
+            mirror=param.mirror,
+            crop_size=param.crop_size,
+            mean_file=mean_file,
+            mean_value=tuple(param.mean_value),
+            force_color=param.force_color,
+            force_gray=param.force_gray,
+            layout=layout,
+            dtype=dtype,
+        )
+
+    # -- pure parameters ------------------------------------------------------------------
+
+    @property
+    def scale(self) -> np.float32:
+        """The float32 scale factor."""
+        return self._scale
+
+    @property
+    def mirror(self) -> bool:
+        """Whether records are flipped horizontally at random."""
+        return self._mirror
+
+    @property
+    def crop_size(self) -> int:
+        """The square crop's side; 0 means no crop."""
+        return self._crop
+
+    @property
+    def mean_file(self) -> str | None:
+        """The mean file's path, as given."""
+        return self._mean_file
+
+    @property
+    def mean_value(self) -> tuple[float, ...]:
+        """The per-channel mean values (empty without)."""
+        return self._mean_value
+
+    @property
+    def force_color(self) -> bool:
+        """Decode encoded records as 3-channel BGR."""
+        return self._force_color
+
+    @property
+    def force_gray(self) -> bool:
+        """Decode encoded records as 1-channel gray."""
+        return self._force_gray
+
+    @property
+    def layout(self) -> Layout:
+        """The output layout, ``"NCHW"`` or ``"NHWC"``."""
+        return self._layout
+
+    @property
+    def dtype(self) -> np.dtype[np.float32] | np.dtype[np.uint8]:
+        """The output dtype (float32, or uint8 for raw pixels)."""
+        return np.dtype(np.uint8) if self._dtype == "uint8" else np.dtype(np.float32)
+
+    @property
+    def needs_random(self) -> bool:
+        """Whether some record choice may be random (mirror, or a TRAIN crop)."""
+        return self._mirror or self._crop > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Transform(scale={float(self._scale)!r}, mirror={self._mirror}, "
+            f"crop_size={self._crop}, mean_file={self._mean_file!r}, "
+            f"mean_value={self._mean_value!r}, force_color={self._force_color}, "
+            f"force_gray={self._force_gray}, layout={self._layout!r}, dtype={self._dtype!r})"
+        )
+
+    def mean_array(self, record_shape: Sequence[int]) -> npt.NDArray[np.float32] | None:
+        """The float32 mean for records of shape ``(C, H, W)``, read-only and cached.
+
+        Returns the mean file as ``(C, H, W)`` (uncropped), the mean values as a
+        ``(C, 1, 1)`` column, or ``None`` when there is no mean.
+
+        Raises:
+            ShapeError: the mean file's shape differs from ``record_shape``, or the
+                number of mean values is neither 1 nor C.
+        """
+        c, h, w = _chw(record_shape)
+        if self._mean_blob is None and not self._mean_value:
+            return None
+        key = (c, h, w)
+        cached = self._mean_cache.get(key)
+        if cached is not None:
+            return cached
+        if self._mean_blob is not None:
+            if self._mean_blob.shape != key:
+                raise ShapeError(
+                    f"mean file {self._mean_file!r} has shape {self._mean_blob.shape} but the "
+                    f"record has shape {key}; the mean file must match the records' (C, H, W)"
+                )
+            mean = self._mean_blob
+        else:
+            n = len(self._mean_value)
+            if n not in (1, c):
+                raise ShapeError(
+                    f"mean_value has {n} values but the record has {c} channels; "
+                    "specify either 1 mean_value or one per channel"
+                )
+            vals = self._mean_value * c if n == 1 else self._mean_value
+            mean = np.asarray(vals, dtype=np.float32).reshape(c, 1, 1)
+            mean.setflags(write=False)
+        with self._lock:
+            self._mean_cache[key] = mean
+        return mean
+
+    def output_shape(self, record_shape: Sequence[int]) -> tuple[int, int, int]:
+        """The shape one record of ``(C, H, W)`` takes in the output (no batch axis).
+
+        ``(C, h, w)`` for NCHW or ``(h, w, C)`` for NHWC, with ``h = w = crop_size``
+        when cropping.
+
+        Raises:
+            ShapeError: the crop is larger than the record.
+        """
+        c, h, w = _chw(record_shape)
+        if self._crop:
+            if self._crop > h or self._crop > w:
+                raise ShapeError(
+                    f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
+                )
+            h = w = self._crop
+        return (c, h, w) if self._layout == "NCHW" else (h, w, c)
+
+    @staticmethod
+    def draw(seed: int, epoch: int, index: int) -> int:
+        """The 64-bit random word of record ``index`` in ``epoch`` for ``seed``."""
+        x = _splitmix64(seed & _M64)
+        x = _splitmix64(x ^ (epoch & _M64))
+        return _splitmix64(x ^ (index & _M64))
+
+    def record_params(
+        self, record_shape: Sequence[int], *, phase: Phase, word: int = 0
+    ) -> RecordParams:
+        """The crop offset and flip for a record of ``(C, H, W)`` and random ``word``.
+
+        ``word`` comes from :meth:`draw`; it is ignored when nothing is random.
+
+        Raises:
+            ShapeError: the crop is larger than the record.
+            ValueError: ``phase`` is not "train" or "test".
+        """
+        _check_phase(phase)
+        _, h, w = _chw(record_shape)
+        crop = self._crop
+        h_off = w_off = 0
+        if crop:
+            if crop > h or crop > w:
+                raise ShapeError(
+                    f"crop_size {crop} is larger than the record (height {h}, width {w})"
+                )
+            if phase == "train":
+                h_off = ((word >> 1) & 0x7FFFFFFF) % (h - crop + 1)
+                w_off = (word >> 32) % (w - crop + 1)
+            else:
+                h_off = (h - crop) // 2
+                w_off = (w - crop) // 2
+        return RecordParams(h_off, w_off, self._mirror and bool(word & 1))
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def apply_into(
+        self,
+        chw: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
+        *,
+        phase: Phase = "test",
+        seed: int = 0,
+        epoch: int = 0,
+        index: int = 0,
+        params: RecordParams | None = None,
+    ) -> RecordParams:
+        """Transform one ``(C, H, W)`` record into ``out`` (a row of a batch array).
+
+        ``out`` must have :meth:`output_shape` and this transform's dtype; it may be
+        any writable view (e.g. ``batch[i]``). The random choices come from
+        ``(seed, epoch, index)`` unless ``params`` gives them. Returns the choices
+        used. Nothing is allocated for uint8 records with a mean or without one.
+
+        Raises:
+            ShapeError: the record is not 3-D uint8/float32, ``out`` has the wrong
+                shape or dtype, a float32 record is sent to a uint8 output, the crop
+                is larger than the record, or the mean does not fit.
+        """
+        if chw.ndim != 3 or chw.dtype not in (np.uint8, np.float32):
+            raise ShapeError(
+                f"a record must be a (C, H, W) uint8 or float32 array, got shape "
+                f"{chw.shape} dtype {chw.dtype}"
+            )
+        if params is None:
+            phase = _check_phase(phase)
+            word = self.draw(seed, epoch, index) if self.needs_random else 0
+            params = self.record_params(chw.shape, phase=phase, word=word)
+        self._apply(chw, out, params)
+        return params
+
+    def _apply(
+        self,
+        chw: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
+        params: RecordParams,
+    ) -> None:
+        expected = self.output_shape(chw.shape)
+        if out.shape != expected or out.dtype != self.dtype:
+            raise ShapeError(
+                f"output slot has shape {out.shape} dtype {out.dtype}; this record needs "
+                f"shape {expected} dtype {self.dtype}"
+            )
+        src: np.ndarray = chw
+        mean = None if self._dtype == "uint8" else self.mean_array(chw.shape)
+        crop = self._crop
+        if crop:
+            hs = slice(params.h_off, params.h_off + crop)
+            ws = slice(params.w_off, params.w_off + crop)
+            src = src[:, hs, ws]
+            if mean is not None and mean.shape[1] != 1:
+                mean = mean[:, hs, ws]
+        if params.mirror:
+            src = src[:, :, ::-1]
+            if mean is not None and mean.shape[2] != 1:
+                mean = mean[:, :, ::-1]
+        if self._layout == "NHWC":
+            src = src.transpose(1, 2, 0)
+            if mean is not None:
+                mean = mean.transpose(1, 2, 0)
+        if self._dtype == "uint8":
+            if chw.dtype != np.uint8:
+                raise ShapeError(
+                    "dtype='uint8' output needs uint8 records; this record holds float32 "
+                    "values (float_data); use dtype='float32'"
+                )
+            np.copyto(out, src)
+            return
+        scale = self._scale
+        if mean is not None:
+            # Caffe: (float(x) - mean) * scale, each step rounded to float32.
+            np.subtract(src, mean, out=out, dtype=np.float32)
+            if scale != 1:
+                np.multiply(out, scale, out=out)
+        elif scale != 1:
+            np.multiply(src, scale, out=out, dtype=np.float32)
+        else:
+            np.copyto(out, src)
+
+    def __call__(
+        self,
+        chw: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
+        *,
+        phase: Phase = "test",
+        seed: int = 0,
+        epoch: int = 0,
+        index: int = 0,
+    ) -> npt.NDArray[np.float32] | npt.NDArray[np.uint8]:
+        """Transform one record into a new array (see :meth:`apply_into`).
+
+        Raises:
+            ShapeError: as :meth:`apply_into`.
+        """
+        if chw.ndim != 3:
+            raise ShapeError(f"a record must be a (C, H, W) array, got shape {chw.shape}")
+        out = np.empty(self.output_shape(chw.shape), dtype=self.dtype)
+        self.apply_into(chw, out, phase=phase, seed=seed, epoch=epoch, index=index)
+        return out
+
+
+def _chw(shape: Sequence[int]) -> tuple[int, int, int]:
+    if len(shape) != 3:
+        raise ShapeError(f"a record shape must be (C, H, W), got {tuple(shape)}")
+    c, h, w = (int(s) for s in shape)
+    return c, h, w
