@@ -211,8 +211,7 @@ def _make_record(
         encoded = _imencode(img, encoding)
         if encoded is None:
             raise DataError(
-                f"OpenCV cannot encode {filename!r} as {encoding!r}; "
-                "pass --encode-type jpg or png",
+                f"OpenCV cannot encode {filename!r} as {encoding!r}; pass --encode-type jpg or png",
                 key=key,
             )
         return _encoded_datum(encoded, label), shape
@@ -310,8 +309,10 @@ def convert_imageset(
 
     if marker is None:
         used_seed = (
-            seed if seed is not None else random.SystemRandom().randrange(2**63)
-        ) if shuffle else None
+            (seed if seed is not None else random.SystemRandom().randrange(2**63))
+            if shuffle
+            else None
+        )
         partial.mkdir(parents=True)
         marker = {
             "kind": _MARKER_KIND,
@@ -380,10 +381,8 @@ def convert_imageset(
                     )
                 except _Skip as why:
                     skipped.append(SkippedImage(line_id, path, str(why)))
-                    notice(
-                        f"skipped {key.decode(errors='replace')!r}: {filename or '(blank line)'!r}: "
-                        f"{why}"
-                    )
+                    shown = filename or "(blank line)"
+                    notice(f"skipped {key.decode(errors='replace')!r}: {shown!r}: {why}")
                     bar.advance()
                     continue
                 if check_size:

@@ -35,9 +35,7 @@ class Records:
                     f"; an unfinished conversion is in {str(partial)!r}: rerun the same "
                     "convert-imageset command to finish it"
                 )
-            raise DatabaseNotFoundError(
-                f"not an LMDB database (no data.mdb){hint}", path=self.path
-            )
+            raise DatabaseNotFoundError(f"not an LMDB database (no data.mdb){hint}", path=self.path)
         try:
             self._env = lmdb.open(
                 str(self.path), readonly=True, lock=False, readahead=False, max_dbs=0
@@ -121,7 +119,5 @@ def record_array(value: bytes, *, key: bytes, path: object) -> npt.NDArray[Any]:
     else:
         flat = np.asarray(datum.float_data, dtype=np.float32)
     if flat.size != count or count == 0:
-        raise DataError(
-            f"Datum holds {flat.size} values for shape {shape}", key=key, path=path
-        )
+        raise DataError(f"Datum holds {flat.size} values for shape {shape}", key=key, path=path)
     return flat.reshape(shape)
