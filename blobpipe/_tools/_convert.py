@@ -401,10 +401,12 @@ def convert_imageset(
                     commit(line_id + 1)
                 bar.advance()
             commit(len(entries))
-        except BaseException:
+        except BaseException as exc:
+            what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+            fix = "" if isinstance(exc, KeyboardInterrupt) else "fix the problem and "
             notice(
-                f"stopped: {writer.entries()} records are committed in {str(partial)!r}; "
-                "rerun the same command to resume"
+                f"{what}: {writer.entries()} records are committed in {str(partial)!r}; "
+                f"{fix}rerun the same command to resume"
             )
             raise
         records = writer.entries()
