@@ -20,6 +20,7 @@ from blobpipe._proto import caffe_pb2
 from blobpipe._tools import (
     OutputExistsError,
     Progress,
+    _convert,
     bench,
     compute_mean,
     convert_imageset,
@@ -27,7 +28,6 @@ from blobpipe._tools import (
     inspect_db,
     read_list_file,
 )
-from blobpipe._tools import _convert
 from blobpipe._tools._batchsource import iter_batches, parse_shard
 from blobpipe._tools._lmdbwrite import LmdbWriter
 from blobpipe._tools._output import MARKER_NAME, read_marker
@@ -90,7 +90,8 @@ def test_raw_datums_are_bgr_chw_with_explicit_encoded_false(tmp_path: Path) -> N
     [(key, value)] = lmdb_items(tmp_path / "db")
     assert key == b"00000000_color/china_00.jpg"
     d = datum(value)
-    assert d.HasField("encoded") and not d.encoded
+    assert d.HasField("encoded")
+    assert not d.encoded
     img = cv2.imread(str(ROOT / "color" / "china_00.jpg"), cv2.IMREAD_COLOR)
     assert (d.channels, d.height, d.width) == (3, *img.shape[:2])
     np.testing.assert_array_equal(
@@ -112,7 +113,8 @@ def test_encoded_without_resize_stores_matching_files_as_is(tmp_path: Path) -> N
     assert datum(jpg).data == (ROOT / "color" / "china_00.jpg").read_bytes()
     assert not datum(jpg).HasField("channels")
     reencoded = datum(png)
-    assert reencoded.encoded and reencoded.data[:2] == b"\xff\xd8"  # png → jpg
+    assert reencoded.encoded
+    assert reencoded.data[:2] == b"\xff\xd8"
     # --encoded without a type keeps each file's own format and bytes
     convert_imageset(ROOT, lst, tmp_path / "own", encoded=True)
     (_, a), (_, b) = lmdb_items(tmp_path / "own")
@@ -211,12 +213,14 @@ def test_shuffle_with_seed_is_reproducible(tmp_path: Path) -> None:
         ROOT, LIST, tmp_path / "b", shuffle=True, seed=3, resize_height=4, resize_width=4
     )
     c = convert_imageset(ROOT, LIST, tmp_path / "c", shuffle=True, resize_height=4, resize_width=4)
-    assert a.seed == 3 and isinstance(c.seed, int)
+    assert a.seed == 3
+    assert isinstance(c.seed, int)
     items = lmdb_items(tmp_path / "a")
     assert items == lmdb_items(tmp_path / "b")
     paths = [k[9:] for k, _ in items]
     listed = [p for p, _ in read_list_file(LIST)]
-    assert paths != listed and sorted(paths) == sorted(listed)
+    assert paths != listed
+    assert sorted(paths) == sorted(listed)
     # keys are numbered in shuffled order, so byte order is the shuffled order
     assert [k[:8] for k, _ in items] == [b"%08d" % i for i in range(50)]
 
@@ -256,16 +260,22 @@ def test_interrupt_leaves_a_resumable_partial(
     partial = tmp_path / "db.partial"
     assert not out.exists()
     marker = read_marker(partial)
-    assert marker is not None and marker["next_index"] == 20 and not marker["complete"]
+    assert marker is not None
+    assert marker["next_index"] == 20
+    assert not marker["complete"]
     assert len(lmdb_items(partial)) == 20
     info = inspect_db(partial)
-    assert not info.complete and info.progress == (20, 50) and info.records == 20
+    assert not info.complete
+    assert info.progress == (20, 50)
+    assert info.records == 20
 
     monkeypatch.setattr(_convert, "_read_image", real)
     result = convert_imageset(ROOT, LIST, out, commit_every=5, **CAFFE_FLAGS["raw_color"])
-    assert result.resumed_at == 20 and result.records == 50
+    assert result.resumed_at == 20
+    assert result.records == 50
     assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / "raw_color")
-    assert not partial.exists() and not (out / MARKER_NAME).exists()
+    assert not partial.exists()
+    assert not (out / MARKER_NAME).exists()
 
 
 def test_partial_from_other_options_starts_over(
@@ -310,7 +320,8 @@ def test_map_grows_by_doubling(tmp_path: Path) -> None:
     with LmdbWriter(tmp_path / "db", map_size=1 << 14) as w:
         start = w.map_size
         w.put_many([(b"%04d" % i, bytes(4096)) for i in range(64)])
-        assert w.grow_count >= 4 and w.map_size >= start * 16
+        assert w.grow_count >= 4
+        assert w.map_size >= start * 16
         assert w.entries() == 64
 
 
@@ -321,10 +332,12 @@ def test_mean_file_is_byte_identical_to_caffe(tmp_path: Path) -> None:
     out = tmp_path / "mean.binaryproto"
     result = compute_mean(CAFFE / "lmdb" / "raw_color", out)
     assert out.read_bytes() == (CAFFE / "raw_color_mean.binaryproto").read_bytes()
-    assert result.count == 50 and result.mean.shape == (3, 32, 40)
+    assert result.count == 50
+    assert result.mean.shape == (3, 32, 40)
     proto = caffe_pb2.BlobProto()
     proto.ParseFromString(out.read_bytes())
-    assert not proto.HasField("shape") and (proto.num, proto.channels) == (1, 3)
+    assert not proto.HasField("shape")
+    assert (proto.num, proto.channels) == (1, 3)
     expected = result.mean.reshape(3, -1).astype(np.float64).mean(axis=1)
     np.testing.assert_allclose(result.channel_means, expected, rtol=1e-5)
     with pytest.raises(OutputExistsError):
@@ -337,7 +350,8 @@ def test_mean_of_encoded_db_decodes_natively() -> None:
     for _, value in lmdb_items(CAFFE / "lmdb" / "encoded_jpg"):
         img = cv2.imdecode(np.frombuffer(datum(value).data, np.uint8), cv2.IMREAD_UNCHANGED)
         total += img.transpose(2, 0, 1)
-    assert result.path is None and result.count == 50
+    assert result.path is None
+    assert result.count == 50
     np.testing.assert_array_equal(result.mean, total / np.float32(50))
 
 
@@ -406,7 +420,8 @@ def test_export_equals_caffe_data_layer(
         limit=len(ref_data),
         batch_size=3,
     )
-    assert result.format == fmt and result.count == len(ref_data)
+    assert result.format == fmt
+    assert result.count == len(ref_data)
     data, labels = read_export(out, fmt)
     np.testing.assert_array_equal(data, ref_data)
     np.testing.assert_array_equal(labels, ref_labels)
@@ -445,7 +460,8 @@ def test_export_uint8_nhwc_and_limit(tmp_path: Path) -> None:
         transform=Transform(dtype="uint8", layout="NHWC"),
     )
     data = np.load(tmp_path / "o" / "data.npy")
-    assert data.dtype == np.uint8 and data.shape == (4, 32, 40, 3)
+    assert data.dtype == np.uint8
+    assert data.shape == (4, 32, 40, 3)
     d0 = datum(lmdb_items(CAFFE / "lmdb" / "raw_color")[0][1])
     np.testing.assert_array_equal(
         data[0], np.frombuffer(d0.data, np.uint8).reshape(3, 32, 40).transpose(1, 2, 0)
@@ -503,15 +519,20 @@ def test_parse_shard() -> None:
 
 def test_inspect_summarises_caffe_dbs() -> None:
     info = inspect_db(CAFFE / "lmdb" / "encoded_jpg", first=2)
-    assert info.records == info.scanned == 50 and info.complete
+    assert info.records == info.scanned == 50
+    assert info.complete
     assert info.first_keys == (b"00000000_color/china_00.jpg", b"00000001_color/china_01.jpg")
     assert info.kinds == {"encoded": 50}
     assert info.shapes == {(3, 32, 40): 50}
     summary = info.label_summary()
-    assert summary["min"] == 0 and summary["max"] == 1099 and summary["distinct"] == 44
+    assert summary["min"] == 0
+    assert summary["max"] == 1099
+    assert summary["distinct"] == 44
     assert info.size_bytes > 0
     js = inspect_db(CAFFE / "lmdb" / "raw_color", limit=10).to_json()
-    assert js["kinds"] == {"raw": 10} and js["scanned"] == 10 and js["records"] == 50
+    assert js["kinds"] == {"raw": 10}
+    assert js["scanned"] == 10
+    assert js["records"] == 50
 
 
 def test_inspect_points_at_an_unfinished_conversion(
@@ -526,8 +547,10 @@ def test_inspect_points_at_an_unfinished_conversion(
 
 def test_bench_counts_batches() -> None:
     result = bench(CAFFE / "lmdb" / "raw_color", batch_size=8, batches=10, seconds=None)
-    assert result.batches == 10 and result.records >= 10 * 2
-    assert result.records_per_s > 0 and result.mb_per_s > 0
+    assert result.batches == 10
+    assert result.records >= 10 * 2
+    assert result.records_per_s > 0
+    assert result.mb_per_s > 0
     with pytest.raises(ValueError, match=r"give seconds or batches"):
         bench(CAFFE / "lmdb" / "raw_color", seconds=None)
 
@@ -548,8 +571,11 @@ def test_progress_draws_on_a_terminal_only() -> None:
             now[0] += 0.1
             bar.advance()
     text = tty.getvalue()
-    assert text.startswith("\rconvert") and text.endswith("\n")
-    assert "50/100 records" in text and "records/s" in text and "ETA 0:00:05" in text
+    assert text.startswith("\rconvert")
+    assert text.endswith("\n")
+    assert "50/100 records" in text
+    assert "records/s" in text
+    assert "ETA 0:00:05" in text
 
     for stream, quiet in ((io.StringIO(), False), (FakeTTY(), True)):
         with Progress(10, "x", stream=stream, quiet=quiet) as bar:
