@@ -1,0 +1,670 @@
+"""Batches of records from an LMDB, as Caffe's DataLayer builds them.
+
+Two low-level pieces, on which the synchronous iterator and the async loader
+are both built:
+
+* :meth:`Batches.next_plan` (cheap, single consumer) decides the next batch:
+  its records (key, global index, epoch, position in the epoch), the random word
+  of each record, and the output shape. It advances the cursor.
+* :meth:`Batches.fill` (thread-safe, no shared mutable state besides the reader)
+  reads, decodes and transforms rows ``[start:stop]`` of a plan into caller-owned
+  arrays. Several threads may fill disjoint row ranges of one plan at once.
+
+The batch shape is that of the plan's first record: :meth:`next_plan` reads it
+(an LMDB get and a header parse for raw Datums; a full image decode for encoded
+ones, so run ``next_plan`` off the event loop when records are encoded) and keeps
+the decoded record in the plan, so filling row 0 does not decode it again.
+
+Record order within an epoch
+----------------------------
+The database's keys are numbered ``0..n-1`` in key (byte) order: a record's
+*global index*. Each epoch has a global order — key order (``order="key"``,
+Caffe), a permutation seeded by ``(seed, epoch)`` (``order="shuffle"``), or a
+shuffle buffer of ``buffer_size`` records run over key order with the same seed
+(``order="buffer"``) — which is then sharded: ``shard_mode="strided"`` gives
+rank ``r`` the positions ``r, r + world, ...`` (Caffe's multi-GPU solver,
+PyTorch's DistributedSampler), ``"contiguous"`` splits it into ``world`` runs
+whose lengths differ by at most one. Every rank computes the same global order,
+so shards are disjoint and together cover every record.
+
+Randomness of a record (crop offset, mirror) depends only on
+``(seed, epoch, global index)`` — not on the order, the shard or the thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import BlobpipeError, DataError, ShapeError, StateError
+from ._datum import datum_view
+from ._lmdb import LmdbReader
+from ._transform import Phase, Transform, _check_phase
+
+__all__ = ["Batch", "BatchPlan", "Batches", "RecordSource"]
+
+Order = Literal["key", "shuffle", "buffer"]
+Mode = Literal["wrap", "epoch"]
+Last = Literal["keep", "drop", "pad"]
+ShardMode = Literal["strided", "contiguous"]
+
+_STATE_VERSION = 1
+
+
+class RecordSource(Protocol):
+    """What Batches needs from a reader (:class:`LmdbReader` provides it)."""
+
+    def keys(self) -> Sequence[bytes]:
+        """All keys, in key order."""
+        ...
+
+    def get(self, key: bytes) -> bytes:
+        """The value stored under ``key``."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """What one batch will hold; made by :meth:`Batches.next_plan`.
+
+    Row ``i`` is record ``keys[i]`` (global index ``indices[i]``, from epoch
+    ``epochs[i]`` at position ``positions[i]`` of that epoch's order for this
+    shard), transformed with random word ``words[i]``. Rows ``>= valid`` are
+    padding (``last="pad"``): repeats of the epoch's first records.
+
+    Attributes:
+        keys, indices, epochs, positions, words: one entry per row.
+        valid: the number of real (non-padding) rows.
+        record_shape: the first record's ``(C, H, W)`` before the transform.
+        data_shape: the batch array's shape, ``(N, C, h, w)`` or ``(N, h, w, C)``.
+        dtype: the batch array's dtype (float32, or uint8 for raw pixels).
+        state: the resume state after this batch (see :meth:`Batches.state_dict`).
+    """
+
+    keys: tuple[bytes, ...]
+    indices: tuple[int, ...]
+    epochs: tuple[int, ...]
+    positions: tuple[int, ...]
+    words: tuple[int, ...]
+    valid: int
+    record_shape: tuple[int, int, int]
+    data_shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    state: dict[str, Any]
+    _first: tuple[np.ndarray, int] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first row."""
+        return self.epochs[0]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One batch of transformed records.
+
+    Attributes:
+        data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``.
+        label: ``(N,)`` float32 labels, as Caffe outputs them.
+        keys: the records' keys, row by row.
+        indices: the records' global indices (position in key order).
+        epoch: the epoch of the first row (in ``mode="wrap"`` a batch may run into
+            the next epoch; see ``plan.epochs``).
+        valid: the number of real rows; rows ``>= valid`` are padding.
+        state: the resume state after this batch.
+        plan: the plan the batch was built from.
+    """
+
+    data: np.ndarray
+    label: npt.NDArray[np.float32]
+    keys: list[bytes]
+    indices: tuple[int, ...]
+    epoch: int
+    valid: int
+    state: dict[str, Any]
+    plan: BatchPlan = field(repr=False)
+
+
+def _shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int]:
+    if shard is None:
+        return (0, 1)
+    if shard == "auto":
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        if rank is None or world is None:
+            return (0, 1)
+        try:
+            shard = (int(rank), int(world))
+        except ValueError:
+            raise ValueError(
+                f"shard='auto' needs integer RANK and WORLD_SIZE, got RANK={rank!r} "
+                f"WORLD_SIZE={world!r}"
+            ) from None
+    if not (isinstance(shard, tuple) and len(shard) == 2):
+        raise TypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
+    rank_i, world_i = int(shard[0]), int(shard[1])
+    if world_i < 1 or not 0 <= rank_i < world_i:
+        raise ValueError(f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}")
+    return (rank_i, world_i)
+
+
+def _buffer_order(n: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """Key order passed through a shuffle buffer of ``size`` records."""
+    picks = rng.integers(0, 1 << 62, size=n).tolist()
+    buf = list(range(min(size, n)))
+    nxt = len(buf)
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        j = picks[i] % len(buf)
+        out[i] = buf[j]
+        if nxt < n:
+            buf[j] = nxt
+            nxt += 1
+        else:
+            buf[j] = buf[-1]
+            buf.pop()
+    return out
+
+
+class Batches:
+    """Batches of records from an LMDB of Caffe Datums, like Caffe's DataLayer.
+
+    Args:
+        source: an LMDB path (opened, and closed by :meth:`close`) or an open
+            reader (left open).
+        batch_size: records per batch.
+        transform: the :class:`Transform` (default: none, float32 NCHW output).
+        phase: "train" (random crops) or "test" (centre crops); mirror is random
+            in both when enabled, as in Caffe.
+        order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
+            by ``(seed, epoch)``) or "buffer" (a shuffle buffer of ``buffer_size``
+            records over key order: reads stay near each other).
+        buffer_size: the shuffle buffer's size; only with ``order="buffer"``.
+        seed: seeds the shuffle and the per-record randomness.
+        shard: ``None``, ``(rank, world_size)`` or "auto" (``RANK``/``WORLD_SIZE``
+            environment variables as torchrun sets them; absent: no sharding).
+        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``)
+            or "contiguous".
+        mode: "wrap" (Caffe: the cursor wraps to the start mid-batch, every batch
+            is full, iteration is endless) or "epoch" (iteration stops at the end
+            of each epoch; iterate again for the next epoch).
+        last: with ``mode="epoch"``, the last partial batch is kept (smaller),
+            dropped, or padded to ``batch_size`` with the epoch's first records
+            (``batch.valid`` counts the real rows).
+        readahead: passed to the LMDB reader (OS readahead; off suits random
+            access).
+        state: a :meth:`state_dict` to resume from.
+
+    Raises:
+        ValueError: a bad argument (batch size, order, mode, last, shard...).
+        TypeError: ``shard`` of the wrong type.
+        DatabaseNotFoundError: ``source`` does not exist.
+        DataError: the database is empty, this shard holds no records, or the
+            resume state does not match the database.
+
+    Not thread-safe for planning: one consumer calls :meth:`next_plan`; any
+    number of threads may call :meth:`fill`.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | RecordSource,
+        batch_size: int,
+        *,
+        transform: Transform | None = None,
+        phase: Phase = "train",
+        order: Order = "key",
+        buffer_size: int | None = None,
+        seed: int = 0,
+        shard: tuple[int, int] | Literal["auto"] | None = None,
+        shard_mode: ShardMode = "strided",
+        mode: Mode = "wrap",
+        last: Last = "keep",
+        readahead: bool = False,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self._phase = _check_phase(phase)
+        if order not in ("key", "shuffle", "buffer"):
+            raise ValueError(f"order must be 'key', 'shuffle' or 'buffer', got {order!r}")
+        if order == "buffer":
+            if buffer_size is None or buffer_size < 1:
+                raise ValueError(
+                    f"order='buffer' needs buffer_size >= 1, got buffer_size={buffer_size!r}"
+                )
+        elif buffer_size is not None:
+            raise ValueError(f"buffer_size is only used with order='buffer', not {order!r}")
+        if mode not in ("wrap", "epoch"):
+            raise ValueError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
+        if last not in ("keep", "drop", "pad"):
+            raise ValueError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
+        if shard_mode not in ("strided", "contiguous"):
+            raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
+        if int(seed) != seed or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self._rank, self._world = _shard_from(shard)
+        self._batch_size = int(batch_size)
+        self._transform = transform if transform is not None else Transform()
+        self._order: Order = order
+        self._buffer_size = buffer_size
+        self._seed = int(seed)
+        self._shard_mode: ShardMode = shard_mode
+        self._mode: Mode = mode
+        self._last: Last = last
+
+        if isinstance(source, (str, os.PathLike)):
+            self._reader: RecordSource = LmdbReader(source, readahead=readahead)
+            self._owned = True
+            self._path: object = os.fspath(source)
+        else:
+            self._reader = source
+            self._owned = False
+            self._path = getattr(source, "path", None)
+        self._keys = self._reader.keys()
+        self._n = len(self._keys)
+        self._closed = False
+        try:
+            if self._n == 0:
+                raise DataError("the database holds no records", path=self._path)
+            self._shard_len = len(self._shard_positions(self._n))
+            if self._shard_len == 0:
+                raise DataError(
+                    f"shard rank {self._rank} of {self._world} holds no records "
+                    f"(the database has {self._n})",
+                    path=self._path,
+                )
+            self._orders: dict[int, npt.NDArray[np.int64]] = {}
+            self._epoch = 0
+            self._pos = 0
+            self._end_pending = False
+            if state is not None:
+                self.load_state_dict(state)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def transform(self) -> Transform:
+        """The transform applied to every record."""
+        return self._transform
+
+    @property
+    def batch_size(self) -> int:
+        """Records per batch."""
+        return self._batch_size
+
+    @property
+    def phase(self) -> Phase:
+        """ "train" or "test"."""
+        return self._phase
+
+    @property
+    def num_records(self) -> int:
+        """Records in the database."""
+        return self._n
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, world_size)``; ``(0, 1)`` without sharding."""
+        return (self._rank, self._world)
+
+    @property
+    def records_per_epoch(self) -> int:
+        """Records this shard visits per epoch."""
+        return self._shard_len
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next record to plan."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch (``mode="epoch"`` only).
+
+        Raises:
+            TypeError: in ``mode="wrap"``, which is endless.
+        """
+        if self._mode != "epoch":
+            raise TypeError("Batches in mode='wrap' are endless and have no length")
+        if self._last == "drop":
+            return self._shard_len // self._batch_size
+        return math.ceil(self._shard_len / self._batch_size)
+
+    # -- order -----------------------------------------------------------------------------
+
+    def _shard_positions(self, n: int) -> range:
+        if self._shard_mode == "strided":
+            return range(self._rank, n, self._world)
+        base, extra = divmod(n, self._world)
+        start = self._rank * base + min(self._rank, extra)
+        return range(start, start + base + (1 if self._rank < extra else 0))
+
+    def epoch_order(self, epoch: int) -> npt.NDArray[np.int64]:
+        """The global indices this shard visits in ``epoch``, in order (read-only)."""
+        cached = self._orders.get(epoch)
+        if cached is not None:
+            return cached
+        n = self._n
+        if self._order == "key":
+            glob = np.arange(n, dtype=np.int64)
+        else:
+            rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self._seed, epoch])))
+            if self._order == "shuffle":
+                glob = rng.permutation(n).astype(np.int64)
+            else:
+                glob = _buffer_order(n, cast(int, self._buffer_size), rng)
+        r = self._shard_positions(n)
+        order = np.ascontiguousarray(glob[r.start : r.stop : r.step])
+        order.setflags(write=False)
+        if len(self._orders) >= 2:
+            self._orders.pop(min(self._orders))
+        self._orders[epoch] = order
+        return order
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def _state(self, epoch: int, pos: int) -> dict[str, Any]:
+        key = self._keys[int(self.epoch_order(epoch)[pos])]
+        return {
+            "version": _STATE_VERSION,
+            "epoch": epoch,
+            "position": pos,
+            "key": bytes(key),
+            "seed": self._seed,
+            "order": self._order,
+            "buffer_size": self._buffer_size,
+            "shard": (self._rank, self._world),
+            "shard_mode": self._shard_mode,
+            "num_records": self._n,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands: the next record to plan, and how the order is made.
+
+        Keys: ``epoch``, ``position`` (in this shard's order of that epoch), ``key``
+        (the record at that position, checked on restore), ``seed``, ``order``,
+        ``buffer_size``, ``shard``, ``shard_mode``, ``num_records``, ``version``.
+        Plain Python values (bytes for the key), picklable. After the last batch of
+        an epoch it points at the start of the next epoch.
+        """
+        return self._state(self._epoch, self._pos)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict` or ``plan.state``).
+
+        The cursor seeks directly to the saved position; nothing is replayed.
+
+        Raises:
+            ValueError: the state was saved with another seed, order, buffer size or
+                shard, or is malformed.
+            DataError: the database changed (other record count, or another key at
+                the saved position).
+        """
+        try:
+            version = state["version"]
+            epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
+            saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
+            saved_shard = tuple(state["shard"])
+            n = int(state["num_records"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
+        if version != _STATE_VERSION:
+            raise ValueError(f"unsupported Batches state version {version!r}")
+        mine = {
+            "seed": self._seed,
+            "order": self._order,
+            "buffer_size": self._buffer_size,
+            "shard_mode": self._shard_mode,
+        }
+        for name, value in saved.items():
+            if mine[name] != value:
+                raise ValueError(
+                    f"the state was saved with {name}={value!r} but these Batches have "
+                    f"{name}={mine[name]!r}; use the same settings to resume"
+                )
+        if saved_shard != (self._rank, self._world):
+            raise ValueError(
+                f"the state was saved for shard {saved_shard} but these Batches are shard "
+                f"{(self._rank, self._world)}"
+            )
+        if n != self._n:
+            raise DataError(
+                f"the dataset changed: the state was saved with {n} records, the database "
+                f"now has {self._n}",
+                path=self._path,
+            )
+        if epoch < 0 or not 0 <= pos < self._shard_len:
+            raise ValueError(
+                f"the state's epoch {epoch} / position {pos} is out of range "
+                f"(this shard has {self._shard_len} records per epoch)"
+            )
+        actual = bytes(self._keys[int(self.epoch_order(epoch)[pos])])
+        if actual != key:
+            raise DataError(
+                f"the dataset changed: position {pos} of epoch {epoch} holds key {actual!r}, "
+                f"the state expected {key!r}",
+                path=self._path,
+            )
+        self._epoch, self._pos, self._end_pending = epoch, pos, False
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def next_plan(self) -> BatchPlan | None:
+        """Plan the next batch and advance the cursor past it.
+
+        Returns ``None`` once at the end of each epoch in ``mode="epoch"`` (the
+        cursor is then at the start of the next epoch); never in ``mode="wrap"``.
+        Reads the first record of the batch to learn its shape.
+
+        Raises:
+            StateError: after :meth:`close`.
+            DataError: the first record cannot be read or decoded, or does not fit
+                the transform (the cursor has moved past the batch anyway).
+        """
+        self._check_open()
+        if self._end_pending:
+            self._end_pending = False
+            return None
+        bs, size = self._batch_size, self._shard_len
+        rows: list[tuple[int, int]] = []  # (epoch, position)
+        epoch, pos = self._epoch, self._pos
+        valid: int
+        if self._mode == "wrap":
+            for _ in range(bs):
+                rows.append((epoch, pos))
+                pos += 1
+                if pos == size:
+                    epoch, pos = epoch + 1, 0
+            valid = bs
+        else:
+            count = min(bs, size - pos)
+            if count < bs and self._last == "drop":
+                self._epoch, self._pos = epoch + 1, 0
+                return None
+            rows = [(epoch, p) for p in range(pos, pos + count)]
+            valid = count
+            if count < bs and self._last == "pad":
+                rows += [(epoch, i % size) for i in range(bs - count)]
+            pos += count
+            if pos == size:
+                epoch, pos = epoch + 1, 0
+                self._end_pending = True
+        self._epoch, self._pos = epoch, pos
+        state = self._state(epoch, pos)
+
+        indices = tuple(int(self.epoch_order(e)[p]) for e, p in rows)
+        epochs = tuple(e for e, _ in rows)
+        keys = tuple(bytes(self._keys[i]) for i in indices)
+        t = self._transform
+        if t.needs_random:
+            seed = self._seed
+            words = tuple(Transform.draw(seed, e, i) for e, i in zip(epochs, indices, strict=True))
+        else:
+            words = (0,) * len(rows)
+        first = self._read(keys[0])
+        record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
+        try:
+            out_shape = t.output_shape(record_shape)
+            t.mean_array(record_shape)  # validate and cache before worker threads use it
+        except ShapeError as exc:
+            raise DataError(str(exc), path=self._path, key=keys[0]) from exc
+        return BatchPlan(
+            keys=keys,
+            indices=indices,
+            epochs=epochs,
+            positions=tuple(p for _, p in rows),
+            words=words,
+            valid=valid,
+            record_shape=record_shape,
+            data_shape=(len(rows), *out_shape),
+            dtype=t.dtype,
+            state=state,
+            _first=first,
+        )
+
+    def _read(self, key: bytes) -> tuple[np.ndarray, int]:
+        t = self._transform
+        buf = self._reader.get(key)
+        chw, label = datum_view(
+            buf, force_color=t.force_color, force_gray=t.force_gray, key=key, path=self._path
+        )
+        return chw, int(label)
+
+    # -- filling -----------------------------------------------------------------------------
+
+    def fill(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        params_out: npt.NDArray[np.int32] | None = None,
+    ) -> None:
+        """Read, decode and transform rows ``[start:stop]`` of ``plan`` into the outputs.
+
+        ``data_out`` has ``plan.data_shape`` and ``plan.dtype``; ``label_out`` is
+        float32 with ``len(plan)`` rows. Only rows ``[start:stop]`` are written, so
+        threads may fill disjoint ranges of the same arrays concurrently.
+        ``params_out`` (``(len(plan), 3)`` int32), when given, receives each row's
+        ``(h_off, w_off, mirror)`` — what a device transform needs to apply the
+        mean at the uncropped position after a ``dtype="uint8"`` batch.
+
+        Raises:
+            ShapeError: an output array has the wrong shape or dtype.
+            DataError: a record cannot be read or decoded, or its transformed shape
+                differs from the first record's (the message names both keys and
+                shapes), or it does not fit the transform; names path and key.
+        """
+        n = len(plan.keys)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
+        if data_out.shape != plan.data_shape or data_out.dtype != plan.dtype:
+            raise ShapeError(
+                f"data_out has shape {data_out.shape} dtype {data_out.dtype}; the plan needs "
+                f"shape {plan.data_shape} dtype {plan.dtype}"
+            )
+        if label_out.shape != (n,) or label_out.dtype != np.float32:
+            raise ShapeError(
+                f"label_out has shape {label_out.shape} dtype {label_out.dtype}; the plan "
+                f"needs shape ({n},) dtype float32"
+            )
+        if params_out is not None and params_out.shape != (n, 3):
+            raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
+        t = self._transform
+        phase = self._phase
+        expected = plan.data_shape[1:]
+        for row in range(start, stop):
+            key = plan.keys[row]
+            if row == 0 and plan._first is not None:
+                chw, label = plan._first
+            else:
+                chw, label = self._read(key)
+            try:
+                got = t.output_shape(chw.shape)
+                if got != expected:
+                    raise DataError(
+                        f"record {key!r} has shape {tuple(chw.shape)} (output {got}) but the "
+                        f"batch's first record {plan.keys[0]!r} has shape {plan.record_shape} "
+                        f"(output {expected}); records in one batch must share a shape: use "
+                        "batch_size=1 or a crop_size",
+                        path=self._path,
+                        key=key,
+                    )
+                params = t.record_params(chw.shape, phase=phase, word=plan.words[row])
+                t._apply(chw, data_out[row], params)
+            except DataError:
+                raise
+            except BlobpipeError as exc:
+                raise DataError(str(exc), path=self._path, key=key) from exc
+            label_out[row] = label
+            if params_out is not None:
+                params_out[row] = (params.h_off, params.w_off, params.mirror)
+
+    def make_batch(self, plan: BatchPlan) -> Batch:
+        """Allocate arrays for ``plan`` and fill them (single thread).
+
+        Raises:
+            DataError: as :meth:`fill`.
+        """
+        data = np.empty(plan.data_shape, dtype=plan.dtype)
+        label = np.empty(len(plan.keys), dtype=np.float32)
+        self.fill(plan, data, label)
+        return Batch(
+            data=data,
+            label=label,
+            keys=list(plan.keys),
+            indices=plan.indices,
+            epoch=plan.epoch,
+            valid=plan.valid,
+            state=plan.state,
+            plan=plan,
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Yield batches: endlessly (``mode="wrap"``) or to the end of the epoch.
+
+        Raises:
+            DataError: when a batch holding a bad record is built; the batches
+                before it have been yielded intact.
+            StateError: after :meth:`close`.
+        """
+        while True:
+            plan = self.next_plan()
+            if plan is None:
+                return
+            yield self.make_batch(plan)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("these Batches are closed")
+
+    def close(self) -> None:
+        """Close the reader if these Batches opened it. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._owned:
+                close = getattr(self._reader, "close", None)
+                if close is not None:
+                    close()
+
+    def __enter__(self) -> Batches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,610 @@
+"""Batches: Caffe DataLayer batches, order modes, shards, resume, the plan/fill API."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import cv2
+import lmdb
+import numpy as np
+import pytest
+
+from blobpipe._errors import DatabaseNotFoundError, DataError, ShapeError, StateError
+from blobpipe._io._batches import Batch, Batches
+from blobpipe._io._prototxt import read_data_layer
+from blobpipe._io._transform import Transform
+from blobpipe._proto import caffe_pb2
+
+CAFFE = Path(__file__).parent / "data" / "caffe"
+REF_CASES = {
+    "raw_color_b8": ("raw_color", {}),
+    "raw_color_b8_meanfile_scale": (
+        "raw_color",
+        {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
+    ),
+    "raw_color_b8_meanvalue_crop24": (
+        "raw_color",
+        {"crop_size": 24, "mean_value": (104, 117, 123)},
+    ),
+    "encoded_jpg_b8": ("encoded_jpg", {}),
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def raw_datum(chw: np.ndarray, label: int = 0) -> bytes:
+    d = caffe_pb2.Datum(channels=chw.shape[0], height=chw.shape[1], width=chw.shape[2])
+    d.data = np.ascontiguousarray(chw, dtype=np.uint8).tobytes()
+    d.label = label
+    d.encoded = False
+    return d.SerializeToString()
+
+
+def float_datum(chw: np.ndarray, label: int = 0) -> bytes:
+    d = caffe_pb2.Datum(channels=chw.shape[0], height=chw.shape[1], width=chw.shape[2])
+    d.float_data.extend(chw.astype(np.float32).reshape(-1).tolist())
+    d.label = label
+    return d.SerializeToString()
+
+
+def encoded_datum(img_hwc_or_hw: np.ndarray, ext: str, label: int = 0) -> bytes:
+    ok, enc = cv2.imencode(ext, img_hwc_or_hw)
+    assert ok
+    d = caffe_pb2.Datum(data=enc.tobytes(), label=label, encoded=True)
+    return d.SerializeToString()
+
+
+def write_lmdb(path: Path, items: Iterable[tuple[bytes, bytes]]) -> Path:
+    env = lmdb.open(str(path), map_size=1 << 28)
+    with env.begin(write=True) as txn:
+        for k, v in items:
+            txn.put(k, v)
+    env.close()
+    return path
+
+
+def image(i: int, shape: tuple[int, int, int] = (3, 6, 8)) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, shape, dtype=np.uint8)
+
+
+@pytest.fixture
+def db10(tmp_path: Path) -> Path:
+    """10 raw 3x6x8 records; record i has label i and pixels image(i)."""
+    return write_lmdb(
+        tmp_path / "db10",
+        ((f"{i:08d}_r".encode(), raw_datum(image(i), i)) for i in range(10)),
+    )
+
+
+def labels(batches: Iterable[Batch]) -> list[list[int]]:
+    return [[int(x) for x in b.label] for b in batches]
+
+
+def take(b: Batches, n: int) -> list[Batch]:
+    return list(islice(iter(b), n))
+
+
+# -- Caffe reference -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(REF_CASES))
+@pytest.mark.parametrize("via", ["params", "prototxt"])
+def test_matches_caffe_datalayer(case: str, via: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref_dir = CAFFE / "ref" / case
+    n = len(list(ref_dir.glob("data_b*.npy")))
+    if via == "params":
+        db, kwargs = REF_CASES[case]
+        b = Batches(CAFFE / "lmdb" / db, 8, transform=Transform(**kwargs), phase="test")  # type: ignore[arg-type]
+    else:
+        monkeypatch.chdir(CAFFE)
+        b = Batches(**read_data_layer(f"ref/{case}/net.prototxt", "test").batches_kwargs())
+    with b:
+        got = take(b, n)
+    for k, batch in enumerate(got):
+        assert batch.data.dtype == np.float32
+        assert np.array_equal(batch.data, np.load(ref_dir / f"data_b{k}.npy")), k
+        assert np.array_equal(batch.label, np.load(ref_dir / f"label_b{k}.npy")), k
+
+
+def test_reference_keys_in_key_order_with_space() -> None:
+    with Batches(CAFFE / "lmdb" / "raw_color", 50, phase="test") as b:
+        batch = next(iter(b))
+    assert batch.keys == sorted(batch.keys)
+    assert b"00000037_color/synth 07 with space.png" in batch.keys
+
+
+# -- record kinds ----------------------------------------------------------------------------
+
+
+def test_key_gaps(tmp_path: Path) -> None:
+    keys = [b"00000000_a", b"00000002_c", b"00000005_f", b"00000009_j"]
+    db = write_lmdb(tmp_path / "gaps", ((k, raw_datum(image(i), i)) for i, k in enumerate(keys)))
+    with Batches(db, 4) as b:
+        batch = next(iter(b))
+    assert batch.keys == keys
+    assert batch.indices == (0, 1, 2, 3)
+    assert np.array_equal(batch.data, np.stack([image(i) for i in range(4)]).astype(np.float32))
+
+
+def test_float_data_records(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    imgs = [rng.normal(0, 10, (2, 3, 4)).astype(np.float32) for _ in range(3)]
+    db = write_lmdb(
+        tmp_path / "f", ((f"{i}".encode(), float_datum(x, i)) for i, x in enumerate(imgs))
+    )
+    t = Transform(scale=0.5, mean_value=(1.5, -2.0))
+    with Batches(db, 3, transform=t) as b:
+        batch = next(iter(b))
+    expected = (np.stack(imgs) - np.array([1.5, -2.0], np.float32)[:, None, None]) * np.float32(0.5)
+    assert np.array_equal(batch.data, expected)
+    with (
+        Batches(db, 3, transform=Transform(dtype="uint8")) as b,
+        pytest.raises(
+            DataError, match=r"dtype='uint8' output needs uint8 records.*record key b'0'"
+        ),
+    ):
+        next(iter(b))
+
+
+@pytest.mark.parametrize("ext", [".png", ".jpg"])
+def test_encoded_records(tmp_path: Path, ext: str) -> None:
+    imgs = [image(i, (10, 12, 3)) for i in range(4)]
+    db = write_lmdb(
+        tmp_path / "enc", ((f"{i}".encode(), encoded_datum(x, ext, i)) for i, x in enumerate(imgs))
+    )
+    with Batches(db, 4, phase="test") as b:
+        batch = next(iter(b))
+    for i, x in enumerate(imgs):
+        if ext == ".png":
+            expected = x
+        else:
+            _, enc = cv2.imencode(ext, x)
+            expected = cv2.imdecode(enc, cv2.IMREAD_ANYCOLOR)
+        assert np.array_equal(batch.data[i], expected.transpose(2, 0, 1).astype(np.float32))
+    assert batch.label.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_gray_and_force_color_force_gray(tmp_path: Path) -> None:
+    gray = image(1, (1, 5, 7))[0]
+    color = image(2, (5, 7, 3))
+    db = write_lmdb(
+        tmp_path / "g",
+        [(b"a_gray", encoded_datum(gray, ".png")), (b"b_color", encoded_datum(color, ".png"))],
+    )
+    with Batches(db, 1, phase="test") as b:
+        first, second = take(b, 2)
+    assert first.data.shape == (1, 1, 5, 7)
+    assert np.array_equal(first.data[0, 0], gray.astype(np.float32))
+    assert second.data.shape == (1, 3, 5, 7)
+    with Batches(db, 2, transform=Transform(force_color=True)) as b:
+        both = next(iter(b))
+    assert both.data.shape == (2, 3, 5, 7)
+    assert np.array_equal(both.data[0], np.repeat(gray[None], 3, 0).astype(np.float32))
+    with Batches(db, 2, transform=Transform(force_gray=True)) as b:
+        both = next(iter(b))
+    assert both.data.shape == (2, 1, 5, 7)
+    _, png = cv2.imencode(".png", color)
+    assert np.array_equal(both.data[1, 0], cv2.imdecode(png, cv2.IMREAD_GRAYSCALE))
+    # Without a force flag, gray and color records cannot share a batch.
+    with (
+        Batches(db, 2) as b,
+        pytest.raises(
+            DataError,
+            match=r"record b'b_color' has shape \(3, 5, 7\).*first record b'a_gray' has shape "
+            r"\(1, 5, 7\)",
+        ),
+    ):
+        next(iter(b))
+
+
+def test_variable_size_records(tmp_path: Path) -> None:
+    shapes = [(3, 6, 8), (3, 9, 7), (3, 5, 5), (3, 12, 10)]
+    db = write_lmdb(
+        tmp_path / "var",
+        ((f"{i}".encode(), raw_datum(image(i, s), i)) for i, s in enumerate(shapes)),
+    )
+    with Batches(db, 1, phase="test") as b:
+        got = take(b, 4)
+    assert [g.data.shape[1:] for g in got] == shapes
+    with Batches(db, 4, transform=Transform(crop_size=5), phase="train") as b:
+        batch = next(iter(b))
+    assert batch.data.shape == (4, 3, 5, 5)
+    with (
+        Batches(db, 2) as b,
+        pytest.raises(
+            DataError,
+            match=r"record b'1' has shape \(3, 9, 7\) \(output \(3, 9, 7\)\) but the batch's first "
+            r"record b'0' has shape \(3, 6, 8\) \(output \(3, 6, 8\)\).*use batch_size=1 or a "
+            r"crop_size; record key b'1'; database",
+        ),
+    ):
+        next(iter(b))
+    with (
+        Batches(db, 4, transform=Transform(crop_size=6)) as b,
+        pytest.raises(
+            DataError,
+            match=r"crop_size 6 is larger than the record \(height 5, width 5\); record key",
+        ),
+    ):
+        next(iter(b))
+
+
+# -- order, wrap, epochs -----------------------------------------------------------------------
+
+
+def test_wrap_around_mid_batch_like_caffe(db10: Path) -> None:
+    with Batches(db10, 4) as b:
+        got = take(b, 4)
+    assert labels(got) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1], [2, 3, 4, 5]]
+    assert [g.plan.epochs for g in got[2:]] == [(0, 0, 1, 1), (1, 1, 1, 1)]
+    assert [g.epoch for g in got] == [0, 0, 0, 1]
+    assert all(g.valid == 4 for g in got)
+    with pytest.raises(TypeError, match="endless"):
+        len(b)
+
+
+@pytest.mark.parametrize(
+    ("last", "expected"),
+    [
+        ("keep", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),
+        ("drop", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("pad", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]),
+    ],
+)
+def test_epoch_mode_last_batch(db10: Path, last: str, expected: list[list[int]]) -> None:
+    with Batches(db10, 4, mode="epoch", last=last) as b:  # type: ignore[arg-type]
+        assert len(b) == len(expected)
+        first = list(b)
+        second = list(b)
+    assert labels(first) == expected
+    assert labels(second) == expected
+    assert {g.epoch for g in first} == {0}
+    assert {g.epoch for g in second} == {1}
+    assert first[-1].valid == (4 if last == "drop" else 2)  # pad: 2 real rows + 2 repeats
+    if last == "pad":
+        assert np.array_equal(first[-1].data[2:], first[0].data[:2])
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch(db10: Path) -> None:
+    def epochs(seed: int) -> list[list[int]]:
+        with Batches(db10, 10, order="shuffle", seed=seed) as b:
+            return labels(take(b, 3))
+
+    a = epochs(1)
+    assert a == epochs(1)
+    assert a != epochs(2)
+    assert all(sorted(e) == list(range(10)) for e in a)
+    assert a[0] != a[1]
+
+
+def test_shuffle_buffer(tmp_path: Path) -> None:
+    n = 200
+    db = write_lmdb(
+        tmp_path / "big", ((f"{i:05d}".encode(), raw_datum(image(0), i)) for i in range(n))
+    )
+    with Batches(db, n, order="buffer", buffer_size=16, seed=3) as b:
+        e0, e1 = (np.array(x) for x in labels(take(b, 2)))
+    assert sorted(e0.tolist()) == list(range(n))
+    assert e0.tolist() != list(range(n))
+    assert e0.tolist() != e1.tolist()
+    # a record leaves the buffer at most 15 places before it would in key order
+    assert (e0 <= np.arange(n) + 15).all()
+    with pytest.raises(ValueError, match=r"order='buffer' needs buffer_size >= 1"):
+        Batches(db, 4, order="buffer")
+    with pytest.raises(ValueError, match=r"buffer_size is only used with order='buffer'"):
+        Batches(db, 4, buffer_size=3)
+
+
+# -- sharding ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard_mode", ["strided", "contiguous"])
+@pytest.mark.parametrize("order", ["key", "shuffle", "buffer"])
+def test_shards_are_disjoint_and_complete(db10: Path, shard_mode: str, order: str) -> None:
+    world = 3
+    extra: dict[str, Any] = {"buffer_size": 4} if order == "buffer" else {}
+    per_rank = []
+    for rank in range(world):
+        with Batches(
+            db10,
+            1,
+            order=order,
+            shard=(rank, world),
+            shard_mode=shard_mode,
+            mode="epoch",  # type: ignore[arg-type]
+            seed=5,
+            **extra,
+        ) as b:
+            per_rank.append([lab for batch in labels(b) for lab in batch])
+    flat = [x for r in per_rank for x in r]
+    assert sorted(flat) == list(range(10))
+    assert [len(r) for r in per_rank] == [4, 3, 3]
+    if order == "key":
+        if shard_mode == "strided":
+            assert per_rank[1] == [1, 4, 7]
+        else:
+            assert per_rank[1] == [4, 5, 6]
+
+
+def test_shard_auto(db10: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with Batches(db10, 2, shard="auto") as b:
+        assert b.shard == (0, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with Batches(db10, 2, shard="auto") as b:
+        assert b.shard == (1, 4)
+        assert labels(take(b, 2)) == [[1, 5], [9, 1]]
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="integer RANK and WORLD_SIZE, got RANK='x'"):
+        Batches(db10, 2, shard="auto")
+
+
+def test_shard_errors(db10: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"0 <= rank < world_size, got \(3, 3\)"):
+        Batches(db10, 2, shard=(3, 3))
+    with pytest.raises(TypeError, match="shard must be None, 'auto' or"):
+        Batches(db10, 2, shard=[0, 1])  # type: ignore[arg-type]
+    small = write_lmdb(tmp_path / "small", [(b"k", raw_datum(image(0)))])
+    with pytest.raises(
+        DataError, match=r"shard rank 1 of 2 holds no records \(the database has 1\)"
+    ):
+        Batches(small, 1, shard=(1, 2))
+
+
+# -- randomness ---------------------------------------------------------------------------------
+
+
+def test_train_randomness_reproducible_and_varies_across_epochs(db10: Path) -> None:
+    t = Transform(crop_size=4, mirror=True)
+
+    def run(seed: int) -> list[np.ndarray]:
+        with Batches(db10, 10, transform=t, phase="train", seed=seed) as b:
+            return [g.data for g in take(b, 2)]
+
+    a, a2, c = run(0), run(0), run(1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, a2, strict=True))
+    assert not np.array_equal(a[0], c[0])
+    assert not np.array_equal(a[0], a[1])  # same records, another epoch
+    # a record's randomness does not depend on the order or the shard
+    with Batches(db10, 1, transform=t, order="shuffle", shard=(1, 2), seed=0) as b:
+        g = next(iter(b))
+    assert np.array_equal(g.data[0], a[0][g.indices[0]])
+
+
+def test_test_phase_is_deterministic_centre_crop(db10: Path) -> None:
+    with Batches(db10, 2, transform=Transform(crop_size=4), phase="test") as b:
+        g = next(iter(b))
+    assert np.array_equal(g.data[0], image(0)[:, 1:5, 2:6].astype(np.float32))
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+
+RESUME_CONFIGS: list[dict[str, Any]] = [
+    {},
+    {"order": "shuffle", "seed": 4},
+    {"order": "buffer", "buffer_size": 3, "seed": 2, "shard": (1, 2)},
+    {
+        "order": "shuffle",
+        "transform": Transform(crop_size=3, mirror=True),
+        "shard": (0, 3),
+        "shard_mode": "contiguous",
+    },
+    {"mode": "epoch", "last": "pad", "order": "shuffle"},
+]
+
+
+@pytest.mark.parametrize("config", RESUME_CONFIGS)
+@pytest.mark.parametrize("cut", [1, 2, 3, 5])
+def test_resume_equals_uninterrupted(db10: Path, config: dict[str, Any], cut: int) -> None:
+    def stream(b: Batches, n: int) -> list[Batch]:
+        out: list[Batch] = []
+        while len(out) < n:
+            out.extend(islice(iter(b), n - len(out)))
+        return out
+
+    with Batches(db10, 3, **config) as b:
+        full = stream(b, 8)
+    with Batches(db10, 3, **config) as b:
+        stream(b, cut)
+        state = b.state_dict()
+    assert state == full[cut - 1].state
+    with Batches(db10, 3, state=state, **config) as b:
+        rest = stream(b, 8 - cut)
+    for x, y in zip(full[cut:], rest, strict=True):
+        assert x.keys == y.keys
+        assert np.array_equal(x.data, y.data)
+        assert np.array_equal(x.label, y.label)
+        assert x.plan.epochs == y.plan.epochs
+    # load_state_dict on a running instance
+    with Batches(db10, 3, **config) as b:
+        b.load_state_dict(full[cut - 1].state)
+        assert [g.keys for g in stream(b, 2)] == [g.keys for g in full[cut : cut + 2]]
+
+
+def test_resume_errors(db10: Path, tmp_path: Path) -> None:
+    with Batches(db10, 3, order="shuffle", seed=1) as b:
+        take(b, 2)
+        state = b.state_dict()
+    assert state["epoch"] == 0
+    assert state["position"] == 6
+    with pytest.raises(ValueError, match="saved with seed=1 but these Batches have seed=2"):
+        Batches(db10, 3, order="shuffle", seed=2, state=state)
+    with pytest.raises(ValueError, match="saved with order='shuffle'"):
+        Batches(db10, 3, seed=1, state=state)
+    with pytest.raises(ValueError, match=r"saved for shard \(0, 1\) but these Batches are shard"):
+        Batches(db10, 3, order="shuffle", seed=1, shard=(0, 2), state=state)
+    with pytest.raises(ValueError, match="malformed Batches state"):
+        Batches(db10, 3, state={"epoch": 0})
+    # the same number of records, one key renamed
+    changed = write_lmdb(
+        tmp_path / "changed",
+        ((f"{i:08d}_{'r' if i != 3 else 'z'}".encode(), raw_datum(image(i), i)) for i in range(10)),
+    )
+    with Batches(db10, 3, order="key") as b:
+        take(b, 1)
+        key_state = b.state_dict()
+    with pytest.raises(
+        DataError,
+        match=r"dataset changed: position 3 of epoch 0 holds key b'00000003_z', the state "
+        r"expected b'00000003_r'",
+    ):
+        Batches(changed, 3, state=key_state)
+    fewer = write_lmdb(
+        tmp_path / "fewer", ((f"{i}".encode(), raw_datum(image(i))) for i in range(4))
+    )
+    with pytest.raises(DataError, match="saved with 10 records, the database now has 4"):
+        Batches(fewer, 3, state=key_state)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_record_fails_its_batch_only(tmp_path: Path) -> None:
+    items = [(f"{i:02d}".encode(), raw_datum(image(i), i)) for i in range(8)]
+    items[5] = (b"05", b"\x08\x03\x10garbage")
+    db = write_lmdb(tmp_path / "bad", items)
+    got = []
+    with Batches(db, 2) as b:
+        it = iter(b)
+        got.append(next(it))
+        got.append(next(it))
+        with pytest.raises(DataError, match=r"record key b'05'; database '.*bad'"):
+            next(it)
+        # the cursor moved past the bad batch
+        assert labels([next(iter(b))]) == [[6, 7]]
+    assert labels(got) == [[0, 1], [2, 3]]
+
+
+def test_constructor_errors(db10: Path, tmp_path: Path) -> None:
+    with pytest.raises(DatabaseNotFoundError):
+        Batches(tmp_path / "missing", 2)
+    empty = write_lmdb(tmp_path / "empty", [])
+    with pytest.raises(DataError, match="the database holds no records"):
+        Batches(empty, 2)
+    for kwargs, msg in [
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+        ({"order": "random"}, "order must be 'key', 'shuffle' or 'buffer', got 'random'"),
+        ({"mode": "loop"}, "mode must be 'wrap' or 'epoch'"),
+        ({"last": "x"}, "last must be 'keep', 'drop' or 'pad'"),
+        ({"shard_mode": "x"}, "shard_mode must be 'strided' or 'contiguous'"),
+        ({"phase": "val"}, "phase must be 'train' or 'test'"),
+        ({"seed": -1}, "seed must be a non-negative integer"),
+    ]:
+        args: dict[str, Any] = {"batch_size": 2, **kwargs}
+        with pytest.raises(ValueError, match=msg):
+            Batches(db10, **args)
+
+
+def test_closed(db10: Path) -> None:
+    b = Batches(db10, 2)
+    b.close()
+    b.close()
+    with pytest.raises(StateError, match="closed"):
+        b.next_plan()
+
+
+def test_mean_file_shape_mismatch_names_key(db10: Path) -> None:
+    t = Transform(mean_file=CAFFE / "raw_color_mean.binaryproto")
+    with (
+        Batches(db10, 2, transform=t) as b,
+        pytest.raises(
+            DataError,
+            match=r"has shape \(3, 32, 40\) but the record has shape \(3, 6, 8\).*record key",
+        ),
+    ):
+        next(iter(b))
+
+
+# -- the low-level API ---------------------------------------------------------------------------
+
+
+def test_plan_and_threaded_fill_equal_make_batch(db10: Path) -> None:
+    t = Transform(crop_size=4, mirror=True, mean_value=(10, 20, 30), scale=0.5, layout="NHWC")
+    with Batches(db10, 7, transform=t, order="shuffle", seed=9) as ref:
+        expected = take(ref, 3)
+    with Batches(db10, 7, transform=t, order="shuffle", seed=9) as b:
+        for exp in expected:
+            plan = b.next_plan()
+            assert plan is not None
+            assert plan.data_shape == (7, 4, 4, 3)
+            assert plan.dtype == np.float32
+            assert plan.keys == tuple(exp.keys)
+            data = np.full(plan.data_shape, np.nan, plan.dtype)
+            label = np.full(len(plan), np.nan, np.float32)
+            params = np.zeros((len(plan), 3), np.int32)
+            ranges = [(0, 2), (2, 3), (3, 7)]
+            threads = [
+                threading.Thread(
+                    target=b.fill, args=(plan, data, label, i, j), kwargs={"params_out": params}
+                )
+                for i, j in ranges
+            ]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            assert np.array_equal(data, exp.data)
+            assert np.array_equal(label, exp.label)
+            for row in range(len(plan)):
+                p = t.record_params(plan.record_shape, phase="train", word=plan.words[row])
+                assert tuple(params[row]) == (p.h_off, p.w_off, int(p.mirror))
+
+
+def test_uint8_output_plus_params_reproduce_float_output(db10: Path) -> None:
+    """What a device kernel does after a dtype='uint8' batch must equal the CPU float path."""
+    kw: dict[str, Any] = {"crop_size": 4, "mirror": True, "scale": 0.25}
+    mean = np.random.default_rng(0).uniform(0, 255, (3, 6, 8)).astype(np.float32)
+    proto = caffe_pb2.BlobProto(num=1, channels=3, height=6, width=8)
+    proto.data.extend(mean.reshape(-1).tolist())
+    mean_path = db10.parent / "m.binaryproto"
+    mean_path.write_bytes(proto.SerializeToString())
+    f32 = Transform(mean_file=mean_path, **kw)
+    u8 = Transform(mean_file=mean_path, dtype="uint8", **kw)
+    with Batches(db10, 5, transform=f32, seed=1) as a:
+        expected = next(iter(a)).data
+    with Batches(db10, 5, transform=u8, seed=1) as b:
+        plan = b.next_plan()
+        assert plan is not None
+        raw = np.empty(plan.data_shape, np.uint8)
+        params = np.empty((5, 3), np.int32)
+        b.fill(plan, raw, np.empty(5, np.float32), params_out=params)
+    m = u8.mean_array(plan.record_shape)
+    assert m is not None
+    for row in range(5):
+        h, w, flip = (int(v) for v in params[row])
+        mrow = m[:, h : h + 4, w : w + 4]
+        if flip:
+            mrow = mrow[:, :, ::-1]
+        dev = (raw[row].astype(np.float32) - mrow) * u8.scale
+        assert np.array_equal(dev, expected[row])
+
+
+def test_fill_checks_outputs(db10: Path) -> None:
+    with Batches(db10, 2) as b:
+        plan = b.next_plan()
+        assert plan is not None
+        with pytest.raises(ShapeError, match=r"data_out has shape \(2, 3, 6, 7\) dtype float32"):
+            b.fill(plan, np.empty((2, 3, 6, 7), np.float32), np.empty(2, np.float32))
+        with pytest.raises(ShapeError, match=r"label_out has shape \(3,\)"):
+            b.fill(plan, np.empty(plan.data_shape, np.float32), np.empty(3, np.float32))
+        with pytest.raises(ValueError, match=r"rows \[1:5\] are outside the plan's 2 rows"):
+            b.fill(plan, np.empty(plan.data_shape, np.float32), np.empty(2, np.float32), 1, 5)
+
+
+def test_open_reader_source_is_not_closed(db10: Path) -> None:
+    from blobpipe._io._lmdb import LmdbReader
+
+    with LmdbReader(db10) as reader:
+        with Batches(reader, 5) as b:
+            assert labels(take(b, 1)) == [[0, 1, 2, 3, 4]]
+        assert len(reader.keys()) == 10
+        assert reader.get(b"00000000_r")
