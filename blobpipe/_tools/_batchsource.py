@@ -1,9 +1,11 @@
 """The batches that ``export`` writes and ``bench`` times.
 
-This is the one place the tools meet the loader. Until ``Batches`` (and later
-the async ``Loader``) land, it walks the records itself with the same
-``Transform``, in key order, TEST phase; swap the body of
-:func:`iter_batches` for the loader and the tools follow.
+This is the one place the tools meet the loader. ``Batches`` cannot be
+imported until the reader's ``LmdbReader`` lands, so for now this walks the
+records itself with the same ``Transform`` and Datum codec, as ``Batches``
+does with ``order="key", mode="epoch", last="keep", phase="test"`` and a
+strided shard. Swap the body of :func:`iter_batches` for ``Batches`` (and
+later the async ``Loader``) and ``export``/``bench`` follow unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError
+from .._io._datum import decode_datum
 from .._io._transform import Transform
-from ._source import Records, open_records, parse_datum, record_array
+from ._source import Records, open_records
 
 __all__ = ["SourceBatch", "count_selected", "iter_batches", "parse_shard"]
 
@@ -55,21 +58,6 @@ def count_selected(records: Records, shard: tuple[int, int] | None, limit: int |
     return _selected(len(records), shard, limit)
 
 
-def _decode(value: bytes, key: bytes, path: object, transform: Transform) -> npt.NDArray[Any]:
-    if transform.force_color or transform.force_gray:
-        datum = parse_datum(value, key=key, path=path)
-        if datum.encoded:
-            import cv2
-
-            flag = cv2.IMREAD_COLOR if transform.force_color else cv2.IMREAD_GRAYSCALE
-            img = cv2.imdecode(np.frombuffer(datum.data, np.uint8), flag)
-            if img is None:
-                raise DataError("OpenCV cannot decode the encoded image", key=key, path=path)
-            img = np.asarray(img)
-            return img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
-    return record_array(value, key=key, path=path)
-
-
 def iter_batches(
     db: str | os.PathLike[str],
     *,
@@ -99,7 +87,13 @@ def iter_batches(
                 break
             if i % count != index:
                 continue
-            chw = _decode(value, key, records.path, tf)
+            chw, label = decode_datum(
+                value,
+                force_color=tf.force_color,
+                force_gray=tf.force_gray,
+                key=key,
+                path=records.path,
+            )
             if first_shape is None:
                 first_shape = chw.shape
             elif chw.shape != first_shape:
@@ -111,7 +105,7 @@ def iter_batches(
                     path=records.path,
                 )
             rows.append(np.asarray(tf(chw, phase="test", index=i)))
-            labels.append(float(parse_datum(value, key=key, path=records.path).label))
+            labels.append(float(label))
             keys.append(key)
             done += 1
             if len(rows) == batch_size or done == todo:

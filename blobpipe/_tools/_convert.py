@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import DataError
-from .._proto import caffe_pb2
+from .._io._datum import encode_encoded_datum, encode_raw_datum
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
     MARKER_NAME,
@@ -154,22 +154,6 @@ def _imencode(img: np.ndarray[Any, Any], encoding: str) -> bytes | None:
     return bytes(buf) if ok else None
 
 
-def _raw_datum(chw: np.ndarray[Any, Any], label: int) -> bytes:
-    d = caffe_pb2.Datum(
-        channels=chw.shape[0],
-        height=chw.shape[1],
-        width=chw.shape[2],
-        data=np.ascontiguousarray(chw, dtype=np.uint8).tobytes(),
-        label=label,
-        encoded=False,
-    )
-    return d.SerializeToString()
-
-
-def _encoded_datum(data: bytes, label: int) -> bytes:
-    return caffe_pb2.Datum(data=data, label=label, encoded=True).SerializeToString()
-
-
 def _join_root(root: str, path: str) -> str:
     # Caffe concatenates root + path; add the separator Caffe users forget.
     if root and not root.endswith(("/", os.sep)):
@@ -205,7 +189,7 @@ def _make_record(
         if not height and not width and _match_ext(filename, encoding):
             try:
                 with open(filename, "rb") as fh:
-                    return _encoded_datum(fh.read(), label), shape
+                    return encode_encoded_datum(fh.read(), label), shape
             except OSError as exc:
                 raise _Skip(f"cannot read file: {exc}") from None
         encoded = _imencode(img, encoding)
@@ -214,8 +198,8 @@ def _make_record(
                 f"OpenCV cannot encode {filename!r} as {encoding!r}; pass --encode-type jpg or png",
                 key=key,
             )
-        return _encoded_datum(encoded, label), shape
-    return _raw_datum(chw, label), shape
+        return encode_encoded_datum(encoded, label), shape
+    return encode_raw_datum(chw, label), shape
 
 
 def _fingerprint(list_bytes: bytes, options: dict[str, Any]) -> str:

@@ -112,7 +112,7 @@ def inspect_db(
                     shapes[(int(arr.shape[0]), int(arr.shape[1]), int(arr.shape[2]))] += 1
                 except DataError as exc:
                     errors[key] = str(exc)
-        first_keys = tuple(records.keys(first))
+        first_keys = tuple(records.first_keys(first))
         path = records.path
     marker = read_marker(path)
     complete = marker is None or bool(marker.get("complete"))

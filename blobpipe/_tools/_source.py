@@ -1,7 +1,8 @@
 """Reading records for the tools: an LMDB opened read-only and Datums as arrays.
 
-Temporary: these wrap py-lmdb and ``caffe_pb2`` directly until the reader's
-``LmdbReader`` / ``decode_datum`` land; the tools only use this interface.
+Records are decoded by the io layer's Datum codec (``_io._datum``). The LMDB
+side is a thin read-only wrapper until the reader's ``LmdbReader`` lands; it
+already has the ``keys()``/``get()`` pair ``Batches`` reads through.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatabaseNotFoundError, DataError
-from .._proto import caffe_pb2
+from .._io._datum import ParsedDatum, decode_datum, parse_datum
 from ._output import partial_path
 
 __all__ = ["Records", "datum_kind", "open_records", "parse_datum", "record_array"]
@@ -57,7 +57,11 @@ class Records:
         with self._env.begin(buffers=False) as txn:
             yield from txn.cursor()
 
-    def keys(self, limit: int | None = None) -> list[bytes]:
+    def keys(self) -> list[bytes]:
+        """All keys, in key order."""
+        return self.first_keys(None)
+
+    def first_keys(self, limit: int | None) -> list[bytes]:
         """The first ``limit`` keys (all when ``None``)."""
         out: list[bytes] = []
         with self._env.begin() as txn:
@@ -66,6 +70,14 @@ class Records:
                     break
                 out.append(bytes(key))
         return out
+
+    def get(self, key: bytes) -> bytes:
+        """The value under ``key``; raises :class:`DataError` when it is absent."""
+        with self._env.begin() as txn:
+            value = txn.get(key)
+        if value is None:
+            raise DataError("no such record", key=key, path=self.path)
+        return bytes(value)
 
     def close(self) -> None:
         self._env.close()
@@ -76,21 +88,11 @@ def open_records(path: str | os.PathLike[str]) -> Records:
     return Records(path)
 
 
-def parse_datum(value: bytes, *, key: bytes, path: object) -> caffe_pb2.Datum:
-    """Parse a serialized Datum; raises :class:`DataError` naming the key."""
-    datum = caffe_pb2.Datum()
-    try:
-        datum.ParseFromString(value)
-    except Exception as exc:  # protobuf's DecodeError
-        raise DataError("record is not a serialized caffe.Datum", key=key, path=path) from exc
-    return datum
-
-
-def datum_kind(datum: caffe_pb2.Datum) -> str:
+def datum_kind(datum: ParsedDatum) -> str:
     """``"encoded"``, ``"float"`` (float_data) or ``"raw"`` (uint8 data)."""
     if datum.encoded:
         return "encoded"
-    if len(datum.float_data) and not datum.data:
+    if datum.float_data is not None and not datum.data:
         return "float"
     return "raw"
 
@@ -101,23 +103,5 @@ def record_array(value: bytes, *, key: bytes, path: object) -> npt.NDArray[Any]:
     Encoded records are decoded natively (``IMREAD_UNCHANGED``), like Caffe's
     ``DecodeDatumNative``. Raises :class:`DataError` naming the key.
     """
-    datum = parse_datum(value, key=key, path=path)
-    if datum.encoded:
-        import cv2
-
-        img = cv2.imdecode(np.frombuffer(datum.data, np.uint8), cv2.IMREAD_UNCHANGED)
-        if img is None:
-            raise DataError("OpenCV cannot decode the encoded image", key=key, path=path)
-        img = np.asarray(img)
-        if img.dtype != np.uint8:
-            raise DataError(f"decoded image is {img.dtype}, expected uint8", key=key, path=path)
-        return img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
-    shape = (datum.channels, datum.height, datum.width)
-    count = shape[0] * shape[1] * shape[2]
-    if datum.data:
-        flat: npt.NDArray[Any] = np.frombuffer(datum.data, np.uint8)
-    else:
-        flat = np.asarray(datum.float_data, dtype=np.float32)
-    if flat.size != count or count == 0:
-        raise DataError(f"Datum holds {flat.size} values for shape {shape}", key=key, path=path)
-    return flat.reshape(shape)
+    chw, _ = decode_datum(value, key=key, path=path)
+    return chw
