@@ -86,6 +86,7 @@ _VECTOR_RUN = 8
 _FLOAT_TAG = 0x35  # field 6, wire type 5
 _NATIVE_LE = sys.byteorder == "little"
 _F4 = np.dtype("<f4")
+_U1 = np.dtype(np.uint8)
 
 _REBUILD = (
     "the database is damaged or was not written by Caffe; rebuild it with Caffe's "
@@ -111,6 +112,10 @@ class ParsedDatum(NamedTuple):
     encoded: bool
     data: memoryview | None
     float_data: npt.NDArray[np.float32] | None
+
+
+def _new_parsed(fields: tuple[object, ...]) -> ParsedDatum:
+    return tuple.__new__(ParsedDatum, fields)
 
 
 class _Malformed(Exception):
@@ -187,13 +192,52 @@ def _skip_group(b: memoryview, pos: int, end: int, field: int) -> int:
             pos = _skip_value(b, pos, end, wt, f)
 
 
+# The header of the last canonical raw record: (bytes, length, channels, height, width,
+# data length). convert_imageset writes every record of a database with the same
+# header, so the next record usually starts with the same bytes. Replaced whole
+# (one reference store), so threads may race on it harmlessly.
+_last_header: tuple[bytes, int, int, int, int, int] | None = None
+
+
 def _parse(b: memoryview) -> ParsedDatum:
+    """Parse a Datum; records laid out as convert_imageset writes them take a short cut.
+
+    The short cut is exact, not a guess: bytes equal to a known header decode to
+    that header's values, and the tail ``label, encoded`` is checked byte by byte;
+    anything else continues in the general loop from where the short cut stopped.
+    """
+    global _last_header
     end = len(b)
-    channels = height = width = label = 0
+    hc = _last_header
+    if hc is not None and end >= hc[1] + hc[5] and b[: hc[1]] == hc[0]:
+        _, hl, c, h, w, ln = hc
+        pos = hl + ln
+        data = b[hl:pos]
+        if end - pos >= 4 and b[pos] == 0x28:
+            lab = b[pos + 1]
+            if lab < 0x80:
+                p2 = pos + 2
+            else:
+                lab, p2 = _varint(b, pos + 1, end, 10, "the varint of field 5")
+                lab = _int32(lab)
+            if p2 == end - 2 and b[p2] == 0x38 and b[p2 + 1] < 0x80:
+                return _new_parsed((c, h, w, lab, b[p2 + 1] != 0, data, None))
+        return _parse_from(b, pos, c, h, w, data)
+    p = _parse_from(b, 0, 0, 0, 0, None)
+    if p.data is not None and p.channels >= 0 and p.height >= 0 and p.width >= 0:
+        hdr = _header(p.channels, p.height, p.width) + b"\x22" + _enc_varint(len(p.data))
+        if b[: len(hdr)] == hdr:
+            _last_header = (hdr, len(hdr), p.channels, p.height, p.width, len(p.data))
+    return p
+
+
+def _parse_from(
+    b: memoryview, pos: int, channels: int, height: int, width: int, data: memoryview | None
+) -> ParsedDatum:
+    end = len(b)
+    label = 0
     encoded = False
-    data: memoryview | None = None
     floats: list[memoryview | npt.NDArray[np.uint8]] = []
-    pos = 0
     while pos < end:
         tag = b[pos]
         if tag < 0x80:
@@ -311,8 +355,11 @@ def parse_datum(
         DataError: the bytes are not a valid protobuf message (see the module
             docstring for the exact rules); the message says where.
     """
+    b = memoryview(buf)
+    if b.format != "B" or b.ndim != 1:
+        b = b.cast("B")
     try:
-        return _parse(_as_bytes_view(buf))
+        return _parse(b)
     except _Malformed as exc:
         raise DataError(f"not a valid caffe.Datum: {exc}; {_REBUILD}", path=path, key=key) from None
 
@@ -494,11 +541,16 @@ def datum_view(
             is not 8-bit, or announces more than ``max_pixels`` pixels.
         ProtoError: both ``force_color`` and ``force_gray`` are set.
     """
-    flag = _imread_flag(force_color, force_gray)
+    if force_color and force_gray:
+        _imread_flag(force_color, force_gray)  # raises
     p = datum if isinstance(datum, ParsedDatum) else parse_datum(datum, key=key, path=path)
     if p.encoded:
+        flag = _imread_flag(force_color, force_gray)
         return _decode_image(p.data, flag, max_pixels, key, path), p.label
-    return _raw_view(p, key, path), p.label
+    c, h, w, label, _, data, floats = p
+    if data is not None and floats is None and c > 0 and h > 0 and w > 0 and len(data) == c * h * w:
+        return np.ndarray((c, h, w), _U1, data), label  # the common case: a view
+    return _raw_view(p, key, path), label
 
 
 def decode_datum(
@@ -572,7 +624,7 @@ def decode_datum_into(
             path=path,
             key=key,
         )
-    if not np.can_cast(chw.dtype, out.dtype, "safe"):
+    if chw.dtype != out.dtype and not np.can_cast(chw.dtype, out.dtype, "safe"):
         raise DataError(
             f"the record holds {chw.dtype} values that {out.dtype} cannot hold without "
             f"loss; use a float32 output for float_data records",
@@ -621,8 +673,7 @@ def _check_chw(arr: npt.NDArray[np.generic], dtype: type[np.generic], what: str)
         raise ShapeError(f"{what}: dimensions {arr.shape} do not fit Datum's int32 fields")
 
 
-def _dims(arr: npt.NDArray[np.generic]) -> bytes:
-    c, h, w = arr.shape
+def _header(c: int, h: int, w: int) -> bytes:
     return b"\x08" + _enc_varint(c) + b"\x10" + _enc_varint(h) + b"\x18" + _enc_varint(w)
 
 
@@ -643,7 +694,7 @@ def encode_raw_datum(chw_uint8: npt.ArrayLike, label: int) -> bytes:
     payload = arr.tobytes(order="C")
     return b"".join(
         (
-            _dims(arr),
+            _header(*arr.shape),
             b"\x22",
             _enc_varint(len(payload)),
             payload,
@@ -692,4 +743,4 @@ def encode_float_datum(chw_float32: npt.ArrayLike, label: int) -> bytes:
     rows = np.empty((flat.size, 5), np.uint8)
     rows[:, 0] = _FLOAT_TAG
     rows[:, 1:] = flat.view(np.uint8).reshape(-1, 4)
-    return b"".join((_dims(arr), b"\x28", _enc_int32(label), rows.tobytes()))
+    return b"".join((_header(*arr.shape), b"\x28", _enc_int32(label), rows.tobytes()))
