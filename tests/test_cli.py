@@ -189,7 +189,10 @@ def test_inspect_missing_db_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("blobpipe inspect: error: not an LMDB database")
+    assert err.startswith("blobpipe inspect: error: does not exist; database ")
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty")]) == 1
+    assert "not an LMDB database (no data.mdb)" in capsys.readouterr().err
 
 
 def test_export_with_transform_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,7 +35,8 @@ class Records:
                     f"; an unfinished conversion is in {str(partial)!r}: rerun the same "
                     "convert-imageset command to finish it"
                 )
-            raise DatabaseNotFoundError(f"not an LMDB database (no data.mdb){hint}", path=self.path)
+            what = "not an LMDB database (no data.mdb)" if self.path.exists() else "does not exist"
+            raise DatabaseNotFoundError(f"{what}{hint}", path=self.path)
         try:
             self._env = lmdb.open(
                 str(self.path), readonly=True, lock=False, readahead=False, max_dbs=0
