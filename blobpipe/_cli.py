@@ -65,23 +65,26 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     def report(message: str) -> None:
         _err("convert-imageset", message)
 
-    result = convert_imageset(
-        args.root,
-        args.listfile,
-        args.db,
-        resize_height=args.resize_height,
-        resize_width=args.resize_width,
-        gray=args.gray,
-        shuffle=args.shuffle,
-        seed=args.seed,
-        encoded=args.encoded,
-        encode_type=args.encode_type,
-        check_size=args.check_size,
-        force=args.force,
-        commit_every=args.commit_every,
-        quiet=args.quiet,
-        report=report,
-    )
+    try:
+        result = convert_imageset(
+            args.root,
+            args.listfile,
+            args.db,
+            resize_height=args.resize_height,
+            resize_width=args.resize_width,
+            gray=args.gray,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            encoded=args.encoded,
+            encode_type=args.encode_type,
+            check_size=args.check_size,
+            force=args.force,
+            commit_every=args.commit_every,
+            quiet=args.quiet,
+            report=report,
+        )
+    except KeyboardInterrupt:
+        return 130  # convert_imageset has reported what is committed and how to resume
     if not args.quiet:
         seed = f", shuffled with seed {result.seed}" if result.seed is not None else ""
         print(
@@ -444,6 +447,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print("first keys:")
     for key in data["first_keys"]:
         print(f"  {key}")
+    if not info.scanned:
+        return 0
     print("kinds:     " + ", ".join(f"{k} {n}" for k, n in sorted(info.kinds.items())))
     print("shapes (C, H, W):")
     for item in data["shapes"]:

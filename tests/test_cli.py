@@ -331,3 +331,25 @@ def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     assert "resuming the conversion" in capsys.readouterr().err
     assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / "raw_color")
     assert not partial.exists()
+
+
+def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
+    out = tmp_path / "db"
+    argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, *argv], env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        marker = read_marker(tmp_path / "db.partial")
+        if marker is not None and marker["next_index"] >= 4:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.count("\n") == 1
+    assert err.startswith("blobpipe convert-imageset: interrupted: ")
+    assert "rerun the same command to resume" in err
+    assert not out.exists()
