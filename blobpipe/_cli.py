@@ -144,7 +144,7 @@ def _add_convert(sub: Any) -> None:
         "--encode-type",
         "--encode_type",
         default="",
-        choices=["", "jpg", "png"],
+        choices=["jpg", "png"],
         help="encode as jpg or png (implies --encoded)",
     )
     p.add_argument(
