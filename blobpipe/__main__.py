@@ -1,0 +1,10 @@
+"""``python -m blobpipe``: the command line (see :mod:`blobpipe._cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,539 @@
+"""The ``blobpipe`` command line: Caffe's dataset tools and the way out to blobs.
+
+Exit codes: 0 success, 1 failure (one ``blobpipe <command>: error: ...`` line
+on stderr), 2 usage error, 130 interrupted. Progress bars go to stderr, only on
+a terminal and never with ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__
+from ._errors import BlobpipeError
+
+__all__ = ["main"]
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+def _err(command: str, message: str) -> None:
+    print(f"blobpipe {command}: {message}", file=sys.stderr, flush=True)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
+    return value
+
+
+def _parser_with(sub: Any, name: str, summary: str, examples: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        epilog="examples:\n" + examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar and no summary line"
+    )
+    return parser
+
+
+# -- convert-imageset -------------------------------------------------------
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from ._tools import convert_imageset
+
+    def report(message: str) -> None:
+        _err("convert-imageset", message)
+
+    try:
+        result = convert_imageset(
+            args.root,
+            args.listfile,
+            args.db,
+            resize_height=args.resize_height,
+            resize_width=args.resize_width,
+            gray=args.gray,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            encoded=args.encoded,
+            encode_type=args.encode_type,
+            check_size=args.check_size,
+            force=args.force,
+            commit_every=args.commit_every,
+            quiet=args.quiet,
+            report=report,
+        )
+    except KeyboardInterrupt:
+        return 130  # convert_imageset has reported what is committed and how to resume
+    if not args.quiet:
+        seed = f", shuffled with seed {result.seed}" if result.seed is not None else ""
+        print(
+            f"wrote {result.records} records to {str(result.path)!r} "
+            f"({len(result.skipped)} of {result.lines} list entries skipped{seed})"
+        )
+    return 0
+
+
+def _add_convert(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "convert-imageset",
+        "Convert images and a Caffe list file into an LMDB of Datums (Caffe's convert_imageset).",
+        "  blobpipe convert-imageset --resize-height 32 --resize-width 40 images/ list.txt db\n"
+        "  blobpipe convert-imageset --encoded --encode-type jpg images/ list.txt train_jpg_lmdb\n"
+        "  blobpipe convert-imageset --shuffle --seed 1 --gray images/ list.txt gray_lmdb\n"
+        "\n"
+        "LISTFILE lines are 'relative/path label' (split at the last space); keys are\n"
+        "'%08d_<path>' with the line index. Unreadable images are reported and skipped.\n"
+        "The database is built in DB.partial and renamed to DB when complete; after an\n"
+        "interruption the same command resumes it.",
+    )
+    p.add_argument("root", metavar="ROOT", help="folder the list file's paths are relative to")
+    p.add_argument("listfile", metavar="LISTFILE", help="lines of 'path label'")
+    p.add_argument("db", metavar="DB", help="output LMDB directory (must not exist)")
+    p.add_argument(
+        "--resize-height",
+        "--resize_height",
+        type=_non_negative,
+        default=0,
+        metavar="H",
+        help="resize to this height (with --resize-width; 0: keep)",
+    )
+    p.add_argument(
+        "--resize-width",
+        "--resize_width",
+        type=_non_negative,
+        default=0,
+        metavar="W",
+        help="resize to this width (with --resize-height; 0: keep)",
+    )
+    p.add_argument("--gray", action="store_true", help="read images as 1-channel grayscale")
+    p.add_argument("--shuffle", action="store_true", help="shuffle the list before converting")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="shuffle seed (reproducible; default: random, printed at the end)",
+    )
+    p.add_argument(
+        "--encoded",
+        action="store_true",
+        help="store encoded images (the file itself when it already matches)",
+    )
+    p.add_argument(
+        "--encode-type",
+        "--encode_type",
+        default="",
+        choices=["jpg", "png"],
+        help="encode as jpg or png (implies --encoded)",
+    )
+    p.add_argument(
+        "--check-size",
+        "--check_size",
+        action="store_true",
+        help="fail unless every image has the same size",
+    )
+    p.add_argument("--force", action="store_true", help="replace DB if it exists")
+    p.add_argument(
+        "--commit-every",
+        type=_positive,
+        default=1000,
+        metavar="N",
+        help="records per LMDB transaction (default 1000, as Caffe)",
+    )
+    p.set_defaults(handler=_cmd_convert)
+
+
+# -- compute-mean -----------------------------------------------------------
+
+
+def _cmd_mean(args: argparse.Namespace) -> int:
+    from ._tools import compute_mean
+
+    result = compute_mean(args.db, args.out, force=args.force, quiet=args.quiet)
+    for c, value in enumerate(result.channel_means):
+        print(f"mean_value channel [{c}]: {value:.6g}")
+    if not args.quiet and args.out is not None:
+        print(f"wrote the mean of {result.count} records to {args.out!r}")
+    return 0
+
+
+def _add_mean(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "compute-mean",
+        "Per-pixel mean of an LMDB as a Caffe mean file (Caffe's compute_image_mean).",
+        "  blobpipe compute-mean train_lmdb mean.binaryproto\n"
+        "  blobpipe compute-mean train_lmdb            # print the channel means only\n",
+    )
+    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument(
+        "out",
+        metavar="OUT.binaryproto",
+        nargs="?",
+        default=None,
+        help="where to write the mean BlobProto",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(handler=_cmd_mean)
+
+
+# -- transform options (export, bench) ----------------------------------------
+
+
+def _add_transform_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transform (Caffe's transform_param; TEST phase)")
+    g.add_argument(
+        "--mean-file",
+        "--mean_file",
+        default=None,
+        metavar="MEAN.binaryproto",
+        help="subtract this mean image",
+    )
+    g.add_argument(
+        "--mean-value",
+        "--mean_value",
+        type=float,
+        action="append",
+        default=None,
+        metavar="V",
+        help="subtract this value (repeat once per channel)",
+    )
+    g.add_argument("--scale", type=float, default=1.0, help="multiply after the mean (default 1)")
+    g.add_argument(
+        "--crop-size",
+        "--crop_size",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="centre crop to N x N",
+    )
+    g.add_argument("--mirror", action="store_true", help="flip records (seeded, per record)")
+    g.add_argument(
+        "--force-color",
+        "--force_color",
+        action="store_true",
+        help="decode encoded records as 3-channel BGR",
+    )
+    g.add_argument(
+        "--force-gray",
+        "--force_gray",
+        action="store_true",
+        help="decode encoded records as 1-channel gray",
+    )
+    g.add_argument("--layout", choices=["NCHW", "NHWC"], default="NCHW", help="output layout")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "uint8"],
+        default="float32",
+        help="float32 (Caffe) or uint8 (raw pixels: no mean or scale)",
+    )
+
+
+def _transform(args: argparse.Namespace) -> Any:
+    from ._io._transform import Transform
+
+    return Transform(
+        scale=args.scale,
+        mirror=args.mirror,
+        crop_size=args.crop_size,
+        mean_file=args.mean_file,
+        mean_value=tuple(args.mean_value or ()),
+        force_color=args.force_color,
+        force_gray=args.force_gray,
+        layout=args.layout,
+        dtype=args.dtype,
+    )
+
+
+# -- export -----------------------------------------------------------------
+
+
+def _shard(text: str) -> tuple[int, int]:
+    from ._tools._batchsource import parse_shard
+
+    try:
+        return parse_shard(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ._tools import export
+
+    result = export(
+        args.db,
+        args.out,
+        format=args.format,
+        transform=_transform(args),
+        batch_size=args.batch_size,
+        limit=args.limit,
+        shard=args.shard,
+        force=args.force,
+        quiet=args.quiet,
+    )
+    if not args.quiet:
+        print(
+            f"exported {result.count} records to {str(result.path)!r} ({result.format}): "
+            f"data {result.dtype} {result.shape}, labels float32 ({result.count},)"
+        )
+    return 0
+
+
+def _add_export(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "export",
+        "Export an LMDB to blobs: a directory of .npy files, an .npz, or a BlobProtoVector.",
+        "  blobpipe export train_lmdb train_npy            # train_npy/data.npy + labels.npy\n"
+        "  blobpipe export train_lmdb train.npz --mean-file mean.binaryproto --scale 0.017\n"
+        "  blobpipe export train_lmdb train.binaryproto --limit 1000\n"
+        "  blobpipe export train_lmdb part1.npz --shard 1/4   # every 4th record from the 2nd\n"
+        "\n"
+        "The format follows OUT's suffix (.npz, .binaryproto/.pb, else a directory of .npy)\n"
+        "unless --format is given. Memory use is one batch: .npy files are written through\n"
+        "memory maps. Reading the export back gives the loader's batches, concatenated.",
+    )
+    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("out", metavar="OUT", help="output directory, .npz or .binaryproto")
+    p.add_argument(
+        "--format",
+        choices=["npy", "npz", "binaryproto"],
+        default=None,
+        help="override the format implied by OUT",
+    )
+    p.add_argument(
+        "--limit",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="export only the first N (selected) records",
+    )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        default=None,
+        metavar="I/N",
+        help="export only records I, I+N, I+2N, ... (key order)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=256,
+        metavar="B",
+        help="records per batch (memory bound; default 256)",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_transform_options(p)
+    p.set_defaults(handler=_cmd_export)
+
+
+# -- bench ------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ._tools import bench
+
+    seconds = args.seconds
+    if seconds is None and args.batches is None:
+        seconds = 5.0
+    result = bench(
+        args.db,
+        batch_size=args.batch_size,
+        transform=_transform(args),
+        seconds=seconds,
+        batches=args.batches,
+        warmup=args.warmup,
+        quiet=args.quiet,
+    )
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(
+            f"{result.records_per_s:,.0f} records/s  {result.batches_per_s:,.1f} batches/s  "
+            f"{result.mb_per_s:,.1f} MB/s  ({result.batches} batches of {args.batch_size}, "
+            f"{result.seconds:.2f} s; first batch after {result.first_batch_s * 1e3:.1f} ms)"
+        )
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "bench",
+        "Measure the loader's throughput on your database.",
+        "  blobpipe bench train_lmdb\n"
+        "  blobpipe bench train_lmdb --batch-size 256 --crop-size 227 --scale 0.017\n"
+        "  blobpipe bench train_lmdb --batches 100 --json\n",
+    )
+    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=64,
+        metavar="B",
+        help="records per batch (default 64)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="time budget (default 5 s unless --batches is given)",
+    )
+    p.add_argument(
+        "--batches", type=_positive, default=None, metavar="N", help="stop after N timed batches"
+    )
+    p.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=2,
+        metavar="N",
+        help="untimed batches first (default 2)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_transform_options(p)
+    p.set_defaults(handler=_cmd_bench)
+
+
+# -- inspect ----------------------------------------------------------------
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ._tools import inspect_db
+
+    info = inspect_db(args.db, limit=args.limit, first=args.first, quiet=args.quiet)
+    if args.json:
+        print(json.dumps(info.to_json(), indent=2))
+        return 0
+    data = info.to_json()
+    status = "complete"
+    if not info.complete:
+        done, lines = info.progress or (0, 0)
+        status = (
+            f"INCOMPLETE (conversion stopped at line {done} of {lines}; "
+            "rerun the same convert-imageset command to finish it)"
+        )
+    print(f"database:  {data['path']}  ({_human(info.size_bytes)} on disk, {status})")
+    scanned = "" if info.scanned == info.records else f"  (first {info.scanned} scanned)"
+    print(f"records:   {info.records}{scanned}")
+    print("first keys:")
+    for key in data["first_keys"]:
+        print(f"  {key}")
+    if not info.scanned:
+        return 0
+    print("kinds:     " + ", ".join(f"{k} {n}" for k, n in sorted(info.kinds.items())))
+    print("shapes (C, H, W):")
+    for item in data["shapes"]:
+        c, h, w = item["shape"]
+        print(f"  {c} x {h} x {w}: {item['count']}")
+    labels = data["labels"]
+    common = ", ".join(f"{lab} ({n})" for lab, n in labels["most_common"])
+    print(
+        f"labels:    {labels['distinct']} distinct, min {labels['min']}, max {labels['max']}; "
+        f"most common: {common}"
+    )
+    if info.errors:
+        print(f"unreadable records: {len(info.errors)}")
+        for key, msg in list(data["errors"].items())[:5]:
+            print(f"  {key}: {msg}")
+    return 0
+
+
+def _add_inspect(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "inspect",
+        "Summarise an LMDB: records, keys, Datum kinds, shapes, labels, size.",
+        "  blobpipe inspect train_lmdb\n"
+        "  blobpipe inspect --json train_lmdb | jq .shapes\n"
+        "  blobpipe inspect --limit 1000 huge_lmdb   # scan only the first 1000 records\n",
+    )
+    p.add_argument("db", metavar="DB", help="LMDB to inspect (also an unfinished DB.partial)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--limit",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="scan only the first N records for kinds/shapes/labels",
+    )
+    p.add_argument(
+        "--first",
+        type=_non_negative,
+        default=5,
+        metavar="K",
+        help="how many first keys to show (default 5)",
+    )
+    p.set_defaults(handler=_cmd_inspect)
+
+
+# -- main -------------------------------------------------------------------
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blobpipe",
+        description="Caffe's dataset tools for modern Python: make, inspect and export LMDBs.",
+        epilog="examples:\n"
+        "  blobpipe convert-imageset --resize-height 32 --resize-width 40 images/ list.txt db\n"
+        "  blobpipe compute-mean db mean.binaryproto\n"
+        "  blobpipe inspect db\n"
+        "  blobpipe export db out.npz\n"
+        "  blobpipe bench db --batch-size 64\n"
+        "\nRun 'blobpipe COMMAND --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"blobpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_convert(sub)
+    _add_mean(sub)
+    _add_export(sub)
+    _add_inspect(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``blobpipe`` command line; returns the exit code (0, 1, 2 or 130)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    handler: _Handler = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        _err(args.command, "interrupted")
+        return 130
+    except (BlobpipeError, OSError, ValueError) as exc:
+        _err(args.command, f"error: {exc}")
+        return 1

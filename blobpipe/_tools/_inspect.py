@@ -1,0 +1,134 @@
+"""``inspect``: what an LMDB of Datums holds, without changing it."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import DataError
+from ._output import read_marker
+from ._progress import Progress
+from ._source import datum_kind, open_records, parse_datum, record_array
+
+__all__ = ["DatabaseInfo", "inspect_db"]
+
+
+@dataclass(frozen=True)
+class DatabaseInfo:
+    """A summary of a database.
+
+    ``scanned`` records (all unless ``limit`` was given) were parsed for
+    ``kinds`` (raw/encoded/float counts), ``shapes`` (``(C, H, W)`` → count;
+    encoded records are decoded for it) and ``labels`` (label → count).
+    ``complete`` is false for an unfinished ``.partial`` conversion, with
+    ``progress`` = ``(next line index, lines in the list file)``.
+    """
+
+    path: Path
+    records: int
+    scanned: int
+    first_keys: tuple[bytes, ...]
+    kinds: dict[str, int]
+    shapes: dict[tuple[int, int, int], int]
+    labels: dict[int, int]
+    size_bytes: int
+    complete: bool
+    progress: tuple[int, int] | None = None
+    errors: dict[bytes, str] = field(default_factory=dict)
+
+    def label_summary(self, top: int = 5) -> dict[str, Any]:
+        """Distinct labels, min, max and the ``top`` most common ``[label, count]`` pairs."""
+        if not self.labels:
+            return {"distinct": 0, "min": None, "max": None, "most_common": []}
+        common = sorted(self.labels.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        return {
+            "distinct": len(self.labels),
+            "min": min(self.labels),
+            "max": max(self.labels),
+            "most_common": [[label, n] for label, n in common],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (keys decoded as UTF-8 with replacement characters)."""
+        return {
+            "path": str(self.path),
+            "records": self.records,
+            "scanned": self.scanned,
+            "complete": self.complete,
+            "progress": list(self.progress) if self.progress else None,
+            "first_keys": [k.decode(errors="replace") for k in self.first_keys],
+            "kinds": dict(self.kinds),
+            "shapes": [
+                {"shape": list(s), "count": n}
+                for s, n in sorted(self.shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+            ],
+            "labels": self.label_summary(),
+            "size_bytes": self.size_bytes,
+            "errors": {k.decode(errors="replace"): v for k, v in self.errors.items()},
+        }
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".mdb"))
+
+
+def inspect_db(
+    db: str | os.PathLike[str],
+    *,
+    limit: int | None = None,
+    first: int = 5,
+    quiet: bool = True,
+) -> DatabaseInfo:
+    """Summarise the LMDB ``db`` (the first ``limit`` records, all by default).
+
+    Unreadable records are counted under ``errors`` instead of stopping the scan.
+    Raises :class:`DatabaseNotFoundError` when ``db`` is not an LMDB.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+
+    kinds: Counter[str] = Counter()
+    shapes: Counter[tuple[int, int, int]] = Counter()
+    labels: Counter[int] = Counter()
+    errors: dict[bytes, str] = {}
+    with open_records(db) as records:
+        n = len(records)
+        todo = n if limit is None else min(limit, n)
+        scanned = 0
+        with Progress(todo, "inspect", quiet=quiet) as bar:
+            for key, value in records.items():
+                if scanned >= todo:
+                    break
+                scanned += 1
+                bar.advance()
+                try:
+                    datum = parse_datum(value, key=key, path=records.path)
+                    kinds[datum_kind(datum)] += 1
+                    labels[int(datum.label)] += 1
+                    arr = record_array(value, key=key, path=records.path)
+                    shapes[(int(arr.shape[0]), int(arr.shape[1]), int(arr.shape[2]))] += 1
+                except DataError as exc:
+                    errors[key] = str(exc)
+        first_keys = tuple(records.first_keys(first))
+        path = records.path
+    marker = read_marker(path)
+    complete = marker is None or bool(marker.get("complete"))
+    progress = None
+    if marker is not None and not complete:
+        progress = (int(marker.get("next_index", 0)), int(marker.get("lines", 0)))
+    return DatabaseInfo(
+        path=path,
+        records=n,
+        scanned=scanned,
+        first_keys=first_keys,
+        kinds=dict(kinds),
+        shapes=dict(shapes),
+        labels=dict(labels),
+        size_bytes=_size(path),
+        complete=complete,
+        progress=progress,
+        errors=errors,
+    )

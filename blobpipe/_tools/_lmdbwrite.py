@@ -1,0 +1,93 @@
+"""Writing LMDB databases the way Caffe does, without a fixed giant map.
+
+Caffe's ``LMDBTransaction::Commit`` doubles the map size on ``MDB_MAP_FULL``
+and retries; :class:`LmdbWriter` does the same: the map starts small and a
+chunk that does not fit is aborted, the map doubled, and the whole chunk put
+again. Each :meth:`LmdbWriter.put_many` is one LMDB transaction, so a kill
+leaves the database at the last committed chunk, never half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+
+from .._errors import DataError
+
+__all__ = ["DEFAULT_MAP_SIZE", "LmdbWriter"]
+
+DEFAULT_MAP_SIZE = 64 << 20
+"""Initial map size; it doubles whenever a transaction does not fit."""
+
+_MAX_MAP_SIZE = 1 << 44  # 16 TiB: past this, growth is a bug, not a dataset.
+
+
+class LmdbWriter:
+    """An LMDB environment (directory with ``data.mdb``/``lock.mdb``) opened for writing.
+
+    Raises :class:`DataError` when the environment cannot be created or opened.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self.path = Path(path)
+        if map_size <= 0:
+            raise ValueError(f"map_size must be positive, got {map_size}")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._env = lmdb.open(
+                str(self.path), map_size=map_size, subdir=True, max_dbs=0, readahead=False
+            )
+        except (OSError, lmdb.Error) as exc:
+            raise DataError(f"cannot open LMDB for writing: {exc}", path=self.path) from exc
+        self.map_size = int(self._env.info()["map_size"])
+        self.grow_count = 0
+
+    def __enter__(self) -> LmdbWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def entries(self) -> int:
+        """Number of records committed so far."""
+        return int(self._env.stat()["entries"])
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Put every ``(key, value)`` in one transaction, doubling the map until it fits.
+
+        Putting a key that exists replaces its value (so replaying a chunk is harmless).
+        """
+        if not items:
+            return
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key, value in items:
+                        txn.put(key, value)
+                return
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error as exc:
+                raise DataError(f"LMDB write failed: {exc}", path=self.path) from exc
+
+    def _grow(self) -> None:
+        new_size = self.map_size * 2
+        if new_size > _MAX_MAP_SIZE:
+            raise DataError(
+                f"LMDB map would exceed {_MAX_MAP_SIZE} bytes; a single chunk is too large",
+                path=self.path,
+            )
+        self._env.set_mapsize(new_size)
+        self.map_size = int(self._env.info()["map_size"])
+        self.grow_count += 1
+
+    def sync(self) -> None:
+        """Flush committed data to disk."""
+        self._env.sync(True)
+
+    def close(self) -> None:
+        """Close the environment; idempotent."""
+        self._env.close()

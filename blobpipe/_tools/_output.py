@@ -1,0 +1,129 @@
+"""Outputs that appear whole or not at all.
+
+Every tool writes into ``<OUT>.partial`` beside the final path (same directory,
+hence same filesystem) and renames it into place only once it is complete.
+Invariants:
+
+* ``<OUT>`` exists only when complete; it is replaced only with ``force=True``,
+  and the old one is moved aside (``<OUT>.replaced``) before the new one is
+  renamed in, so no moment has a half-written ``<OUT>``.
+* ``<OUT>.partial`` may be resumed or removed by the tool that made it; a
+  path of that name holding anything the tool did not write is never removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .._errors import BlobpipeError
+
+__all__ = [
+    "MARKER_NAME",
+    "OutputExistsError",
+    "check_output",
+    "partial_path",
+    "promote",
+    "read_marker",
+    "remove_partial",
+    "write_marker",
+]
+
+MARKER_NAME = "blobpipe-partial.json"
+"""File inside a ``.partial`` directory saying what is being built and how far it got."""
+
+
+class OutputExistsError(BlobpipeError, FileExistsError):
+    """The output path exists and ``force`` was not given."""
+
+
+def partial_path(out: Path) -> Path:
+    """``<out>.partial``: where ``out`` is built before it is renamed into place."""
+    return out.with_name(out.name + ".partial")
+
+
+def _replaced_path(out: Path) -> Path:
+    return out.with_name(out.name + ".replaced")
+
+
+def check_output(out: Path, *, force: bool) -> None:
+    """Raise :class:`OutputExistsError` when ``out`` exists and ``force`` is false."""
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExistsError(
+            f"output {str(out)!r} already exists; pass --force (force=True) to replace it"
+        )
+
+
+def read_marker(partial: Path) -> dict[str, Any] | None:
+    """The marker of an unfinished output, or ``None`` when absent or unreadable."""
+    try:
+        data = json.loads((partial / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_marker(partial: Path, marker: dict[str, Any]) -> None:
+    """Replace the marker atomically (write, fsync, rename)."""
+    tmp = partial / (MARKER_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(marker, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, partial / MARKER_NAME)
+
+
+def remove_partial(partial: Path, allowed: frozenset[str]) -> None:
+    """Remove a ``.partial`` output that holds only files named in ``allowed``.
+
+    Raises :class:`OutputExistsError` if it holds anything else: then it is not
+    ours, and the user must move it.
+    """
+    if not (partial.exists() or partial.is_symlink()):
+        return
+    if partial.is_dir() and not partial.is_symlink():
+        names = {p.name for p in partial.iterdir()}
+        foreign = names - allowed - {MARKER_NAME, MARKER_NAME + ".tmp"}
+        if not foreign:
+            shutil.rmtree(partial)
+            return
+    raise OutputExistsError(
+        f"{str(partial)!r} exists but was not written by blobpipe; move or delete it"
+    )
+
+
+def _remove_any(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def promote(partial: Path, out: Path, *, force: bool) -> None:
+    """Rename a finished ``partial`` to ``out`` (replacing it only with ``force``).
+
+    The caller marks the output complete first and may delete the marker from
+    ``out`` afterwards; a kill in between leaves a complete ``out`` whose marker
+    says so.
+    """
+    check_output(out, force=force)
+    replaced = _replaced_path(out)
+    _remove_any(replaced)
+    if out.exists() or out.is_symlink():
+        os.replace(out, replaced)
+    os.replace(partial, out)
+    _fsync_dir(out.parent)
+    _remove_any(replaced)

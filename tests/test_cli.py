@@ -1,0 +1,355 @@
+"""The ``blobpipe`` command line: commands, exit codes, progress on a terminal, kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from blobpipe._cli import main
+from blobpipe._tools._output import read_marker
+
+REPO = Path(__file__).resolve().parent.parent
+CAFFE = REPO / "tests" / "data" / "caffe"
+ROOT = f"{CAFFE / 'images'}/"
+LIST = str(CAFFE / "list_color.txt")
+RAW_FLAGS = ["--resize_height=32", "--resize_width=40"]
+COMMANDS = ["convert-imageset", "compute-mean", "export", "inspect", "bench"]
+
+
+def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+    finally:
+        env.close()
+
+
+def run_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "blobpipe", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# -- help and usage ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: blobpipe {command}" in out
+    assert "examples:" in out
+    assert f"blobpipe {command} " in out.split("examples:")[1]
+
+
+def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("blobpipe ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bogus"],
+        ["convert-imageset", ROOT, LIST],
+        ["convert-imageset", "--resize-height", "-3", ROOT, LIST, "x"],
+        ["convert-imageset", "--encode-type", "gif", ROOT, LIST, "x"],
+        ["export", "db", "out", "--shard", "4/4"],
+        ["bench", "db", "--batch-size", "0"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "usage: blobpipe" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("blobpipe ")
+
+
+# -- convert-imageset --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "flags"),
+    [("raw_color", RAW_FLAGS), ("encoded_jpg", [*RAW_FLAGS, "--encoded", "--encode_type=jpg"])],
+)
+def test_convert_with_caffes_flags_matches_caffe(
+    tmp_path: Path, name: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / name
+    assert main(["convert-imageset", *flags, ROOT, LIST, str(out)]) == 0
+    assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / name)
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote 50 records to {str(out)!r} (0 of 50 list entries skipped)\n"
+    assert captured.err == ""  # not a terminal: no progress bar
+
+
+def test_convert_refuses_to_overwrite_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "db"
+    assert main(["convert-imageset", "-q", ROOT, LIST, str(out)]) == 0
+    before = lmdb_items(out)
+    assert main(["convert-imageset", *RAW_FLAGS, ROOT, LIST, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("blobpipe convert-imageset: error: output ")
+    assert "--force" in err
+    assert lmdb_items(out) == before
+    assert main(["convert-imageset", "-q", "--force", *RAW_FLAGS, ROOT, LIST, str(out)]) == 0
+    assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / "raw_color")
+
+
+def test_convert_reports_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["convert-imageset", str(tmp_path / "none"), LIST, str(tmp_path / "db")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+    lst = tmp_path / "l.txt"
+    lst.write_text("color/china_00.jpg 1\ncolor/gone.jpg 2\n")
+    assert main(["convert-imageset", "-q", ROOT, str(lst), str(tmp_path / "db")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped '00000001_color/gone.jpg'" in err
+    assert "file not found" in err
+
+
+def test_shuffle_seed_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("a", "b"):
+        argv = ["convert-imageset", "--shuffle", "--seed", "7", ROOT, LIST, str(tmp_path / name)]
+        assert main(argv) == 0
+    assert "shuffled with seed 7" in capsys.readouterr().out
+    assert lmdb_items(tmp_path / "a") == lmdb_items(tmp_path / "b")
+
+
+# -- compute-mean, inspect, export, bench ----------------------------------------------------
+
+
+def test_compute_mean_writes_caffes_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mean.binaryproto"
+    assert main(["compute-mean", str(CAFFE / "lmdb" / "raw_color"), str(out)]) == 0
+    assert out.read_bytes() == (CAFFE / "raw_color_mean.binaryproto").read_bytes()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        "mean_value channel [0]: 96.6124",
+        "mean_value channel [1]: 108.506",
+        "mean_value channel [2]: 117.636",
+    ]
+    assert main(["compute-mean", str(CAFFE / "lmdb" / "raw_color"), str(out)]) == 1
+
+
+def test_inspect_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    db = str(CAFFE / "lmdb" / "encoded_jpg")
+    assert main(["inspect", db]) == 0
+    text = capsys.readouterr().out
+    assert "records:   50" in text
+    assert "00000000_color/china_00.jpg" in text
+    assert "kinds:     encoded 50" in text
+    assert "3 x 32 x 40: 50" in text
+    assert "complete)" in text
+    assert main(["inspect", "--json", db]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["records"] == 50
+    assert data["kinds"] == {"encoded": 50}
+    assert data["shapes"] == [{"shape": [3, 32, 40], "count": 50}]
+    assert data["labels"]["max"] == 1099
+
+
+def test_inspect_missing_db_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("blobpipe inspect: error: does not exist; database ")
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty")]) == 1
+    assert "not an LMDB database (no data.mdb)" in capsys.readouterr().err
+
+
+def test_export_with_transform_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ref = CAFFE / "ref" / "raw_color_b8_meanvalue_crop24"
+    expected = np.concatenate([np.load(ref / f"data_b{k}.npy") for k in range(2)])
+    out = tmp_path / "o.npz"
+    argv = ["export", str(CAFFE / "lmdb" / "raw_color"), str(out), "--limit", "16",
+            "--crop-size", "24", "--mean-value", "104", "--mean-value", "117",
+            "--mean-value", "123"]  # fmt: skip
+    assert main(argv) == 0
+    assert "exported 16 records" in capsys.readouterr().out
+    with np.load(out) as z:
+        np.testing.assert_array_equal(z["data"], expected)
+    assert main(argv) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", str(CAFFE / "lmdb" / "raw_color"), "--batches", "5", "--batch-size", "4"]
+    assert main([*argv, "--json", "-q"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["batches"] == 5
+    assert data["records"] == 20
+    assert data["records_per_s"] > 0
+    assert main(argv) == 0
+    assert "records/s" in capsys.readouterr().out
+
+
+# -- progress on a terminal -------------------------------------------------------------------
+
+
+def _run_on_pty(args: list[str]) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal; returns (rc, stdout, terminal text)."""
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobpipe", *args],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+        text=True,
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_and_quiet(tmp_path: Path) -> None:
+    rc, out, term = _run_on_pty(["convert-imageset", *RAW_FLAGS, ROOT, LIST, str(tmp_path / "a")])
+    assert rc == 0
+    assert "\rconvert" in term
+    assert "50/50 records" in term
+    assert "records/s" in term
+    assert "wrote 50 records" in out
+    rc, out, term = _run_on_pty(["convert-imageset", "-q", ROOT, LIST, str(tmp_path / "b")])
+    assert rc == 0
+    assert term == ""
+    assert out == ""
+
+
+def test_no_progress_bar_when_piped(tmp_path: Path) -> None:
+    proc = run_cli("convert-imageset", ROOT, LIST, str(tmp_path / "db"))
+    assert proc.returncode == 0
+    assert proc.stderr == ""
+
+
+# -- kill -9 in the middle of a conversion ---------------------------------------------------
+
+_SLOW_CONVERT = """
+import sys, time
+from blobpipe._tools import _convert
+real = _convert._read_image
+def slow(filename, is_color):
+    time.sleep(0.05)
+    return real(filename, is_color)
+_convert._read_image = slow
+from blobpipe._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "db"
+    partial = tmp_path / "db.partial"
+    argv = ["convert-imageset", "-q", "--commit-every", "3", *RAW_FLAGS, ROOT, LIST, str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, *argv], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            marker = read_marker(partial)
+            if marker is not None and marker["next_index"] >= 12:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the conversion made no progress")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists()
+    marker = read_marker(partial)
+    assert marker is not None
+    assert not marker["complete"]
+    done = marker["next_index"]
+    assert 12 <= done < 50
+    # a valid LMDB with at least the committed records, all of them Caffe's
+    items = lmdb_items(partial)
+    caffe = dict(lmdb_items(CAFFE / "lmdb" / "raw_color"))
+    assert len(items) >= done
+    assert all(caffe[k] == v for k, v in items)
+
+    assert main(["inspect", str(partial)]) == 0
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 1
+    assert "rerun the same convert-imageset command" in capsys.readouterr().err
+
+    assert main(argv) == 0
+    assert "resuming the conversion" in capsys.readouterr().err
+    assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / "raw_color")
+    assert not partial.exists()
+
+
+def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
+    out = tmp_path / "db"
+    argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, *argv], env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        marker = read_marker(tmp_path / "db.partial")
+        if marker is not None and marker["next_index"] >= 4:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.count("\n") == 1
+    assert err.startswith("blobpipe convert-imageset: interrupted: ")
+    assert "rerun the same command to resume" in err
+    assert not out.exists()
