@@ -2,7 +2,10 @@
 
 Layers, each importing only those before it:
 errors → device backends → memory (pool, SyncedMemory) → Blob → io (protobuf
-codec, LMDB reader, transforms) → loader → CLI.
+codec, LMDB reader, transforms, batches) → loader → CLI tools.
+
+Nothing here imports CuPy or decides on a device: backends are resolved on
+first use (``device="auto"`` tries CUDA, then falls back to the host).
 """
 
 from __future__ import annotations
@@ -10,6 +13,11 @@ from __future__ import annotations
 from ._backends import Backend as Backend
 from ._backends import get_backend as get_backend
 from ._backends import set_default_backend as set_default_backend
+from ._blob import MAX_BLOB_AXES as MAX_BLOB_AXES
+from ._blob import Blob as Blob
+from ._codec import read_blobproto as read_blobproto
+from ._codec import read_caffemodel as read_caffemodel
+from ._codec import write_blobproto as write_blobproto
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError
@@ -20,5 +28,41 @@ from ._errors import ProtoError as ProtoError
 from ._errors import ShapeError as ShapeError
 from ._errors import StateError as StateError
 from ._errors import UnsupportedOperationError as UnsupportedOperationError
+from ._io._batches import ArrayBatch as ArrayBatch
+from ._io._batches import Batches as Batches
+from ._io._batches import BatchPlan as BatchPlan
+from ._io._datum import decode_datum as decode_datum
+from ._io._datum import encode_encoded_datum as encode_encoded_datum
+from ._io._datum import encode_float_datum as encode_float_datum
+from ._io._datum import encode_raw_datum as encode_raw_datum
+from ._io._datum import parse_datum as parse_datum
+from ._io._lmdb import LmdbReader as LmdbReader
+from ._io._prototxt import DataLayerConfig as DataLayerConfig
+from ._io._prototxt import read_data_layer as read_data_layer
+from ._io._transform import RecordParams as RecordParams
+from ._io._transform import Transform as Transform
+from ._io._transform import load_mean_file as load_mean_file
+from ._layout import nchw_offset as nchw_offset
+from ._layout import nchw_to_nhwc as nchw_to_nhwc
+from ._layout import nhwc_offset as nhwc_offset
+from ._layout import nhwc_to_nchw as nhwc_to_nchw
+from ._pool import MemoryPool as MemoryPool
+from ._pool import PoolStatistics as PoolStatistics
+from ._pool import get_pool as get_pool
+from ._syncedmem import Head as Head
+from ._syncedmem import SyncedMemory as SyncedMemory
+from ._tools import BenchResult as BenchResult
+from ._tools import ConvertResult as ConvertResult
+from ._tools import DatabaseInfo as DatabaseInfo
+from ._tools import ExportResult as ExportResult
+from ._tools import MeanResult as MeanResult
+from ._tools import OutputExistsError as OutputExistsError
+from ._tools import SkippedImage as SkippedImage
+from ._tools import bench as bench
+from ._tools import compute_mean as compute_mean
+from ._tools import convert_imageset as convert_imageset
+from ._tools import export as export
+from ._tools import inspect_db as inspect_db
+from ._tools import read_list_file as read_list_file
 
 __version__ = "0.1.0"

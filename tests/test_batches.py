@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from blobpipe._errors import DatabaseNotFoundError, DataError, ShapeError, StateError
-from blobpipe._io._batches import Batch, Batches
+from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -82,11 +82,11 @@ def db10(tmp_path: Path) -> Path:
     )
 
 
-def labels(batches: Iterable[Batch]) -> list[list[int]]:
+def labels(batches: Iterable[ArrayBatch]) -> list[list[int]]:
     return [[int(x) for x in b.label] for b in batches]
 
 
-def take(b: Batches, n: int) -> list[Batch]:
+def take(b: Batches, n: int) -> list[ArrayBatch]:
     return list(islice(iter(b), n))
 
 
@@ -405,8 +405,8 @@ RESUME_CONFIGS: list[dict[str, Any]] = [
 @pytest.mark.parametrize("config", RESUME_CONFIGS)
 @pytest.mark.parametrize("cut", [1, 2, 3, 5])
 def test_resume_equals_uninterrupted(db10: Path, config: dict[str, Any], cut: int) -> None:
-    def stream(b: Batches, n: int) -> list[Batch]:
-        out: list[Batch] = []
+    def stream(b: Batches, n: int) -> list[ArrayBatch]:
+        out: list[ArrayBatch] = []
         while len(out) < n:
             out.extend(islice(iter(b), n - len(out)))
         return out

@@ -57,7 +57,7 @@ from ._datum import datum_view
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
-__all__ = ["Batch", "BatchPlan", "Batches", "RecordSource"]
+__all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
 Order = Literal["key", "shuffle", "buffer"]
 Mode = Literal["wrap", "epoch"]
@@ -124,7 +124,7 @@ class BatchPlan:
 
 
 @dataclass(frozen=True, eq=False)
-class Batch:
+class ArrayBatch:
     """One batch of transformed records.
 
     Attributes:
@@ -651,7 +651,7 @@ class Batches:
             if params_out is not None:
                 params_out[row] = (params.h_off, params.w_off, params.mirror)
 
-    def make_batch(self, plan: BatchPlan) -> Batch:
+    def make_batch(self, plan: BatchPlan) -> ArrayBatch:
         """Allocate arrays for ``plan`` and fill them (single thread).
 
         Raises:
@@ -660,7 +660,7 @@ class Batches:
         data = np.empty(plan.data_shape, dtype=plan.dtype)
         label = np.empty(len(plan.keys), dtype=np.float32)
         self.fill(plan, data, label)
-        return Batch(
+        return ArrayBatch(
             data=data,
             label=label,
             keys=list(plan.keys),
@@ -671,7 +671,7 @@ class Batches:
             plan=plan,
         )
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[ArrayBatch]:
         """Yield batches: endlessly (``mode="wrap"``) or to the end of the epoch.
 
         Raises:
