@@ -282,6 +282,7 @@ def test_encoded_color_decodes_like_opencv_in_chw_bgr(color: np.ndarray, fmt: st
     buf = encode_encoded_datum(data, 4)
     chw, label = decode_datum(buf)
     expected = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    assert expected is not None
     assert label == 4
     assert chw.shape == (3, 12, 17)
     assert np.array_equal(chw, expected.transpose(2, 0, 1))
@@ -289,9 +290,9 @@ def test_encoded_color_decodes_like_opencv_in_chw_bgr(color: np.ndarray, fmt: st
         assert np.array_equal(chw, color.transpose(2, 0, 1))  # lossless, still BGR
     gray, _ = decode_datum(buf, force_gray=True)
     assert gray.shape == (1, 12, 17)
-    assert np.array_equal(
-        gray[0], cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE)
-    )
+    expected_gray = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE)
+    assert expected_gray is not None
+    assert np.array_equal(gray[0], expected_gray)
 
 
 def test_gray_png_is_one_channel_natively_and_three_with_force_color() -> None:
