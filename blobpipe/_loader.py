@@ -391,6 +391,7 @@ class Loader:
         self._tg: anyio.abc.TaskGroup | None = None
         self._current: tuple[_Slot, Batch] | None = None
         self._failure: BaseException | None = None
+        self._broken = False  # a failure was queued: plan and deliver nothing more
         self._means: dict[tuple[int, ...], Any] = {}
         # the blocking (sync) form
         self._portal_cm: Any = None
@@ -580,33 +581,70 @@ class Loader:
 
     # -- producer ------------------------------------------------------------------
     async def _produce(self) -> None:
-        try:
-            while True:
+        # Plans batches in order and starts one fill task per free slot, so up
+        # to ``prefetch`` batches are read concurrently; each task delivers its
+        # batch only after the previous one was delivered (the ``sent`` chain),
+        # so the consumer sees key order and errors at their place.
+        assert self._tg is not None
+        prev = anyio.Event()
+        prev.set()
+        while not self._broken:
+            try:
                 plan = await anyio.to_thread.run_sync(
                     self._batches.next_plan, limiter=self._limiter
                 )
-                if plan is None:
-                    await self._full_send.send(_End())
-                    continue
-                slot = await self._free_recv.receive()
+            except Exception as exc:  # delivered to the consumer, in order
+                sent = anyio.Event()
+                self._tg.start_soon(self._deliver, None, _Failure(exc), prev, sent)
+                return
+            sent = anyio.Event()
+            if plan is None:
+                self._tg.start_soon(self._deliver, None, _End(), prev, sent)
+            else:
+                try:
+                    slot = await self._free_recv.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    return
                 await wait_event(slot.event)
-                await self._fill(slot, plan)
-                self._issue_device_work(slot, plan)
-                await self._full_send.send((slot, plan))
+                self._tg.start_soon(self._fill_and_deliver, slot, plan, prev, sent)
+            prev = sent
+
+    async def _fill_and_deliver(
+        self, slot: _Slot, plan: BatchPlan, prev: anyio.Event, sent: anyio.Event
+    ) -> None:
+        item: tuple[_Slot, BatchPlan] | _Failure
+        try:
+            await self._fill(slot, plan)
+            self._issue_device_work(slot, plan)
+            item = (slot, plan)
         except anyio.get_cancelled_exc_class():
+            sent.set()
             raise
-        except (anyio.ClosedResourceError, anyio.EndOfStream, anyio.BrokenResourceError):
-            return
-        except BaseException as exc:  # delivered to the consumer, in order
-            if not isinstance(exc, Exception):
-                raise
-            try:
-                await self._full_send.send(_Failure(exc))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
+        except Exception as exc:  # delivered to the consumer, in order
+            item = _Failure(exc)
+        await self._deliver(slot, item, prev, sent)
+
+    async def _deliver(
+        self,
+        slot: _Slot | None,
+        item: tuple[_Slot, BatchPlan] | _End | _Failure,
+        prev: anyio.Event,
+        sent: anyio.Event,
+    ) -> None:
+        try:
+            await prev.wait()
+            if self._broken:
+                return
+            if isinstance(item, _Failure):
+                self._broken = True
+            await self._full_send.send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            sent.set()
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        parts = min(n, self._workers * 2) if self._workers > 1 else 1
+        parts = max(1, min(self._workers, n // 8))
         step = math.ceil(n / parts)
         return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
