@@ -14,6 +14,8 @@ import lmdb
 import numpy as np
 import pytest
 
+import blobpipe
+from blobpipe import _errors
 from blobpipe._errors import DatabaseNotFoundError, DataError
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -226,6 +228,13 @@ def test_shuffle_with_seed_is_reproducible(tmp_path: Path) -> None:
 
 
 # -- outputs: refusal, force, transactions ----------------------------------------------
+
+
+def test_output_exists_error_is_one_class_everywhere() -> None:
+    assert blobpipe.OutputExistsError is OutputExistsError is _errors.OutputExistsError
+    assert issubclass(OutputExistsError, _errors.BlobpipeError)
+    assert issubclass(OutputExistsError, FileExistsError)
+    assert "OutputExistsError" in _errors.__all__
 
 
 def test_existing_output_is_never_overwritten_without_force(tmp_path: Path) -> None:

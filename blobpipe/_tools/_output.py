@@ -20,11 +20,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .._errors import BlobpipeError
+from .._errors import OutputExistsError
 
 __all__ = [
     "MARKER_NAME",
-    "OutputExistsError",
     "check_output",
     "partial_path",
     "promote",
@@ -35,10 +34,6 @@ __all__ = [
 
 MARKER_NAME = "blobpipe-partial.json"
 """File inside a ``.partial`` directory saying what is being built and how far it got."""
-
-
-class OutputExistsError(BlobpipeError, FileExistsError):
-    """The output path exists and ``force`` was not given."""
 
 
 def partial_path(out: Path) -> Path:
