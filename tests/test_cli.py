@@ -81,12 +81,18 @@ def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
         ["convert-imageset", "--resize-height", "-3", ROOT, LIST, "x"],
         ["convert-imageset", "--encode-type", "gif", ROOT, LIST, "x"],
         ["export", "db", "out", "--shard", "4/4"],
+        ["export", "db", "out", "--shard", "1"],
+        ["export", "db", "out", "--shard", "a/b"],
+        ["export", "db", "out", "--shard", "-1/2"],
         ["bench", "db", "--batch-size", "0"],
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
-    assert "usage: blobpipe" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: blobpipe" in err
+    if "--shard" in argv:
+        assert "shard" in err.splitlines()[-1]
 
 
 def test_python_dash_m_runs_the_cli() -> None:
@@ -189,10 +195,10 @@ def test_inspect_missing_db_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("blobpipe inspect: error: does not exist; database ")
+    assert err.startswith("blobpipe inspect: error: no such file or directory; check the path")
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty")]) == 1
-    assert "not an LMDB database (no data.mdb)" in capsys.readouterr().err
+    assert "holds no data.mdb, so it is not an LMDB database" in capsys.readouterr().err
 
 
 def test_export_with_transform_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
