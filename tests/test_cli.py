@@ -12,12 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 
 from blobpipe._cli import main
 from blobpipe._tools._output import read_marker
+from tests.conftest import lmdb_items
 
 REPO = Path(__file__).resolve().parent.parent
 CAFFE = REPO / "tests" / "data" / "caffe"
@@ -25,15 +25,6 @@ ROOT = f"{CAFFE / 'images'}/"
 LIST = str(CAFFE / "list_color.txt")
 RAW_FLAGS = ["--resize_height=32", "--resize_width=40"]
 COMMANDS = ["convert-imageset", "compute-mean", "export", "inspect", "bench"]
-
-
-def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
 
 
 def run_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 
@@ -34,6 +33,7 @@ from blobpipe._tools import (
 from blobpipe._tools._bench import time_batches
 from blobpipe._tools._lmdbwrite import LmdbWriter
 from blobpipe._tools._output import MARKER_NAME, read_marker
+from tests.conftest import lmdb_items
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 ROOT = CAFFE / "images"
@@ -42,15 +42,6 @@ CAFFE_FLAGS: dict[str, dict[str, Any]] = {
     "raw_color": {"resize_height": 32, "resize_width": 40},
     "encoded_jpg": {"resize_height": 32, "resize_width": 40, "encoded": True, "encode_type": "jpg"},
 }
-
-
-def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
 
 
 def datum(value: bytes) -> caffe_pb2.Datum:
