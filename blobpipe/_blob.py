@@ -31,8 +31,8 @@ Differences from Caffe, all of them raising where Caffe aborts or misbehaves:
 * ``set_cpu_data`` with a different size replaces data and diff by memories of
   exactly ``count`` elements and sets ``capacity`` to match (Caffe leaves its
   capacity stale).
-* Integer blobs (int32, uint32) have no math and no proto form (Caffe has
-  neither): both raise UnsupportedOperationError.
+* Integer blobs (int32, uint32, and uint8 for raw pixel batches) have no
+  math and no proto form (Caffe has neither): both raise UnsupportedOperationError.
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 #: Caffe's ``kMaxBlobAxes``.
 MAX_BLOB_AXES: Final = 32
 
-#: The element types a Blob can hold (Caffe instantiates Blob for these four).
+#: The element types a Blob can hold (Caffe instantiates Blob for the first four).
 SUPPORTED_DTYPES: Final = (
     np.dtype(np.float32),
     np.dtype(np.float64),
     np.dtype(np.int32),
     np.dtype(np.uint32),
+    # Not one of Caffe's; raw pixel batches (Transform(dtype="uint8")) use it.
+    np.dtype(np.uint8),
 )
 
 _FLOAT_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
@@ -83,11 +85,11 @@ def _check_dtype(dtype: Any) -> np.dtype[Any]:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise ShapeError(
-            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32 or uint32"
+            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32, uint32 or uint8"
         ) from exc
     if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
         raise ShapeError(
-            f"unsupported blob dtype {dt}: expected float32, float64, int32 or uint32"
+            f"unsupported blob dtype {dt}: expected float32, float64, int32, uint32 or uint8"
         )
     result: np.dtype[Any] = dt
     return result
@@ -188,7 +190,7 @@ class Blob:
     ``shape`` is a sequence of at most 32 non-negative ints, or None for
     Caffe's default blob (no axes, count 0; array accessors raise StateError
     until :meth:`reshape`). ``dtype`` is float32 (default), float64, int32 or
-    uint32. ``backend`` is a Backend or a device name (see
+    uint32 (or uint8, for raw pixel batches). ``backend`` is a Backend or a device name (see
     :func:`blobpipe.get_backend`); None means the default backend.
 
     Memory is allocated lazily, from the backend's pools, on first access, and
@@ -220,6 +222,7 @@ class Blob:
         nbytes = self._count * self._itemsize
         self._holder = _Holder(self._new_memory(nbytes), self._new_memory(nbytes))
         self._closed = False
+        self._closed_message: str | None = None
         self._finalizer = weakref.finalize(self, self._holder.release)
 
     def _new_memory(self, nbytes: int) -> _SharedMemory:
@@ -258,10 +261,19 @@ class Blob:
         shape = self._shape if self._shaped else "unshaped"
         return f"<Blob {self._dtype} {shape} on {self._backend.name}{state}>"
 
+    def _retire(self, message: str) -> None:
+        """Close, and make every later access raise StateError with ``message``.
+
+        Used for blobs handed out by a loader whose buffers were recycled.
+        """
+        self.close()
+        self._closed_message = message
+
     def _check_open(self) -> None:
         if self._closed:
             raise StateError(
-                f"this Blob (shape {self.shape_string()}) was closed; create a new one"
+                self._closed_message
+                or f"this Blob (shape {self.shape_string()}) was closed; create a new one"
             )
 
     def _mem(self, which: str) -> SyncedMemory:

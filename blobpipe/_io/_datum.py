@@ -525,8 +525,9 @@ def datum_view(
 ) -> tuple[npt.NDArray[np.uint8] | npt.NDArray[np.float32], int]:
     """A record's ``(C, H, W)`` pixels and its label, copying nothing that is not needed.
 
-    For a raw record the array is a read-only view of the payload inside ``datum``
-    (uint8 for ``data``, float32 for ``float_data``; possibly unaligned): valid only
+    For a raw record the array is a view of the payload inside ``datum`` (uint8 for
+    ``data``, float32 for ``float_data``; possibly unaligned; read-only unless
+    ``datum`` is a writable buffer): valid only
     as long as the buffer, e.g. inside the LMDB transaction that produced it. For an
     encoded record it is a freshly decoded uint8 array (BGR channel order, possibly
     not C-contiguous). Feed it to a transform that writes the batch: one copy.
