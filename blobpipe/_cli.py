@@ -270,12 +270,17 @@ def _transform(args: argparse.Namespace) -> Any:
 
 
 def _shard(text: str) -> tuple[int, int]:
-    from ._tools._batchsource import parse_shard
-
+    """``"I/N"`` → ``(I, N)`` with ``0 <= I < N``."""
     try:
-        return parse_shard(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        index_s, count_s = text.split("/")
+        index, count = int(index_s), int(count_s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shard must look like I/N (e.g. 0/4), got {text!r}"
+        ) from None
+    if count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
