@@ -581,39 +581,59 @@ class Loader:
 
     # -- producer ------------------------------------------------------------------
     async def _produce(self) -> None:
-        # Plans batches in order and starts one fill task per free slot, so up
-        # to ``prefetch`` batches are read concurrently; each task delivers its
+        # Plans batches in order, several per worker-thread call (one call per
+        # run of free slots), and starts one fill task per planned batch, so up
+        # to ``prefetch`` batches are read concurrently. Each task delivers its
         # batch only after the previous one was delivered (the ``sent`` chain),
-        # so the consumer sees key order and errors at their place.
+        # so the consumer sees the planned order and errors at their place.
         assert self._tg is not None
         prev = anyio.Event()
         prev.set()
         while not self._broken:
             try:
-                plan = await anyio.to_thread.run_sync(
-                    self._batches.next_plan, limiter=self._limiter
-                )
-            except Exception as exc:  # delivered to the consumer, in order
-                sent = anyio.Event()
-                self._tg.start_soon(self._deliver, None, _Failure(exc), prev, sent)
+                slots = [await self._free_recv.receive()]
+                while len(slots) < self._prefetch:
+                    slots.append(self._free_recv.receive_nowait())
+            except anyio.WouldBlock:
+                pass
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            sent = anyio.Event()
+            plans = await anyio.to_thread.run_sync(
+                self._plan_many, len(slots), limiter=self._limiter
+            )
+            for item in plans:
+                sent = anyio.Event()
+                if isinstance(item, BatchPlan):
+                    self._tg.start_soon(self._fill_and_deliver, slots.pop(), item, prev, sent)
+                else:
+                    self._tg.start_soon(self._deliver, None, item, prev, sent)
+                prev = sent
+            for slot in slots:  # not needed this round (end of epoch or an error)
+                self._free_send.send_nowait(slot)
+            if plans and isinstance(plans[-1], _Failure):
+                return
+
+    def _plan_many(self, count: int) -> list[BatchPlan | _End | _Failure]:
+        """Up to ``count`` plans, stopping after an epoch end or an error."""
+        out: list[BatchPlan | _End | _Failure] = []
+        while len(out) < count:
+            try:
+                plan = self._batches.next_plan()
+            except Exception as exc:  # delivered to the consumer, in order
+                out.append(_Failure(exc))
+                break
             if plan is None:
-                self._tg.start_soon(self._deliver, None, _End(), prev, sent)
-            else:
-                try:
-                    slot = await self._free_recv.receive()
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    return
-                await wait_event(slot.event)
-                self._tg.start_soon(self._fill_and_deliver, slot, plan, prev, sent)
-            prev = sent
+                out.append(_End())
+                break
+            out.append(plan)
+        return out
 
     async def _fill_and_deliver(
         self, slot: _Slot, plan: BatchPlan, prev: anyio.Event, sent: anyio.Event
     ) -> None:
         item: tuple[_Slot, BatchPlan] | _Failure
         try:
+            await wait_event(slot.event)  # device work still reading the slot
             await self._fill(slot, plan)
             self._issue_device_work(slot, plan)
             item = (slot, plan)
@@ -644,7 +664,9 @@ class Loader:
             sent.set()
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        parts = max(1, min(self._workers, n // 8))
+        # Batches are filled concurrently (one task per slot), so a batch is
+        # split only when there are more workers than slots.
+        parts = max(1, min(-(-self._workers // self._prefetch), n // 8))
         step = math.ceil(n / parts)
         return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 

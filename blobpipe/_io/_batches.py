@@ -286,7 +286,10 @@ class Batches:
             self._reader = source
             self._owned = False
             self._path = getattr(source, "path", None)
-        self._keys = self._reader.keys()
+        keys = self._reader.keys()
+        if not isinstance(self._reader, LmdbReader):  # LmdbReader's keys are bytes already
+            keys = tuple(bytes(k) for k in keys)
+        self._keys = keys
         self._n = len(self._keys)
         self._closed = False
         try:
@@ -520,9 +523,10 @@ class Batches:
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
 
-        indices = tuple(int(self.epoch_order(e)[p]) for e, p in rows)
+        indices = self._indices(rows)
         epochs = tuple(e for e, _ in rows)
-        keys = tuple(bytes(self._keys[i]) for i in indices)
+        all_keys = self._keys
+        keys = tuple([all_keys[i] for i in indices])
         t = self._transform
         if t.needs_random:
             seed = self._seed
@@ -549,6 +553,19 @@ class Batches:
             state=state,
             _first=first,
         )
+
+    def _indices(self, rows: list[tuple[int, int]]) -> tuple[int, ...]:
+        """Global record indices of (epoch, position) rows, a slice per epoch run."""
+        out: list[int] = []
+        i = 0
+        while i < len(rows):
+            epoch, first = rows[i]
+            j = i + 1
+            while j < len(rows) and rows[j] == (epoch, first + (j - i)):
+                j += 1
+            out.extend(self.epoch_order(epoch)[first : first + (j - i)].tolist())
+            i = j
+        return tuple(out)
 
     def _read(
         self, key: bytes, get: Callable[[bytes], bytes | memoryview] | None = None
@@ -605,11 +622,14 @@ class Batches:
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
         transaction = getattr(self._reader, "transaction", None)
         if transaction is None:
-            self._fill_rows(plan, data_out, label_out, start, stop, params_out, self._reader.get)
+            get = self._reader.get
+            self._fill_rows(plan, data_out, label_out, start, stop, params_out, get, get)
         else:
             # Zero-copy: each view is decoded straight into data_out inside the block.
             with transaction() as txn:
-                self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get)
+                fast_get = getattr(txn, "fast_get", None)
+                raw = fast_get() if fast_get is not None else txn.get
+                self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get, raw)
 
     def _fill_rows(
         self,
@@ -620,7 +640,10 @@ class Batches:
         stop: int,
         params_out: npt.NDArray[np.int32] | None,
         get: Callable[[bytes], bytes | memoryview],
+        raw_get: Callable[[bytes], bytes | memoryview | None],
     ) -> None:
+        # ``get`` raises a named error for a missing record; ``raw_get`` is the
+        # unchecked lookup (None when missing) for the block path's loop.
         t = self._transform
         info = t._shape_info(plan.record_shape, self._phase)
         block = _block_plan(t, info, self._phase, plan.record_shape, stop - start)
@@ -651,8 +674,12 @@ class Batches:
                     slow.append(0)
                 continue
             try:
-                p = parse_datum(get(keys[i]), key=keys[i], path=path)
-            except BlobpipeError:
+                value = raw_get(keys[i])
+                if value is None:
+                    slow.append(i)
+                    continue
+                p = parse_datum(value, key=keys[i], path=path)
+            except Exception:  # the per-row path reads it again and names the error
                 slow.append(i)
                 continue
             data = p.data
