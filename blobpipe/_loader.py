@@ -823,8 +823,8 @@ class Loader:
     def _make_batch(self, slot: _Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self._device_transform else slot.host
         assert src is not None and slot.label is not None
-        data = _view_of(src)
-        label = _view_of(slot.label)
+        data = src._alias()
+        label = slot.label._alias()
         return Batch(self, data, label, plan)
 
     # -- the blocking form ------------------------------------------------------------
@@ -884,10 +884,3 @@ class Loader:
             return portal.call(self.__anext__)
         except StopAsyncIteration:
             raise StopIteration from None
-
-
-def _view_of(blob: Blob) -> Blob:
-    """A new Blob sharing ``blob``'s data memory (no allocation)."""
-    view = Blob(blob.shape, blob.dtype, backend=blob.backend)
-    view.share_data(blob)
-    return view
