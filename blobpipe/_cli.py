@@ -370,6 +370,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         batches=args.batches,
         warmup=args.warmup,
         quiet=args.quiet,
+        device=args.device,
+        workers=args.workers,
     )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
@@ -389,7 +391,8 @@ def _add_bench(sub: Any) -> None:
         "Measure the loader's throughput on your database.",
         "  blobpipe bench train_lmdb\n"
         "  blobpipe bench train_lmdb --batch-size 256 --crop-size 227 --scale 0.017\n"
-        "  blobpipe bench train_lmdb --batches 100 --json\n",
+        "  blobpipe bench train_lmdb --batches 100 --json\n"
+        "  blobpipe bench train_lmdb --device cpu --workers 2\n",
     )
     p.add_argument("db", metavar="DB", help="input LMDB of Datums")
     p.add_argument(
@@ -414,6 +417,18 @@ def _add_bench(sub: Any) -> None:
         default=2,
         metavar="N",
         help="untimed batches first (default 2)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when available), cpu, cuda or cuda:N (default auto)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="worker threads filling records (default: the CPU count)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_transform_options(p)

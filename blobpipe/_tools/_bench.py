@@ -4,8 +4,7 @@
 not counted, then batches are drawn until ``seconds`` have passed,
 ``batches`` were delivered or the iterable ends. :func:`bench` feeds it the
 batches of :func:`_endless_batches`, the one place that says what is timed
-(today the synchronous ``Batches``, epoch after epoch; later the async
-``Loader``).
+(the :class:`~blobpipe.Loader`, in its blocking form).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import Any
 
 from .._errors import DataError
 from .._io._transform import Transform
-from ._batchsource import open_batches
 from ._progress import Progress
 
 __all__ = ["BenchResult", "bench", "time_batches"]
@@ -63,20 +61,26 @@ class BenchResult:
 
 @contextmanager
 def _endless_batches(
-    db: str | os.PathLike[str], *, batch_size: int, transform: Transform | None
+    db: str | os.PathLike[str],
+    *,
+    batch_size: int,
+    transform: Transform | None,
+    device: str = "auto",
+    workers: int | None = None,
 ) -> Iterator[Iterable[Any]]:
-    """The batches ``bench`` times: TEST-phase ``Batches`` in key order, epoch after epoch.
+    """The batches ``bench`` times: the :class:`~blobpipe.Loader` in the TEST phase,
+    key order, Caffe's wrap-around mode (endless), on ``device``."""
+    from .._loader import Loader  # the CLI layer sits above the loader
 
-    The async ``Loader`` replaces this body (``with Loader(db, ...) as loader:
-    yield loader``) and nothing else in ``bench`` changes.
-    """
-    with open_batches(db, batch_size=batch_size, transform=transform) as batches:
-
-        def epochs() -> Iterator[Any]:
-            while True:  # Batches refuses an empty database, so every epoch yields
-                yield from batches
-
-        yield epochs()
+    with Loader(
+        db,
+        batch_size=batch_size,
+        transform=transform,
+        phase="test",
+        device=device,
+        workers=workers,
+    ) as loader:
+        yield loader
 
 
 def _check_bounds(seconds: float | None, batches: int | None, warmup: int) -> None:
@@ -155,6 +159,8 @@ def bench(
     warmup: int = 2,
     quiet: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    device: str = "auto",
+    workers: int | None = None,
 ) -> BenchResult:
     """Time the loader on ``db``: stop after ``batches`` timed batches or ``seconds``.
 
@@ -163,7 +169,9 @@ def bench(
     """
     _check_bounds(seconds, batches, warmup)
     start = clock()
-    with _endless_batches(db, batch_size=batch_size, transform=transform) as source:
+    with _endless_batches(
+        db, batch_size=batch_size, transform=transform, device=device, workers=workers
+    ) as source:
         return time_batches(
             source,
             seconds=seconds,
