@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import datum_view, parse_datum
+from ._datum import datum_view, gather_raw, parse_datum
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
@@ -662,23 +662,21 @@ class Batches:
         staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
         flat = staging.reshape(stop - start, size)
         slow: list[int] = []
-        keys = plan.keys
+        keys = plan.keys[start:stop]
         path = self._path
-        for i in range(start, stop):
-            if i == 0 and plan._first is not None:
-                chw, label = plan._first
-                if chw.dtype == _U1 and chw.shape == plan.record_shape:
-                    flat[0] = chw.reshape(size)
-                    label_out[0] = label
-                else:
-                    slow.append(0)
-                continue
+        try:
+            values = [raw_get(k) for k in keys]
+        except Exception:  # the per-row path reads the failing record again and names it
+            values = [_try_get(raw_get, k) for k in keys]
+        # Records laid out as convert_imageset writes them are copied all at once.
+        rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
+        for r in rest:
+            i = start + r
+            value = values[r]
             try:
-                value = raw_get(keys[i])
                 if value is None:
-                    slow.append(i)
-                    continue
-                p = parse_datum(value, key=keys[i], path=path)
+                    raise LookupError
+                p = parse_datum(value, key=keys[r], path=path)
             except Exception:  # the per-row path reads it again and names the error
                 slow.append(i)
                 continue
@@ -692,7 +690,7 @@ class Batches:
             ):
                 slow.append(i)
                 continue
-            flat[i - start] = np.frombuffer(data, _U1)
+            flat[r] = np.frombuffer(data, _U1)
             label_out[i] = p.label
         if not block.direct:
             block.apply(staging.reshape(stop - start, c, h, w), data_out[start:stop])
@@ -806,6 +804,15 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _try_get(
+    get: Callable[[bytes], bytes | memoryview | None], key: bytes
+) -> bytes | memoryview | None:
+    try:
+        return get(key)
+    except Exception:
+        return None
 
 
 _tls = threading.local()

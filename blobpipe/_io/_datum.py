@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias, cast
 
 import numpy as np
@@ -67,6 +68,7 @@ __all__ = [
     "encode_encoded_datum",
     "encode_float_datum",
     "encode_raw_datum",
+    "gather_raw",
     "parse_datum",
 ]
 
@@ -639,6 +641,93 @@ def decode_datum_into(
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(str(s) for s in shape)
+
+
+# -- many raw records at once -----------------------------------------------------------------
+
+
+def _varint_column(
+    tail: npt.NDArray[np.uint8], start: int, length: int
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+    """Rows whose bytes ``[start, start+length)`` form one varint, and its int32 value."""
+    cols = tail[:, start : start + length].astype(np.uint64)
+    ok = np.ones(len(tail), dtype=bool)
+    value = np.zeros(len(tail), dtype=np.uint64)
+    for j in range(length):
+        byte = cols[:, j]
+        last = j == length - 1
+        ok &= (byte < 0x80) if last else (byte >= 0x80)
+        value |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+    low = (value & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    low[low >= 1 << 31] -= 1 << 32  # int32 semantics, as protobuf's parser
+    return ok, low
+
+
+def gather_raw(
+    values: Sequence[BytesLike | None],
+    shape: tuple[int, int, int],
+    pixels_out: npt.NDArray[np.uint8],
+    labels_out: npt.NDArray[np.float32],
+) -> list[int]:
+    """Copy many raw uint8 records of one shape at once; return the rows it did not take.
+
+    A record is taken when its bytes are exactly what ``convert_imageset``
+    writes for a raw Datum of ``shape``: the fields channels, height, width,
+    data (``C·H·W`` bytes), label, and optionally ``encoded: false``, in that
+    order, each once. Such a record parses to exactly these pixels and label
+    (protobuf would agree), so the check is a byte comparison, done for all
+    records of one length with a few numpy operations and no per-record
+    parsing. ``pixels_out`` is ``(len(values), C·H·W)`` uint8, ``labels_out``
+    ``(len(values),)``; rows not taken (another layout, encoded, float_data,
+    ``None``) are left untouched for the caller's per-record path.
+    """
+    c, h, w = shape
+    size = c * h * w
+    header = np.frombuffer(_header(c, h, w) + b"\x22" + _enc_varint(size), np.uint8)
+    hl = len(header)
+    groups: dict[int, list[int]] = {}
+    rest: list[int] = []
+    for i, value in enumerate(values):
+        if value is None:
+            rest.append(i)
+            continue
+        n = len(value)
+        if n < hl + size + 2:
+            rest.append(i)
+        else:
+            groups.setdefault(n, []).append(i)
+    for n, rows in groups.items():
+        block = np.frombuffer(b"".join([values[i] for i in rows]), np.uint8)  # type: ignore[misc]
+        block = block.reshape(len(rows), n)
+        good = (block[:, :hl] == header).all(axis=1)
+        tail = block[:, hl + size :]
+        k = n - hl - size  # tail: 0x28 varint(label) [0x38 0x00]
+        good &= tail[:, 0] == 0x28
+        with_enc_ok = np.zeros(len(rows), dtype=bool)
+        labels = np.zeros(len(rows), dtype=np.int64)
+        if 1 <= k - 3 <= 10:
+            ok, lab = _varint_column(tail, 1, k - 3)
+            with_enc_ok = ok & (tail[:, k - 2] == 0x38) & (tail[:, k - 1] == 0x00)
+            labels = np.where(with_enc_ok, lab, labels)
+        bare_ok = np.zeros(len(rows), dtype=bool)
+        if 1 <= k - 1 <= 10:
+            ok, lab = _varint_column(tail, 1, k - 1)
+            bare_ok = ok & ~with_enc_ok
+            labels = np.where(bare_ok, lab, labels)
+        good &= with_enc_ok | bare_ok
+        idx = np.asarray(rows)
+        if good.all() and len(rows) == len(values):  # the common case: one plain copy
+            pixels_out[...] = block[:, hl : hl + size]
+            labels_out[...] = labels
+        elif good.all():
+            pixels_out[idx] = block[:, hl : hl + size]
+            labels_out[idx] = labels
+        else:
+            pixels_out[idx[good]] = block[good, hl : hl + size]
+            labels_out[idx[good]] = labels[good]
+            rest.extend(idx[~good].tolist())
+    rest.sort()
+    return rest
 
 
 # -- writers -------------------------------------------------------------------------------
