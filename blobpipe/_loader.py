@@ -751,7 +751,10 @@ class Loader:
             self._failure = item.exc
             raise item.exc
         slot, plan = item
-        await wait_event(slot.event)
+        # Shielded: the item has left the queue, so a cancellation here would
+        # lose the batch and its slot. The wait is bounded by the copy.
+        with anyio.CancelScope(shield=True):
+            await wait_event(slot.event)
         with self._lock:
             self._wait_time += time.perf_counter() - t0
             self._n_batches += 1
