@@ -375,6 +375,9 @@ class Loader:
             readahead=readahead,
             state=state,
         )
+        # The producer plans ahead of the consumer: resume after the last
+        # *delivered* batch, never from the producer's cursor.
+        self._resume_state: dict[str, Any] = self._batches.state_dict()
         self._phase: Phase = phase
         self._prefetch = int(prefetch)
         self._workers = int(workers)
@@ -496,10 +499,13 @@ class Loader:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Resume state after the last delivered batch (before any iteration: the start)."""
-        if self._current is not None:
-            return dict(self._current[1].state)
-        return self._batches.state_dict()
+        """Resume state after the last delivered batch (before any iteration: the start).
+
+        Batches prefetched but not delivered do not count, so a state saved at
+        any time (also after :meth:`aclose`) resumes with the next batch the
+        consumer would have seen.
+        """
+        return dict(self._resume_state)
 
     # -- async lifetime ------------------------------------------------------------
     async def __aenter__(self) -> Loader:
@@ -759,6 +765,7 @@ class Loader:
             self._wait_time += time.perf_counter() - t0
             self._n_batches += 1
             self._n_records += plan.valid
+        self._resume_state = plan.state
         batch = self._make_batch(slot, plan)
         self._current = (slot, batch)
         return batch

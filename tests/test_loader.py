@@ -928,3 +928,34 @@ def test_len_needs_epoch_mode(db30: Path) -> None:
 def test_public_names() -> None:
     for name in ("Batch", "Loader", "LoaderStatistics"):
         assert getattr(blobpipe, name) is getattr(blobpipe._loader, name)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["wrap", "epoch"])
+async def test_state_dict_follows_the_consumer_not_the_producer(db30: Path, mode: str) -> None:
+    """The producer runs ``prefetch`` batches ahead; the resume state must not."""
+    options: dict[str, Any] = {"mode": mode, "order": "shuffle", "seed": 2}
+    with Batches(db30, 4, **options) as batches:
+        start = batches.state_dict()
+    async with Loader(db30, 4, device="cpu", prefetch=3, **options) as loader:
+        await anyio.sleep(0.05)  # the producer fills the ring
+        assert loader.state_dict() == start
+        got = await collect(loader, 3)
+        assert loader.state_dict() == got[-1].state
+        if mode == "epoch":
+            got += await collect(loader)  # to the end of the epoch
+            await anyio.sleep(0.05)
+            assert loader.state_dict() == got[-1].state
+            assert (got[-1].state["epoch"], got[-1].state["position"]) == (1, 0)
+    assert loader.state_dict() == got[-1].state  # saved after the loop, e.g. at shutdown
+    async with Loader(db30, 4, device="cpu", state=loader.state_dict(), **options) as resumed:
+        after = await collect(resumed, 3)
+    n = len(got) + 3
+    want = expected(db30, None if mode == "epoch" else n, batch_size=4, **options)
+    if mode == "epoch":
+        with Batches(db30, 4, **options) as batches:
+            want = list(batches) + list(batches)
+    assert_matches(got + after, want[:n])
