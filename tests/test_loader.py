@@ -515,6 +515,40 @@ async def test_slow_copies_still_give_right_data(db30: Path, device_transform: b
     assert loader.statistics().copy_time >= 5 * 0.05
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("device_transform", [True, False])
+async def test_copies_do_not_block_the_event_loop(db30: Path, device_transform: bool) -> None:
+    """While copies are in flight the loop keeps running other tasks (the consumer's)."""
+    delay = 0.2
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        last = time.perf_counter()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        async with Loader(
+            db30,
+            4,
+            device=EmulatedBackend(delay=delay),
+            prefetch=2,
+            device_transform=device_transform,
+        ) as loader:
+            # keep the batches without reading them: a host read of device data
+            # is a blocking accessor by design
+            kept = [(await anext(loader)).detach() for _ in range(3)]
+        tg.cancel_scope.cancel()
+    assert max(gaps) < delay / 2
+    assert_matches([Got.of(batch) for batch in kept], expected(db30, 3, batch_size=4))
+    for batch in kept:
+        batch.close()
+
+
 async def _noop_wait(event: object) -> None:
     return None
 
