@@ -193,6 +193,7 @@ class _Slot:
         self.event: Event = COMPLETED
         self.host: Blob | None = None  # data as filled on the host (pinned)
         self.label: Blob | None = None  # labels (pushed to the device too)
+        self.staged: Blob | None = None  # device copy of ``host`` (device transform)
         self.out: Blob | None = None  # device transform output (float32)
         self.params: npt.NDArray[np.int32] = np.zeros((0, 3), np.int32)
 
@@ -212,17 +213,18 @@ class _Slot:
         self.host = self._fit(self.host, plan.data_shape, plan.dtype, backend)
         self.label = self._fit(self.label, (len(plan),), np.dtype(np.float32), backend)
         if out_shape is not None:
+            self.staged = self._fit(self.staged, plan.data_shape, plan.dtype, backend)
             self.out = self._fit(self.out, out_shape, np.dtype(np.float32), backend)
         if self.params.shape[0] < len(plan):
             self.params = np.zeros((len(plan), 3), np.int32)
 
     def forget(self) -> None:
         """Drop the blobs (a detached batch now owns their memory)."""
-        self.host = self.label = self.out = None
+        self.host = self.label = self.staged = self.out = None
 
     def close(self) -> None:
         self.event.synchronize()
-        for blob in (self.host, self.label, self.out):
+        for blob in (self.host, self.label, self.staged, self.out):
             if blob is not None:
                 blob.close()
         self.forget()
@@ -375,6 +377,9 @@ class Loader:
             readahead=readahead,
             state=state,
         )
+        # The producer plans ahead of the consumer: resume after the last
+        # *delivered* batch, never from the producer's cursor.
+        self._resume_state: dict[str, Any] = self._batches.state_dict()
         self._phase: Phase = phase
         self._prefetch = int(prefetch)
         self._workers = int(workers)
@@ -497,10 +502,13 @@ class Loader:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Resume state after the last delivered batch (before any iteration: the start)."""
-        if self._current is not None:
-            return dict(self._current[1].state)
-        return self._batches.state_dict()
+        """Resume state after the last delivered batch (before any iteration: the start).
+
+        Batches prefetched but not delivered do not count, so a state saved at
+        any time (also after :meth:`aclose`) resumes with the next batch the
+        consumer would have seen.
+        """
+        return dict(self._resume_state)
 
     # -- async lifetime ------------------------------------------------------------
     async def __aenter__(self) -> Loader:
@@ -716,10 +724,10 @@ class Loader:
         assert slot.host is not None and slot.label is not None
         issued = time.perf_counter()
         slot.label.data.start_gpu_push(slot.stream)
-        event = slot.host.data.start_gpu_push(slot.stream)
         if self._device_transform:
-            assert slot.out is not None
             event = self._launch_transform(slot, plan)
+        else:
+            event = slot.host.data.start_gpu_push(slot.stream)
         slot.event = event
         self._tg_start_copy_timer(event, issued)
 
@@ -727,11 +735,13 @@ class Loader:
         backend = self._backend
         xp = backend.xp
         t = self._transform
-        assert slot.host is not None and slot.out is not None
-        # The staged uint8 batch is read on the device once its push (queued
-        # on this stream just before) has run: launch() keeps stream order.
-        u8 = slot.host.data.mutable_gpu_data()
-        u8 = backend.device_view(u8, np.uint8, plan.data_shape, readonly=False)
+        assert slot.host is not None and slot.staged is not None and slot.out is not None
+        # The uint8 batch is copied into a device-only blob rather than pushed
+        # through the host blob's SyncedMemory: a pending push would make the
+        # device accessor below wait for the copy, blocking the event loop.
+        # The kernel runs after the copy in this stream's order (launch()).
+        u8 = slot.staged.mutable_gpu_data()
+        backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         out = slot.out.mutable_gpu_data()
         mean = self._device_mean(plan.record_shape)
         params_host = slot.params[: len(plan)].copy()
@@ -811,11 +821,15 @@ class Loader:
             self._failure = item.exc
             raise item.exc
         slot, plan = item
-        await wait_event(slot.event)
+        # Shielded: the item has left the queue, so a cancellation here would
+        # lose the batch and its slot. The wait is bounded by the copy.
+        with anyio.CancelScope(shield=True):
+            await wait_event(slot.event)
         with self._lock:
             self._wait_time += time.perf_counter() - t0
             self._n_batches += 1
             self._n_records += plan.valid
+        self._resume_state = plan.state
         batch = self._make_batch(slot, plan)
         self._current = (slot, batch)
         return batch

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 
@@ -18,6 +17,7 @@ from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
+from tests._helpers import image, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 REF_CASES = {
@@ -57,20 +57,6 @@ def encoded_datum(img_hwc_or_hw: np.ndarray, ext: str, label: int = 0) -> bytes:
     assert ok
     d = caffe_pb2.Datum(data=enc.tobytes(), label=label, encoded=True)
     return d.SerializeToString()
-
-
-def write_lmdb(path: Path, items: Iterable[tuple[bytes, bytes]]) -> Path:
-    env = lmdb.open(str(path), map_size=1 << 28)
-    with env.begin(write=True) as txn:
-        for k, v in items:
-            txn.put(k, v)
-    env.close()
-    return path
-
-
-def image(i: int, shape: tuple[int, int, int] = (3, 6, 8)) -> np.ndarray:
-    rng = np.random.default_rng(i)
-    return rng.integers(0, 256, shape, dtype=np.uint8)
 
 
 @pytest.fixture

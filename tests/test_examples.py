@@ -1,0 +1,58 @@
+"""The examples run and do what they say."""
+
+from __future__ import annotations
+
+import runpy
+from itertools import pairwise
+from pathlib import Path
+
+import anyio
+import pytest
+
+from blobpipe import Batches
+from blobpipe._backends import EmulatedBackend
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_train_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(str(EXAMPLES / "train_digits.py"), run_name="example")
+    argv = ["--epochs", "5", "--device", "cpu", "--workers", "1", "--workdir", str(tmp_path)]
+    result = example["run"](argv)
+    assert result.device == "host"
+    assert result.accuracy > 0.9
+    assert len(result.losses) == 5
+    assert all(a > b for a, b in pairwise(result.losses))
+    assert result.records_per_second > 0
+    out = capsys.readouterr().out
+    assert "epoch   5: loss" in out
+    assert f"test accuracy: {result.accuracy:.4f}" in out
+    assert "records/s on host" in out
+    # the LMDBs are Caffe's raw 1x8x8 Datums of the 80/20 split
+    with Batches(tmp_path / "digits_train", 1437, mode="epoch") as train:
+        batch = next(iter(train))
+        assert batch.data.shape == (1437, 1, 8, 8)
+        assert batch.data.max() == 255 and batch.data.min() == 0
+        assert sorted(set(batch.label.tolist())) == list(range(10))
+    with Batches(tmp_path / "digits_test", 360) as test:
+        assert test.num_records == 360
+
+
+def test_train_digits_main(capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(str(EXAMPLES / "train_digits.py"), run_name="example")
+    assert example["main"](["--epochs", "1", "--device", "cpu", "--batch-size", "256"]) == 0
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_train_digits_device_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CUDA branch (gpu_data, mutable_gpu_diff, update on the device), emulated."""
+    example = runpy.run_path(str(EXAMPLES / "train_digits.py"), run_name="example")
+    args = example["parse_args"](["--epochs", "5", "--workers", "1"])
+    args.device = EmulatedBackend()
+    train_db, test_db = example["write_lmdbs"](tmp_path)
+    result = anyio.run(example["train"], args, train_db, test_db)
+    assert result.device == "emulated"
+    assert result.accuracy > 0.9
+    host = example["run"](["--epochs", "5", "--device", "cpu", "--workers", "1"])
+    assert result.losses == pytest.approx(host.losses, rel=1e-4)
+    assert "records/s on emulated" in capsys.readouterr().out

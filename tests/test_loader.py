@@ -1,0 +1,995 @@
+"""Loader: content equal to Batches and to Caffe, lifetimes, cancellation, errors, memory.
+
+Every async test runs under asyncio and trio (the ``anyio_backend`` fixture).
+Device tests run on the emulated device, whose copies land later on worker
+threads, so a missing event wait shows up as wrong data without a GPU; the
+same tests run on CUDA under the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+
+import blobpipe
+from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
+from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+from blobpipe._backends._emulated import EmulatedEvent
+from blobpipe._io._batches import ArrayBatch
+from tests._helpers import encoded_db, float_db, key, raw_db, write_lmdb
+from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
+
+RAW_COLOR = CAFFE / "lmdb" / "raw_color"
+MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def make_backend(name: str) -> Backend:
+    """A fresh backend (fresh pools, so their counters belong to the test)."""
+    if name == "host":
+        return HostBackend()
+    if name == "emulated":
+        return EmulatedBackend(delay=0.001)
+    return cupy_backend_or_skip()
+
+
+DEVICES = [
+    # (backend, device_transform)
+    pytest.param("host", None, id="host"),
+    pytest.param("emulated", None, id="emulated"),
+    pytest.param("emulated", False, id="emulated-no-dt"),
+    pytest.param("cupy", None, id="cupy", marks=pytest.mark.gpu),
+    pytest.param("cupy", False, id="cupy-no-dt", marks=pytest.mark.gpu),
+]
+
+
+@dataclass
+class Got:
+    """What a consumer saw of one batch, copied to the host before it was recycled."""
+
+    data: np.ndarray
+    device: np.ndarray | None  # gpu_data(), when the backend has a device
+    label: np.ndarray
+    keys: tuple[bytes, ...]
+    indices: tuple[int, ...]
+    epoch: int
+    valid: int
+    state: dict[str, Any]
+
+    @classmethod
+    def of(cls, batch: blobpipe.Batch) -> Got:
+        blob = batch.data
+        device = None
+        if blob.backend.has_device:
+            device = np.array(to_numpy(blob.gpu_data()))
+        return cls(
+            data=np.array(blob.cpu_data()),
+            device=device,
+            label=np.array(batch.label.cpu_data()),
+            keys=batch.keys,
+            indices=batch.indices,
+            epoch=batch.epoch,
+            valid=batch.valid,
+            state=batch.state,
+        )
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_matches(got: list[Got], want: list[ArrayBatch]) -> None:
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys == tuple(w.keys), k
+        assert g.indices == w.indices, k
+        assert (g.epoch, g.valid) == (w.epoch, w.valid), k
+        assert g.state == w.state, k
+        assert same_bits(g.data, w.data), k
+        if g.device is not None:
+            assert same_bits(g.device, w.data), k
+        assert same_bits(g.label, w.label), k
+
+
+def expected(source: Any, n: int | None, **options: Any) -> list[ArrayBatch]:
+    """The first ``n`` batches (or one epoch) of the synchronous iterator."""
+    with Batches(source, **options) as batches:
+        out = []
+        for batch in batches:
+            out.append(batch)
+            if len(out) == n:
+                break
+        return out
+
+
+async def collect(loader: Loader, n: int | None = None) -> list[Got]:
+    got: list[Got] = []
+    async for batch in loader:
+        got.append(Got.of(batch))
+        if len(got) == n:
+            break
+    return got
+
+
+async def collect_into(loader: Loader, got: list[Got]) -> None:
+    async for batch in loader:
+        got.append(Got.of(batch))
+
+
+class FillProbe:
+    """Wraps ``Batches.fill``: counts calls, the plans filled, the calls in flight."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, sleep: float = 0.0) -> None:
+        self.sleep = sleep
+        self.calls = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.plans: set[int] = set()
+        self.in_flight_at_wait = 0
+        self.started = threading.Event()
+        self._lock = threading.Lock()
+        original = Batches.fill
+        probe = self
+
+        def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
+            with probe._lock:
+                probe.calls += 1
+                probe.in_flight += 1
+                probe.max_in_flight = max(probe.max_in_flight, probe.in_flight)
+                probe.plans.add(id(plan))
+            probe.started.set()
+            try:
+                if probe.sleep:
+                    time.sleep(probe.sleep)
+                original(self, plan, *args, **kwargs)
+            finally:
+                with probe._lock:
+                    probe.in_flight -= 1
+
+        monkeypatch.setattr(Batches, "fill", fill)
+
+    async def wait_filling(self) -> None:
+        """Return once a fill starts (it then sleeps ``sleep`` seconds in its thread)."""
+        self.started.clear()
+        assert await anyio.to_thread.run_sync(self.started.wait, 5.0)
+        self.in_flight_at_wait = self.in_flight
+
+
+class PoolWatch:
+    """The used bytes of a backend's pools, to check every block came back."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.before = self.used()
+
+    def used(self) -> tuple[int, int]:
+        host = get_pool(self.backend, "host").statistics().used_bytes
+        device = (
+            get_pool(self.backend, "device").statistics().used_bytes
+            if self.backend.has_device
+            else 0
+        )
+        return host, device
+
+    def assert_returned(self) -> None:
+        assert self.used() == self.before
+
+
+@pytest.fixture
+def db30(tmp_path: Path) -> Path:
+    """30 raw 3x10x12 records; record i has label i."""
+    return raw_db(tmp_path / "db30", 30)
+
+
+# -- content: equal to the synchronous iterator ----------------------------------------------
+
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # name: (database, Transform kwargs, Loader/Batches kwargs)
+    "raw": ("raw", {}, {"phase": "test"}),
+    "jpg": ("jpg", {}, {"phase": "test"}),
+    "png": ("png", {"scale": 0.5}, {"phase": "test"}),
+    "float_data": ("float", {"scale": 0.5, "mean_value": (1.5, -2.0, 0.25)}, {}),
+    "crop_mirror_train": (
+        "caffe",
+        {"crop_size": 24, "mirror": True},
+        {"phase": "train", "order": "shuffle", "seed": 7},
+    ),
+    "mean_file_scale": (
+        "caffe",
+        {"mean_file": MEAN_FILE, "scale": 0.017, "crop_size": 24, "mirror": True},
+        {"phase": "train", "seed": 3},
+    ),
+    "nhwc": (
+        "raw",
+        {"layout": "NHWC", "mean_value": (10, 20, 30), "scale": 0.25, "crop_size": 8},
+        {"phase": "train", "seed": 1},
+    ),
+    "uint8": ("raw", {"dtype": "uint8", "crop_size": 8, "mirror": True}, {"phase": "train"}),
+}
+
+
+def case_db(kind: str, tmp_path: Path) -> Path:
+    if kind == "raw":
+        return raw_db(tmp_path / "raw", 30)
+    if kind in ("jpg", "png"):
+        return encoded_db(tmp_path / kind, 30, f".{kind}")
+    if kind == "float":
+        return float_db(tmp_path / "float", 30)
+    return RAW_COLOR
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_matches_batches(
+    case: str, device: str, device_transform: bool | None, tmp_path: Path
+) -> None:
+    kind, transform_kwargs, options = CASES[case]
+    db = case_db(kind, tmp_path)
+    backend = make_backend(device)
+    if kind == "float" and backend.has_device:
+        device_transform = False  # float_data records cannot be staged as uint8
+    n = 9  # wraps past the end of the database, through every ring slot several times
+    async with Loader(
+        db,
+        8,
+        device=backend,
+        prefetch=3,
+        transform=Transform(**transform_kwargs),
+        device_transform=device_transform,
+        workers=3,
+        **options,
+    ) as loader:
+        assert loader.device_transform == (
+            backend.has_device
+            and device_transform is not False
+            and loader.transform.dtype == np.float32
+        )
+        got = await collect(loader, n)
+    assert_matches(
+        got, expected(db, n, batch_size=8, transform=Transform(**transform_kwargs), **options)
+    )
+    if kind == "raw" and transform_kwargs.get("dtype") == "uint8":
+        assert got[0].data.dtype == np.uint8
+
+
+@pytest.mark.anyio
+async def test_float_data_needs_device_transform_off(tmp_path: Path) -> None:
+    db = float_db(tmp_path / "float", 4)
+    async with Loader(db, 2, device=EmulatedBackend()) as loader:
+        assert loader.device_transform
+        with pytest.raises(DataError, match=r"dtype='uint8' output needs uint8 records"):
+            await anext(loader)
+
+
+# -- content: equal to Caffe ------------------------------------------------------------------
+
+REF_CASES: dict[str, tuple[Path, dict[str, Any]]] = {
+    "raw_color_b8": (RAW_COLOR, {}),
+    "raw_color_b8_meanfile_scale": (RAW_COLOR, {"scale": 0.017, "mean_file": MEAN_FILE}),
+    "raw_color_b8_meanvalue_crop24": (RAW_COLOR, {"crop_size": 24, "mean_value": (104, 117, 123)}),
+    "encoded_jpg_b8": (CAFFE / "lmdb" / "encoded_jpg", {}),
+}
+
+
+def caffe_reference(case: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    ref = CAFFE / "ref" / case
+    n = len(list(ref.glob("data_b*.npy")))
+    return [(np.load(ref / f"data_b{k}.npy"), np.load(ref / f"label_b{k}.npy")) for k in range(n)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("via", ["params", "prototxt"])
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+@pytest.mark.parametrize("case", sorted(REF_CASES))
+async def test_matches_caffe(
+    case: str,
+    device: str,
+    device_transform: bool | None,
+    via: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref = caffe_reference(case)
+    backend = make_backend(device)
+    options: dict[str, Any] = {"device": backend, "device_transform": device_transform}
+    if via == "params":
+        db, kwargs = REF_CASES[case]
+        loader = Loader(db, 8, transform=Transform(**kwargs), phase="test", **options)
+    else:
+        monkeypatch.chdir(CAFFE)
+        loader = Loader.from_prototxt(f"ref/{case}/net.prototxt", "test", **options)
+        assert loader.batch_size == 8
+    async with loader:
+        got = await collect(loader, len(ref))
+    for k, (g, (data, label)) in enumerate(zip(got, ref, strict=True)):
+        assert same_bits(g.data, data), k
+        if g.device is not None:
+            assert same_bits(g.device, data), k
+        assert same_bits(g.label, label), k
+
+
+def test_from_prototxt_options_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(CAFFE)
+    loader = Loader.from_prototxt(
+        "ref/raw_color_b8/net.prototxt", "test", device="cpu", batch_size=5, prefetch=2
+    )
+    with loader:
+        batch = next(iter(loader))
+        assert batch.data.shape == (5, 3, 32, 40)
+        assert loader.prefetch == 2
+        assert np.array_equal(batch.data.cpu_data(), caffe_reference("raw_color_b8")[0][0][:5])
+
+
+# -- forms: async (asyncio, trio) and blocking; epochs ----------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("order", ["key", "shuffle"])
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_epoch_mode_ends_each_epoch(db30: Path, device: str, order: str) -> None:
+    t = Transform(crop_size=8, mirror=True)
+    options: dict[str, Any] = {"order": order, "mode": "epoch", "seed": 5, "transform": t}
+    async with Loader(db30, 8, device=make_backend(device), prefetch=2, **options) as loader:
+        assert len(loader) == 4
+        epoch0 = await collect(loader)
+        epoch1 = await collect(loader)
+        epoch2 = await collect(loader)
+    with Batches(db30, 8, **options) as batches:
+        want0, want1, want2 = list(batches), list(batches), list(batches)
+    assert [g.epoch for g in epoch0] == [0] * 4
+    assert [g.epoch for g in epoch1] == [1] * 4
+    assert [g.valid for g in epoch1] == [8, 8, 8, 6]
+    assert_matches(epoch0, want0)
+    assert_matches(epoch1, want1)
+    assert_matches(epoch2, want2)
+    if order == "shuffle":
+        assert [g.keys for g in epoch0] != [g.keys for g in epoch1]
+
+
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+def test_blocking_form(db30: Path, device: str, device_transform: bool | None) -> None:
+    t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
+    options: dict[str, Any] = {"mode": "epoch", "last": "pad", "transform": t}
+    backend = make_backend(device)
+    with Loader(
+        db30, 8, device=backend, prefetch=2, device_transform=device_transform, **options
+    ) as loader:
+        epoch0 = [Got.of(batch) for batch in loader]
+        epoch1 = [Got.of(batch) for batch in loader]
+    with Batches(db30, 8, **options) as batches:
+        assert_matches(epoch0, list(batches))
+        assert_matches(epoch1, list(batches))
+    assert epoch1[-1].valid == 6 and len(epoch1[-1].keys) == 8
+
+
+def test_blocking_form_wrap_and_break(db30: Path) -> None:
+    with Loader(db30, 7, device="cpu") as loader:
+        got = []
+        for batch in loader:
+            got.append(Got.of(batch))
+            if len(got) == 6:
+                break
+    assert_matches(got, expected(db30, 6, batch_size=7))
+
+
+# -- DLPack ------------------------------------------------------------------------------------
+
+
+def address(array: Any) -> int:
+    if isinstance(array, np.ndarray):
+        return int(array.__array_interface__["data"][0])
+    return int(array.data.ptr)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_dlpack_shares_memory(db30: Path, device: str, device_transform: bool | None) -> None:
+    backend = make_backend(device)
+    t = Transform(scale=0.5)
+    async with Loader(
+        db30, 4, device=backend, transform=t, device_transform=device_transform
+    ) as loader:
+        want = expected(db30, 3, batch_size=4, transform=t)
+        k = 0
+        async for batch in loader:
+            if backend.has_device:
+                exported = backend.xp.from_dlpack(batch.data)
+                native = batch.data.gpu_data()
+            else:
+                exported = np.from_dlpack(batch.data)
+                native = batch.data.cpu_data()
+                assert np.shares_memory(exported, native)
+            assert address(exported) == address(native)
+            assert exported.shape == native.shape == want[k].data.shape
+            assert np.array_equal(to_numpy(exported), want[k].data)
+            k += 1
+            if k == 3:
+                break
+
+
+# -- recycling and detach ----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_recycled_batch_raises(
+    db30: Path, device: str, device_transform: bool | None
+) -> None:
+    async with Loader(
+        db30, 4, device=make_backend(device), device_transform=device_transform
+    ) as loader:
+        first = await anext(loader)
+        data, label = first.data, first.label
+        assert not first.recycled
+        second = await anext(loader)
+        assert first.recycled and not second.recycled
+        for access in (
+            lambda: first.data,
+            lambda: first.label,
+            data.cpu_data,
+            label.cpu_data,
+            lambda: first.detach(),
+        ):
+            with pytest.raises(StateError, match=r"this batch was recycled.*batch\.detach"):
+                access()
+        assert "recycled" in repr(first)
+        second.data.cpu_data()  # the current batch is fine
+    assert second.recycled  # the loader took it back on close
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_detach_keeps_batch(db30: Path, device: str, device_transform: bool | None) -> None:
+    backend = make_backend(device)
+    pools = PoolWatch(backend)
+    t = Transform(mean_value=(3, 2, 1), scale=2)
+    want = expected(db30, 12, batch_size=4, transform=t)
+    async with Loader(
+        db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
+    ) as loader:
+        await anext(loader)
+        kept = (await anext(loader)).detach()
+        assert kept.detach() is kept  # idempotent
+        assert "detached" in repr(kept)
+        rest = [Got.of(await anext(loader)) for _ in range(10)]  # every slot refilled many times
+        assert not kept.recycled
+        assert_matches([Got.of(kept)], want[1:2])
+        assert_matches(rest, want[2:])
+    # the loader is closed; the detached batch is still the caller's
+    assert_matches([Got.of(kept)], want[1:2])
+    kept.close()
+    pools.assert_returned()
+
+
+# -- the device transform ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+async def test_device_transform_equals_cpu_transform(device: str) -> None:
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    options: dict[str, Any] = {"phase": "train", "order": "shuffle", "seed": 11, "transform": t}
+    results = {}
+    for dt in (True, False):
+        async with Loader(
+            RAW_COLOR, 8, device=make_backend(device), device_transform=dt, **options
+        ) as loader:
+            assert loader.device_transform is dt
+            results[dt] = await collect(loader, 8)  # 64 records: past one epoch
+    async with Loader(RAW_COLOR, 8, device=HostBackend(), **options) as loader:
+        host = await collect(loader, 8)
+    mirrored = 0
+    for on, off, cpu in zip(results[True], results[False], host, strict=True):
+        assert on.device is not None
+        assert same_bits(on.device, off.data) and same_bits(on.device, cpu.data)
+        assert same_bits(on.data, cpu.data)
+        assert on.keys == cpu.keys
+        mirrored += sum(Transform.draw(11, cpu.epoch, i) & 1 for i in cpu.indices)
+    assert 0 < mirrored < 64  # both branches of the mirror were exercised
+
+
+# -- event waits on the emulated device ----------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device_transform", [True, False])
+async def test_slow_copies_still_give_right_data(db30: Path, device_transform: bool) -> None:
+    backend = EmulatedBackend(delay=0.05)
+    t = Transform(mean_value=(5, 6, 7), scale=0.5, crop_size=8, mirror=True)
+    async with Loader(
+        db30, 8, device=backend, prefetch=2, transform=t, device_transform=device_transform
+    ) as loader:
+        got = await collect(loader, 5)
+    assert_matches(got, expected(db30, 5, batch_size=8, transform=t))
+    assert loader.statistics().copy_time >= 5 * 0.05
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device_transform", [True, False])
+async def test_copies_do_not_block_the_event_loop(db30: Path, device_transform: bool) -> None:
+    """While copies are in flight the loop keeps running other tasks (the consumer's)."""
+    delay = 0.2
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        last = time.perf_counter()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        async with Loader(
+            db30,
+            4,
+            device=EmulatedBackend(delay=delay),
+            prefetch=2,
+            device_transform=device_transform,
+        ) as loader:
+            # keep the batches without reading them: a host read of device data
+            # is a blocking accessor by design
+            kept = [(await anext(loader)).detach() for _ in range(3)]
+        tg.cancel_scope.cancel()
+    assert max(gaps) < delay / 2
+    assert_matches([Got.of(batch) for batch in kept], expected(db30, 3, batch_size=4))
+    for batch in kept:
+        batch.close()
+
+
+async def _noop_wait(event: object) -> None:
+    return None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("removed", "device_transform"),
+    [
+        (None, True),
+        (None, False),
+        ("loader wait", True),  # the loader's await of the slot's event
+        ("event", False),  # every event reports completion at once
+    ],
+)
+async def test_without_the_wait_data_is_wrong(
+    db30: Path, removed: str | None, device_transform: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emulated device lands copies late, so the waits above are really tested."""
+    backend = EmulatedBackend(delay=0.2)
+    if removed == "loader wait":
+        monkeypatch.setattr(blobpipe._loader, "wait_event", _noop_wait)
+    elif removed == "event":
+        monkeypatch.setattr(EmulatedEvent, "query", lambda self: True)
+        monkeypatch.setattr(EmulatedEvent, "synchronize", lambda self: None)
+    t = Transform(scale=0.5)
+    async with Loader(
+        db30, 4, device=backend, prefetch=1, transform=t, device_transform=device_transform
+    ) as loader:
+        got = Got.of(await anext(loader))
+        monkeypatch.undo()  # wait properly for the copies before the buffers go back
+    assert got.device is not None
+    want = expected(db30, 1, batch_size=4, transform=t)[0].data
+    # what the device holds when the batch is handed out (the host side may
+    # hold the right bytes: the staging buffer, or a later device->host copy)
+    assert same_bits(got.device, want) == (removed is None)
+
+
+# -- cancellation and cleanup --------------------------------------------------------------------
+
+
+async def _consume(loader: Loader, count: int, sleep: float = 0.0) -> None:
+    async for _ in loader:
+        count -= 1
+        await anyio.sleep(sleep)
+        if count == 0:
+            break
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "where",
+    [
+        "break",
+        "consumer error",
+        "cancel while filling",
+        "cancel outside async with",
+        "cancel in body",
+        "close before iterating",
+    ],
+)
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_cleanup(
+    db30: Path, device: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make_backend(device)
+    pools = PoolWatch(backend)
+    probe = FillProbe(monkeypatch, sleep=0.03)
+    loader = Loader(db30, 4, device=backend, prefetch=3, workers=2)
+    if where == "break":
+        async with loader:
+            await _consume(loader, 2)
+    elif where == "consumer error":
+
+        async def fail() -> None:
+            async with loader:
+                async for batch in loader:
+                    if batch.indices[0] > 0:
+                        raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom") as info:
+            await fail()
+        assert type(info.value) is RuntimeError  # not wrapped in an exception group
+    elif where == "cancel while filling":
+        # the scope around the consumer is cancelled while a worker is mid-fill
+        with anyio.CancelScope() as scope:
+            async with loader:
+                await anext(loader)
+                await probe.wait_filling()
+                scope.cancel()
+                await anext(loader)
+        assert scope.cancelled_caught
+        assert probe.in_flight_at_wait > 0
+    elif where == "cancel outside async with":
+        with anyio.move_on_after(0.1) as scope:
+            async with loader:
+                await _consume(loader, 1000, sleep=1)
+        assert scope.cancelled_caught
+    elif where == "cancel in body":
+        async with loader:
+            with anyio.move_on_after(0.1) as scope:
+                await _consume(loader, 1000)
+            assert scope.cancelled_caught
+            await probe.wait_filling()
+    else:
+        async with loader:
+            pass
+    assert probe.calls > 0 or where == "close before iterating"
+    # nothing is filling, nothing starts filling later, every block went back
+    assert probe.in_flight == 0
+    calls = probe.calls
+    await anyio.sleep(0.1)
+    assert probe.calls == calls
+    pools.assert_returned()
+    with pytest.raises(StateError, match="this Loader is closed; create a new one"):
+        await anext(loader)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_cancel_while_waiting_loses_no_batch(
+    db30: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout around ``anext`` leaves the loader usable and the order intact."""
+    backend = EmulatedBackend(delay=0.1) if device == "emulated" else HostBackend()
+    probe = FillProbe(monkeypatch, sleep=0.1 if device == "host" else 0.0)
+    pools = PoolWatch(backend)
+    async with Loader(db30, 4, device=backend, prefetch=2, workers=1) as loader:
+        got = []
+        with anyio.move_on_after(0.05):
+            # cancelled waiting for the producer (host) or for the copy (emulated);
+            # a batch already taken from the queue is still returned
+            got.append(Got.of(await anext(loader)))
+        assert probe.calls > 0
+        while len(got) < 5:  # the ring used around twice
+            got.append(Got.of(await anext(loader)))
+    assert_matches(got, expected(db30, 5, batch_size=4))
+    pools.assert_returned()
+
+
+@pytest.mark.anyio
+async def test_close_is_idempotent_and_final(db30: Path) -> None:
+    loader = Loader(db30, 4, device="cpu")
+    with pytest.raises(StateError, match=r"inside 'async with Loader\(...\) as loader:'"):
+        async for _ in loader:
+            pass
+    with pytest.raises(StateError, match=r"inside 'async with Loader\(...\) as loader:'"):
+        await anext(loader)
+    await loader.open()
+    with pytest.raises(StateError, match="this Loader is open; a Loader can be opened once"):
+        await loader.open()
+    await anext(loader)
+    await loader.aclose()
+    await loader.aclose()
+    loader.close()
+    with pytest.raises(StateError, match="this Loader is closed; create a new one"):
+        async for _ in loader:
+            pass
+    with pytest.raises(StateError, match="this Loader is closed; a Loader can be opened once"):
+        async with loader:
+            pass
+    # never opened: closing releases the database
+    unopened = Loader(db30, 4, device="cpu")
+    await unopened.aclose()
+    await unopened.aclose()
+    with pytest.raises(StateError, match="this Loader is closed"):
+        await anext(unopened)
+
+
+def test_blocking_close_is_idempotent_and_final(db30: Path) -> None:
+    loader = Loader(db30, 4, device="cpu")
+    with pytest.raises(StateError, match=r"inside 'with Loader\(...\) as loader:'"):
+        iter(loader)
+    with loader:
+        next(iter(loader))
+    loader.close()
+    loader.close()
+    with pytest.raises(StateError, match="this Loader is closed; create a new one"):
+        iter(loader)
+    with pytest.raises(StateError, match="this Loader is closed; create a new one"):
+        next(loader)
+    with pytest.raises(StateError, match="this Loader is closed; create a new one"), loader:
+        pass
+    unopened = Loader(db30, 4, device="cpu")
+    unopened.close()
+    unopened.close()
+    with pytest.raises(StateError, match="this Loader is closed"):
+        iter(unopened)
+
+
+def test_blocking_form_consumer_error_cleans_up(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = EmulatedBackend(delay=0.01)
+    pools = PoolWatch(backend)
+    probe = FillProbe(monkeypatch, sleep=0.02)
+
+    def fail() -> None:
+        with Loader(db30, 4, device=backend) as loader:
+            for batch in loader:
+                if batch.indices[0] >= 8:
+                    raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        fail()
+    assert probe.in_flight == 0
+    pools.assert_returned()
+
+
+# -- worker errors --------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[0, 2], ids=["first-row", "middle-row"])
+def corrupt_db(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Path, int]:
+    """40 raw records in batches of 4; record 12 + row is garbage (batch 3)."""
+    bad = 12 + int(request.param)
+    items = [
+        (key(i), blobpipe.encode_raw_datum(np.full((3, 4, 5), i, np.uint8), i)) for i in range(40)
+    ]
+    items[bad] = (key(bad), b"\x08\x03\x10garbage bytes, not a Datum")
+    return write_lmdb(tmp_path / "corrupt", items), bad
+
+
+def _check_intact(got: list[Got]) -> None:
+    assert len(got) == 3
+    for k, g in enumerate(got):
+        rows = range(4 * k, 4 * k + 4)
+        assert g.label.tolist() == list(rows)
+        assert g.data.tolist() == [np.full((3, 4, 5), i, np.float32).tolist() for i in rows]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_worker_error_reaches_consumer_in_order(
+    corrupt_db: tuple[Path, int], device: str
+) -> None:
+    db, bad = corrupt_db
+    got = []
+    async with Loader(db, 4, device=make_backend(device), prefetch=4, workers=4) as loader:
+        with pytest.raises(DataError) as info:
+            await collect_into(loader, got)
+        assert type(info.value) is DataError  # the original error, not an exception group
+        assert info.value.key == key(bad)
+        assert f"record key {key(bad)!r}" in str(info.value)
+        assert str(db) in str(info.value)
+        _check_intact(got)
+        with pytest.raises(StateError, match="this Loader stopped after an error: DataError"):
+            await anext(loader)
+        with pytest.raises(StateError, match="stopped after an error"):
+            async for _ in loader:
+                pass
+
+
+def test_worker_error_blocking_form(corrupt_db: tuple[Path, int]) -> None:
+    db, bad = corrupt_db
+    got = []
+    with Loader(db, 4, device=EmulatedBackend(), workers=4) as loader:
+        it = iter(loader)
+        with pytest.raises(DataError) as info:
+            got.extend(Got.of(batch) for batch in it)
+        assert type(info.value) is DataError
+        assert info.value.key == key(bad) and info.value.path == str(db)
+        _check_intact(got)
+        with pytest.raises(
+            StateError,
+            match=rf"stopped after an error: DataError\(.*record key {re.escape(repr(key(bad)))}",
+        ):
+            next(it)
+
+
+# -- memory: no steady-state allocations, backpressure -------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_no_allocations_in_steady_state(
+    db30: Path, device: str, device_transform: bool | None
+) -> None:
+    backend = make_backend(device)
+    prefetch = 3
+    t = Transform(mean_value=(1, 2, 3), crop_size=8)
+
+    def counters() -> tuple[Any, ...]:
+        stats = loader.statistics()
+        device_pool = stats.device_pool
+        return (
+            stats.pool.allocations,
+            stats.pool.misses,
+            device_pool and device_pool.allocations,
+            device_pool and device_pool.misses,
+            backend.statistics().host_allocations,
+            backend.statistics().device_allocations,
+        )
+
+    async with Loader(
+        db30, 8, device=backend, prefetch=prefetch, transform=t, device_transform=device_transform
+    ) as loader:
+        await collect(loader, prefetch + 1)  # every slot handed out once (and read on the host)
+        warm = counters()
+        got = await collect(loader, 40)
+        assert counters() == warm
+    assert_matches(
+        got, expected(db30, prefetch + 1 + 40, batch_size=8, transform=t)[prefetch + 1 :]
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = FillProbe(monkeypatch)
+    plans = 0
+    original = Batches.next_plan
+
+    def next_plan(self: Batches) -> Any:
+        nonlocal plans
+        plans += 1
+        return original(self)
+
+    monkeypatch.setattr(Batches, "next_plan", next_plan)
+    backend = make_backend(device)
+
+    async def settle() -> None:
+        await anyio.sleep(0.2)  # ample time for the producer to run ahead if it could
+
+    async with Loader(db30, 4, device=backend, prefetch=3, workers=1) as loader:
+        await settle()
+        assert len(probe.plans) == 3  # one per slot; then the producer waits
+        assert plans <= 4  # (one plan made ahead, waiting for a free slot)
+        used = get_pool(backend, "host").statistics().used_bytes
+        first = await anext(loader)
+        await settle()
+        assert len(probe.plans) == 3  # the consumer holds the batch: its slot is not free
+        await anext(loader)  # moving past the first batch frees its slot
+        await settle()
+        assert first.recycled
+        assert len(probe.plans) == 4
+        assert plans <= 5
+        assert get_pool(backend, "host").statistics().used_bytes == used
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_statistics(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    FillProbe(monkeypatch, sleep=0.02)
+    backend = make_backend(device)
+    async with Loader(
+        db30, 8, device=backend, mode="epoch", last="pad", prefetch=2, workers=1
+    ) as loader:
+        s0 = loader.statistics()
+        assert (s0.batches, s0.records, s0.wait_time, s0.copy_time) == (0, 0, 0.0, 0.0)
+        got = await collect(loader) + await collect(loader)
+        s = loader.statistics()
+    assert len(got) == 8
+    assert s.batches == 8
+    assert s.records == 60  # the padding rows of each epoch's last batch do not count
+    assert s.wait_time > 0.02  # the consumer waited for the slow producer
+    assert s.decode_time >= 8 * 0.02
+    assert isinstance(s.pool, blobpipe.PoolStatistics) and s.pool.kind == "host"
+    if backend.has_device:
+        assert s.copy_time > 0
+        assert s.device_pool is not None and s.device_pool.kind == "device"
+    else:
+        assert s.copy_time == 0
+        assert s.device_pool is None
+
+
+# -- arguments -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"prefetch": 0}, ValueError, "prefetch must be a positive integer, got 0"),
+        ({"prefetch": True}, ValueError, "prefetch must be a positive integer, got True"),
+        ({"prefetch": 1.5}, ValueError, "prefetch must be a positive integer, got 1.5"),
+        ({"workers": 0}, ValueError, "workers must be a positive integer, got 0"),
+        ({"workers": -2}, ValueError, "workers must be a positive integer, got -2"),
+        (
+            {"device": "cpu", "device_transform": True},
+            ValueError,
+            "device_transform=True needs a device, but device='cpu' resolved to the 'host' backend",
+        ),
+        ({"shuffle": True, "order": "key"}, ValueError, "shuffle=True contradicts order='key'"),
+        ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
+        ({"device": "tpu"}, ValueError, "unknown device 'tpu'"),
+        ({"phase": "val"}, ValueError, "phase must be 'train' or 'test'"),
+        ({"mode": "loop"}, ValueError, "mode must be 'wrap' or 'epoch'"),
+    ],
+)
+def test_bad_arguments(db30: Path, kwargs: dict[str, Any], error: type, message: str) -> None:
+    args: dict[str, Any] = {"batch_size": 4, "device": "cpu", **kwargs}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Loader(db30, **args)
+
+
+def test_missing_database(tmp_path: Path) -> None:
+    with pytest.raises(blobpipe.DatabaseNotFoundError):
+        Loader(tmp_path / "nope", 4, device="cpu")
+
+
+def test_len_needs_epoch_mode(db30: Path) -> None:
+    loader = Loader(db30, 4, device="cpu")
+    with pytest.raises(TypeError, match="endless"):
+        len(loader)
+    loader.close()
+    assert len(Loader(db30, 4, device="cpu", mode="epoch", last="drop")) == 7
+
+
+def test_public_names() -> None:
+    for name in ("Batch", "Loader", "LoaderStatistics"):
+        assert getattr(blobpipe, name) is getattr(blobpipe._loader, name)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["wrap", "epoch"])
+async def test_state_dict_follows_the_consumer_not_the_producer(db30: Path, mode: str) -> None:
+    """The producer runs ``prefetch`` batches ahead; the resume state must not."""
+    options: dict[str, Any] = {"mode": mode, "order": "shuffle", "seed": 2}
+    with Batches(db30, 4, **options) as batches:
+        start = batches.state_dict()
+    async with Loader(db30, 4, device="cpu", prefetch=3, **options) as loader:
+        await anyio.sleep(0.05)  # the producer fills the ring
+        assert loader.state_dict() == start
+        got = await collect(loader, 3)
+        assert loader.state_dict() == got[-1].state
+        if mode == "epoch":
+            got += await collect(loader)  # to the end of the epoch
+            await anyio.sleep(0.05)
+            assert loader.state_dict() == got[-1].state
+            assert (got[-1].state["epoch"], got[-1].state["position"]) == (1, 0)
+    assert loader.state_dict() == got[-1].state  # saved after the loop, e.g. at shutdown
+    async with Loader(db30, 4, device="cpu", state=loader.state_dict(), **options) as resumed:
+        after = await collect(resumed, 3)
+    n = len(got) + 3
+    want = expected(db30, None if mode == "epoch" else n, batch_size=4, **options)
+    if mode == "epoch":
+        with Batches(db30, 4, **options) as batches:
+            want = list(batches) + list(batches)
+    assert_matches(got + after, want[:n])
