@@ -1,6 +1,6 @@
 """Images/s of blobpipe.Loader vs a plain protobuf loop, PyTorch's LMDB recipe and memory ceilings.
 
-Run: ``python bench/bench_loader.py [--records 20000] [--jpeg-records 10000] [--repeats 5]
+Run: ``python bench/bench_loader.py [--records 20480] [--jpeg-records 10000] [--repeats 5]
 [--workers 1 2 4] [--quick] [--json OUT] [--data-dir DIR] [--no-torch]``
 
 Two LMDBs of 3×64×64 Datums (raw uint8 and JPEG quality 95) are generated once
@@ -39,6 +39,7 @@ Every contender's first batch is checked equal to the baseline's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -409,9 +410,37 @@ def build_rows(
     return rows
 
 
-def measure(rows: list[Row], repeats: int) -> None:
+_PROBE = b"\x5a" * (1 << 20)
+
+
+def _hash(n: int) -> None:
+    for _ in range(n):
+        hashlib.sha256(_PROBE).digest()
+
+
+def parallel_headroom(threads: int = 2, n: int = 64) -> float:
+    """Speedup of a GIL-free workload (sha256 of 1 MiB) on ``threads`` threads over one.
+
+    ``threads``× means that many idle cores; on a shared machine it shows how
+    much parallelism the workers sweep could have had at that moment.
+    """
+    t0 = time.perf_counter()
+    _hash(n)
+    one = time.perf_counter() - t0
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(_hash, n // threads) for _ in range(threads)]:
+            f.result()
+        many = time.perf_counter() - t0
+    return one / many
+
+
+def measure(rows: list[Row], repeats: int) -> list[float]:
+    """Run every row ``repeats`` times, interleaved; returns the headroom per round."""
     firsts: dict[str, np.ndarray] = {}
+    headroom = []
     for rep in range(repeats):
+        headroom.append(parallel_headroom())
         for row in rows:
             if row.run is None:
                 continue
@@ -425,6 +454,7 @@ def measure(rows: list[Row], repeats: int) -> None:
         if row.check is not None and row.key in firsts:
             same = np.array_equal(firsts[row.key], firsts[row.check])
             assert same, f"{row.label}: first batch differs from {row.check}'s"
+    return headroom
 
 
 def ratio(rows: list[Row], row: Row) -> float | None:
@@ -475,7 +505,7 @@ def sweep_markdown(rows: list[Row], sweep: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--records", type=int, default=20_000, help="raw records (default 20000)")
+    ap.add_argument("--records", type=int, default=20_480, help="raw records (default 20480)")
     ap.add_argument("--jpeg-records", type=int, default=10_000, help="JPEG records (default 10000)")
     ap.add_argument("--repeats", type=int, default=5, help="passes per row; medians reported")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="the workers sweep")
@@ -502,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(raw, jpeg, args.records, args.jpeg_records, args.workers, torch_skip)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    measure(rows, args.repeats)
+    headroom = measure(rows, args.repeats)
     elapsed = time.perf_counter() - t0
 
     cpus = os.cpu_count() or 1
@@ -517,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {load0:.2f} at start; python {platform.python_version()}, "
         f"numpy {np.__version__}, opencv {cv2.__version__}, "
         f"torch {tv or '(rows skipped)'}"
+    )
+    print(
+        f"parallel headroom: a GIL-free workload ran {statistics.median(headroom):.2f}× faster "
+        f"on 2 threads than on 1 (median of rounds {', '.join(f'{h:.2f}' for h in headroom)}; "
+        "2.00× = two idle cores)"
     )
     print(
         f"LMDBs: {raw} ({'written' if wrote_raw else 'cached'}), "
@@ -538,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "cpus": cpus,
             "loadavg_start": load0,
+            "parallel_headroom_2_threads": headroom,
             "versions": {
                 "python": platform.python_version(),
                 "numpy": np.__version__,
