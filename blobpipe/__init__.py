@@ -23,6 +23,7 @@ from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError
 from ._errors import DatabaseNotFoundError as DatabaseNotFoundError
 from ._errors import DataError as DataError
+from ._errors import OutputExistsError as OutputExistsError
 from ._errors import PoolMemoryError as PoolMemoryError
 from ._errors import ProtoError as ProtoError
 from ._errors import RecordNotFoundError as RecordNotFoundError
@@ -64,7 +65,6 @@ from ._tools import ConvertResult as ConvertResult
 from ._tools import DatabaseInfo as DatabaseInfo
 from ._tools import ExportResult as ExportResult
 from ._tools import MeanResult as MeanResult
-from ._tools import OutputExistsError as OutputExistsError
 from ._tools import SkippedImage as SkippedImage
 from ._tools import bench as bench
 from ._tools import compute_mean as compute_mean

@@ -225,6 +225,28 @@ class Blob:
         self._closed_message: str | None = None
         self._finalizer = weakref.finalize(self, self._holder.release)
 
+    def _alias(self) -> Blob:
+        """A new Blob of the same shape sharing this blob's data *and* diff memories.
+
+        Allocates nothing (each memory's reference count goes up); closing the
+        alias releases only its references. Used to hand out loader batches.
+        """
+        self._check_open()
+        data, diff = self._holder.data, self._holder.diff
+        assert data is not None and diff is not None
+        alias = Blob.__new__(Blob)
+        alias._dtype = self._dtype
+        alias._itemsize = self._itemsize
+        alias._shape = self._shape
+        alias._count = self._count
+        alias._shaped = self._shaped
+        alias._backend = self._backend
+        alias._holder = _Holder(data.acquire(), diff.acquire())
+        alias._closed = False
+        alias._closed_message = None
+        alias._finalizer = weakref.finalize(alias, alias._holder.release)
+        return alias
+
     def _new_memory(self, nbytes: int) -> _SharedMemory:
         return _SharedMemory(SyncedMemory(nbytes, self._backend))
 

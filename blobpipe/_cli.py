@@ -270,12 +270,17 @@ def _transform(args: argparse.Namespace) -> Any:
 
 
 def _shard(text: str) -> tuple[int, int]:
-    from ._tools._batchsource import parse_shard
-
+    """``"I/N"`` → ``(I, N)`` with ``0 <= I < N``."""
     try:
-        return parse_shard(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        index_s, count_s = text.split("/")
+        index, count = int(index_s), int(count_s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shard must look like I/N (e.g. 0/4), got {text!r}"
+        ) from None
+    if count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -365,6 +370,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         batches=args.batches,
         warmup=args.warmup,
         quiet=args.quiet,
+        device=args.device,
+        workers=args.workers,
     )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
@@ -384,7 +391,8 @@ def _add_bench(sub: Any) -> None:
         "Measure the loader's throughput on your database.",
         "  blobpipe bench train_lmdb\n"
         "  blobpipe bench train_lmdb --batch-size 256 --crop-size 227 --scale 0.017\n"
-        "  blobpipe bench train_lmdb --batches 100 --json\n",
+        "  blobpipe bench train_lmdb --batches 100 --json\n"
+        "  blobpipe bench train_lmdb --device cpu --workers 2\n",
     )
     p.add_argument("db", metavar="DB", help="input LMDB of Datums")
     p.add_argument(
@@ -409,6 +417,18 @@ def _add_bench(sub: Any) -> None:
         default=2,
         metavar="N",
         help="untimed batches first (default 2)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when available), cpu, cuda or cuda:N (default auto)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="worker threads filling records (default: the CPU count)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_transform_options(p)

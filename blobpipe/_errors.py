@@ -12,6 +12,7 @@ keeps working::
     ├── BackendUnavailableError(RuntimeError)  CuPy / a CUDA device is missing
     ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
     ├── ProtoError(ValueError)             a BlobProto / prototxt that cannot be used
+    ├── OutputExistsError(FileExistsError)  a tool's output exists and force was not given
     └── DataError(ValueError)              a bad record or database (names path and key)
         ├── DatabaseNotFoundError(FileNotFoundError)
         └── RecordNotFoundError(KeyError)  no record under that key
@@ -25,6 +26,7 @@ __all__ = [
     "BlobpipeError",
     "DataError",
     "DatabaseNotFoundError",
+    "OutputExistsError",
     "PoolMemoryError",
     "ProtoError",
     "RecordNotFoundError",
@@ -64,6 +66,10 @@ class PoolMemoryError(BlobpipeError, MemoryError):
 
 class ProtoError(BlobpipeError, ValueError):
     """A protobuf message or prototxt file cannot be used."""
+
+
+class OutputExistsError(BlobpipeError, FileExistsError):
+    """A tool's output path exists and ``force`` was not given (the message says how)."""
 
 
 def _describe(message: str, path: object = None, key: bytes | str | None = None) -> str:

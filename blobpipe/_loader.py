@@ -391,6 +391,7 @@ class Loader:
         self._tg: anyio.abc.TaskGroup | None = None
         self._current: tuple[_Slot, Batch] | None = None
         self._failure: BaseException | None = None
+        self._broken = False  # a failure was queued: plan and deliver nothing more
         self._means: dict[tuple[int, ...], Any] = {}
         # the blocking (sync) form
         self._portal_cm: Any = None
@@ -580,33 +581,92 @@ class Loader:
 
     # -- producer ------------------------------------------------------------------
     async def _produce(self) -> None:
-        try:
-            while True:
-                plan = await anyio.to_thread.run_sync(
-                    self._batches.next_plan, limiter=self._limiter
-                )
-                if plan is None:
-                    await self._full_send.send(_End())
-                    continue
-                slot = await self._free_recv.receive()
-                await wait_event(slot.event)
-                await self._fill(slot, plan)
-                self._issue_device_work(slot, plan)
-                await self._full_send.send((slot, plan))
-        except anyio.get_cancelled_exc_class():
-            raise
-        except (anyio.ClosedResourceError, anyio.EndOfStream, anyio.BrokenResourceError):
-            return
-        except BaseException as exc:  # delivered to the consumer, in order
-            if not isinstance(exc, Exception):
-                raise
+        # Plans batches in order, several per worker-thread call (one call per
+        # run of free slots), and starts one fill task per planned batch, so up
+        # to ``prefetch`` batches are read concurrently. Each task delivers its
+        # batch only after the previous one was delivered (the ``sent`` chain),
+        # so the consumer sees the planned order and errors at their place.
+        assert self._tg is not None
+        prev = anyio.Event()
+        prev.set()
+        while not self._broken:
             try:
-                await self._full_send.send(_Failure(exc))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                slots = [await self._free_recv.receive()]
+                while len(slots) < self._prefetch:
+                    slots.append(self._free_recv.receive_nowait())
+            except anyio.WouldBlock:
                 pass
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            plans = await anyio.to_thread.run_sync(
+                self._plan_many, len(slots), limiter=self._limiter
+            )
+            for item in plans:
+                sent = anyio.Event()
+                if isinstance(item, BatchPlan):
+                    self._tg.start_soon(self._fill_and_deliver, slots.pop(), item, prev, sent)
+                else:
+                    self._tg.start_soon(self._deliver, None, item, prev, sent)
+                prev = sent
+            for slot in slots:  # not needed this round (end of epoch or an error)
+                self._free_send.send_nowait(slot)
+            if plans and isinstance(plans[-1], _Failure):
+                return
+
+    def _plan_many(self, count: int) -> list[BatchPlan | _End | _Failure]:
+        """Up to ``count`` plans, stopping after an epoch end or an error."""
+        out: list[BatchPlan | _End | _Failure] = []
+        while len(out) < count:
+            try:
+                plan = self._batches.next_plan()
+            except Exception as exc:  # delivered to the consumer, in order
+                out.append(_Failure(exc))
+                break
+            if plan is None:
+                out.append(_End())
+                break
+            out.append(plan)
+        return out
+
+    async def _fill_and_deliver(
+        self, slot: _Slot, plan: BatchPlan, prev: anyio.Event, sent: anyio.Event
+    ) -> None:
+        item: tuple[_Slot, BatchPlan] | _Failure
+        try:
+            await wait_event(slot.event)  # device work still reading the slot
+            await self._fill(slot, plan)
+            self._issue_device_work(slot, plan)
+            item = (slot, plan)
+        except anyio.get_cancelled_exc_class():
+            sent.set()
+            raise
+        except Exception as exc:  # delivered to the consumer, in order
+            item = _Failure(exc)
+        await self._deliver(slot, item, prev, sent)
+
+    async def _deliver(
+        self,
+        slot: _Slot | None,
+        item: tuple[_Slot, BatchPlan] | _End | _Failure,
+        prev: anyio.Event,
+        sent: anyio.Event,
+    ) -> None:
+        try:
+            await prev.wait()
+            if self._broken:
+                return
+            if isinstance(item, _Failure):
+                self._broken = True
+            await self._full_send.send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            sent.set()
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        parts = min(n, self._workers * 2) if self._workers > 1 else 1
+        # Batches are filled concurrently (one task per slot), so a batch is
+        # split only when there are more workers than slots.
+        parts = max(1, min(-(-self._workers // self._prefetch), n // 8))
         step = math.ceil(n / parts)
         return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
@@ -763,8 +823,8 @@ class Loader:
     def _make_batch(self, slot: _Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self._device_transform else slot.host
         assert src is not None and slot.label is not None
-        data = _view_of(src)
-        label = _view_of(slot.label)
+        data = src._alias()
+        label = slot.label._alias()
         return Batch(self, data, label, plan)
 
     # -- the blocking form ------------------------------------------------------------
@@ -824,10 +884,3 @@ class Loader:
             return portal.call(self.__anext__)
         except StopAsyncIteration:
             raise StopIteration from None
-
-
-def _view_of(blob: Blob) -> Blob:
-    """A new Blob sharing ``blob``'s data memory (no allocation)."""
-    view = Blob(blob.shape, blob.dtype, backend=blob.backend)
-    view.share_data(blob)
-    return view

@@ -990,3 +990,16 @@ def test_bench_runs_quickly(capsys: pytest.CaptureFixture[str]) -> None:
     bench = runpy.run_path(str(EXAMPLES.parent / "bench" / "bench_blob.py"), run_name="bench")
     assert bench["main"](["--quick"]) == 0
     assert "reshape within capacity" in capsys.readouterr().out
+
+
+def test_alias_shares_memory_and_outlives_source() -> None:
+    src = Blob((2, 3), backend="cpu")
+    src.mutable_cpu_data()[:] = 4
+    alias = src._alias()
+    assert alias.shape == (2, 3) and alias.dtype == src.dtype
+    assert np.shares_memory(alias.cpu_data(), src.cpu_data())
+    src.close()  # the alias keeps the memory alive
+    assert alias.cpu_data().tolist() == [[4.0] * 3] * 2
+    alias.close()
+    with pytest.raises(StateError, match="closed"):
+        alias.cpu_data()

@@ -12,12 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 
 from blobpipe._cli import main
 from blobpipe._tools._output import read_marker
+from tests.conftest import lmdb_items
 
 REPO = Path(__file__).resolve().parent.parent
 CAFFE = REPO / "tests" / "data" / "caffe"
@@ -25,15 +25,6 @@ ROOT = f"{CAFFE / 'images'}/"
 LIST = str(CAFFE / "list_color.txt")
 RAW_FLAGS = ["--resize_height=32", "--resize_width=40"]
 COMMANDS = ["convert-imageset", "compute-mean", "export", "inspect", "bench"]
-
-
-def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
 
 
 def run_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -81,12 +72,18 @@ def test_top_level_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
         ["convert-imageset", "--resize-height", "-3", ROOT, LIST, "x"],
         ["convert-imageset", "--encode-type", "gif", ROOT, LIST, "x"],
         ["export", "db", "out", "--shard", "4/4"],
+        ["export", "db", "out", "--shard", "1"],
+        ["export", "db", "out", "--shard", "a/b"],
+        ["export", "db", "out", "--shard", "-1/2"],
         ["bench", "db", "--batch-size", "0"],
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
-    assert "usage: blobpipe" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: blobpipe" in err
+    if "--shard" in argv:
+        assert "shard" in err.splitlines()[-1]
 
 
 def test_python_dash_m_runs_the_cli() -> None:
@@ -189,10 +186,10 @@ def test_inspect_missing_db_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("blobpipe inspect: error: does not exist; database ")
+    assert err.startswith("blobpipe inspect: error: no such file or directory; check the path")
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty")]) == 1
-    assert "not an LMDB database (no data.mdb)" in capsys.readouterr().err
+    assert "holds no data.mdb, so it is not an LMDB database" in capsys.readouterr().err
 
 
 def test_export_with_transform_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

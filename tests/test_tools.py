@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 
+import blobpipe
+from blobpipe import _errors
 from blobpipe._errors import DatabaseNotFoundError, DataError
+from blobpipe._io._batches import Batches
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
 from blobpipe._tools import (
@@ -28,9 +30,10 @@ from blobpipe._tools import (
     inspect_db,
     read_list_file,
 )
-from blobpipe._tools._batchsource import iter_batches, parse_shard
+from blobpipe._tools._bench import time_batches
 from blobpipe._tools._lmdbwrite import LmdbWriter
 from blobpipe._tools._output import MARKER_NAME, read_marker
+from tests.conftest import lmdb_items
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 ROOT = CAFFE / "images"
@@ -39,15 +42,6 @@ CAFFE_FLAGS: dict[str, dict[str, Any]] = {
     "raw_color": {"resize_height": 32, "resize_width": 40},
     "encoded_jpg": {"resize_height": 32, "resize_width": 40, "encoded": True, "encode_type": "jpg"},
 }
-
-
-def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
 
 
 def datum(value: bytes) -> caffe_pb2.Datum:
@@ -228,6 +222,13 @@ def test_shuffle_with_seed_is_reproducible(tmp_path: Path) -> None:
 # -- outputs: refusal, force, transactions ----------------------------------------------
 
 
+def test_output_exists_error_is_one_class_everywhere() -> None:
+    assert blobpipe.OutputExistsError is OutputExistsError is _errors.OutputExistsError
+    assert issubclass(OutputExistsError, _errors.BlobpipeError)
+    assert issubclass(OutputExistsError, FileExistsError)
+    assert "OutputExistsError" in _errors.__all__
+
+
 def test_existing_output_is_never_overwritten_without_force(tmp_path: Path) -> None:
     out = tmp_path / "db"
     out.mkdir()
@@ -364,7 +365,7 @@ def test_mean_refuses_mixed_sizes_and_empty_dbs(tmp_path: Path) -> None:
         pass
     with pytest.raises(DataError, match=r"database is empty"):
         compute_mean(tmp_path / "empty")
-    with pytest.raises(DatabaseNotFoundError, match=r"does not exist"):
+    with pytest.raises(DatabaseNotFoundError, match=r"no such file or directory"):
         compute_mean(tmp_path / "none")
 
 
@@ -431,7 +432,8 @@ def test_export_equals_caffe_data_layer(
 def test_export_round_trip_equals_the_loader_batches(tmp_path: Path) -> None:
     db = CAFFE / "lmdb" / "encoded_jpg"
     tf = Transform(crop_size=20, scale=0.5, dtype="float32")
-    batches = list(iter_batches(db, batch_size=8, transform=tf, shard=(1, 3)))
+    with Batches(db, 8, transform=tf, phase="test", mode="epoch", shard=(1, 3)) as loader:
+        batches = list(loader)
     expected = np.concatenate([b.data for b in batches])
     export(db, tmp_path / "o.npz", transform=tf, shard=(1, 3))
     data, labels = read_export(tmp_path / "o.npz", "npz")
@@ -502,16 +504,13 @@ def test_export_errors(tmp_path: Path) -> None:
         export(tmp_path / "missing", tmp_path / "x")
     lst = write_list(tmp_path / "l.txt", ["color/china_00.jpg 1", "color/astronaut.jpg 2"])
     convert_imageset(ROOT, lst, tmp_path / "mixed")
-    with pytest.raises(DataError, match=r"records of one size.*00000001_color/astronaut"):
+    with pytest.raises(DataError, match=r"must share a shape.*00000001_color/astronaut"):
         export(tmp_path / "mixed", tmp_path / "m")
+    with pytest.raises(DataError, match=r"records of one size.*00000001_color/astronaut"):
+        export(tmp_path / "mixed", tmp_path / "m", batch_size=1)
     assert not (tmp_path / "m").exists()
-
-
-def test_parse_shard() -> None:
-    assert parse_shard("1/4") == (1, 4)
-    for bad in ("4/4", "1", "a/b", "-1/2"):
-        with pytest.raises(ValueError, match=r"shard"):
-            parse_shard(bad)
+    export(tmp_path / "mixed", tmp_path / "m", transform=Transform(crop_size=24))
+    assert np.load(tmp_path / "m" / "data.npy").shape == (2, 3, 24, 24)
 
 
 # -- inspect and bench ---------------------------------------------------------------------------
@@ -553,6 +552,27 @@ def test_bench_counts_batches() -> None:
     assert result.mb_per_s > 0
     with pytest.raises(ValueError, match=r"give seconds or batches"):
         bench(CAFFE / "lmdb" / "raw_color", seconds=None)
+
+
+def test_time_batches_takes_any_iterable_of_batches() -> None:
+    class FakeBatch:
+        def __init__(self, n: int) -> None:
+            self.data = np.zeros((n, 3, 4, 4), np.float32)
+
+    ticks = iter(range(100))
+    result = time_batches(
+        [FakeBatch(8), FakeBatch(8), FakeBatch(8), FakeBatch(5)],
+        seconds=None,
+        batches=10,
+        warmup=1,
+        clock=lambda: float(next(ticks)),
+    )
+    # clock: 0 start, 1 warm-up batch, 2 and 3 and 4 timed batches, 5 end; the source ran out.
+    assert (result.batches, result.records, result.seconds) == (3, 21, 4.0)
+    assert result.bytes == 21 * 3 * 4 * 4 * 4
+    assert result.first_batch_s == 1.0
+    with pytest.raises(DataError, match=r"no batches"):
+        time_batches([], seconds=1.0)
 
 
 # -- progress --------------------------------------------------------------------------------------

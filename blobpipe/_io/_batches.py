@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
@@ -53,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import datum_view
+from ._datum import datum_view, parse_datum
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
@@ -65,6 +66,7 @@ Last = Literal["keep", "drop", "pad"]
 ShardMode = Literal["strided", "contiguous"]
 
 _STATE_VERSION = 1
+_U1 = np.dtype(np.uint8)
 
 
 class RecordSource(Protocol):
@@ -284,7 +286,10 @@ class Batches:
             self._reader = source
             self._owned = False
             self._path = getattr(source, "path", None)
-        self._keys = self._reader.keys()
+        keys = self._reader.keys()
+        if not isinstance(self._reader, LmdbReader):  # LmdbReader's keys are bytes already
+            keys = tuple(bytes(k) for k in keys)
+        self._keys = keys
         self._n = len(self._keys)
         self._closed = False
         try:
@@ -518,9 +523,10 @@ class Batches:
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
 
-        indices = tuple(int(self.epoch_order(e)[p]) for e, p in rows)
+        indices = self._indices(rows)
         epochs = tuple(e for e, _ in rows)
-        keys = tuple(bytes(self._keys[i]) for i in indices)
+        all_keys = self._keys
+        keys = tuple([all_keys[i] for i in indices])
         t = self._transform
         if t.needs_random:
             seed = self._seed
@@ -547,6 +553,19 @@ class Batches:
             state=state,
             _first=first,
         )
+
+    def _indices(self, rows: list[tuple[int, int]]) -> tuple[int, ...]:
+        """Global record indices of (epoch, position) rows, a slice per epoch run."""
+        out: list[int] = []
+        i = 0
+        while i < len(rows):
+            epoch, first = rows[i]
+            j = i + 1
+            while j < len(rows) and rows[j] == (epoch, first + (j - i)):
+                j += 1
+            out.extend(self.epoch_order(epoch)[first : first + (j - i)].tolist())
+            i = j
+        return tuple(out)
 
     def _read(
         self, key: bytes, get: Callable[[bytes], bytes | memoryview] | None = None
@@ -603,11 +622,14 @@ class Batches:
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
         transaction = getattr(self._reader, "transaction", None)
         if transaction is None:
-            self._fill_rows(plan, data_out, label_out, start, stop, params_out, self._reader.get)
+            get = self._reader.get
+            self._fill_rows(plan, data_out, label_out, start, stop, params_out, get, get)
         else:
             # Zero-copy: each view is decoded straight into data_out inside the block.
             with transaction() as txn:
-                self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get)
+                fast_get = getattr(txn, "fast_get", None)
+                raw = fast_get() if fast_get is not None else txn.get
+                self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get, raw)
 
     def _fill_rows(
         self,
@@ -618,11 +640,90 @@ class Batches:
         stop: int,
         params_out: npt.NDArray[np.int32] | None,
         get: Callable[[bytes], bytes | memoryview],
+        raw_get: Callable[[bytes], bytes | memoryview | None],
+    ) -> None:
+        # ``get`` raises a named error for a missing record; ``raw_get`` is the
+        # unchecked lookup (None when missing) for the block path's loop.
+        t = self._transform
+        info = t._shape_info(plan.record_shape, self._phase)
+        block = _block_plan(t, info, self._phase, plan.record_shape, stop - start)
+        if block is None:
+            self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
+            return
+        # Block path: gather the raw uint8 payloads of rows that match the
+        # batch's record shape into a staging block (one memcpy each, under the
+        # GIL), then transform the whole block with a few large numpy calls
+        # (which release the GIL, so worker threads run them in parallel).
+        # Rows that do not qualify (encoded, float_data, malformed, another
+        # shape) go through the per-row path afterwards, which also raises
+        # their errors, in row order.
+        c, h, w = plan.record_shape
+        size = c * h * w
+        staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
+        flat = staging.reshape(stop - start, size)
+        slow: list[int] = []
+        keys = plan.keys
+        path = self._path
+        for i in range(start, stop):
+            if i == 0 and plan._first is not None:
+                chw, label = plan._first
+                if chw.dtype == _U1 and chw.shape == plan.record_shape:
+                    flat[0] = chw.reshape(size)
+                    label_out[0] = label
+                else:
+                    slow.append(0)
+                continue
+            try:
+                value = raw_get(keys[i])
+                if value is None:
+                    slow.append(i)
+                    continue
+                p = parse_datum(value, key=keys[i], path=path)
+            except Exception:  # the per-row path reads it again and names the error
+                slow.append(i)
+                continue
+            data = p.data
+            if (
+                p.encoded
+                or data is None
+                or p.float_data is not None
+                or len(data) != size
+                or (p.channels, p.height, p.width) != plan.record_shape
+            ):
+                slow.append(i)
+                continue
+            flat[i - start] = np.frombuffer(data, _U1)
+            label_out[i] = p.label
+        if not block.direct:
+            block.apply(staging.reshape(stop - start, c, h, w), data_out[start:stop])
+        if block.mirror:
+            words = plan.words
+            for i in range(start, stop):
+                if words[i] & 1:
+                    row = data_out[i]
+                    row[...] = np.flip(row, axis=block.width_axis)
+        if params_out is not None:
+            params_out[start:stop, 0] = block.h_off
+            params_out[start:stop, 1] = block.w_off
+            params_out[start:stop, 2] = (
+                [word & 1 for word in plan.words[start:stop]] if block.mirror else 0
+            )
+        if slow:
+            self._fill_each(plan, data_out, label_out, slow, params_out, get)
+
+    def _fill_each(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        rows: Sequence[int],
+        params_out: npt.NDArray[np.int32] | None,
+        get: Callable[[bytes], bytes | memoryview],
     ) -> None:
         t = self._transform
         phase = self._phase
         expected = plan.data_shape[1:]
-        for row in range(start, stop):
+        for row in rows:
             key = plan.keys[row]
             if row == 0 and plan._first is not None:
                 chw, label = plan._first
@@ -705,3 +806,83 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_tls = threading.local()
+
+
+def _staging(rows: int, size: int) -> npt.NDArray[np.uint8]:
+    """A per-thread uint8 scratch block of ``rows × size`` (reused across calls)."""
+    buf: npt.NDArray[np.uint8] | None = getattr(_tls, "staging", None)
+    need = rows * size
+    if buf is None or buf.size < need:
+        buf = np.empty(need, _U1)
+        _tls.staging = buf
+    return buf[:need].reshape(rows, size)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """How to transform a whole block of same-shape uint8 records at once.
+
+    Valid when every row shares the crop offset (no crop, or the TEST-phase
+    centre crop); a random mirror is applied afterwards, row by row, by flipping
+    the output (the transform is elementwise, so flipping commutes with it).
+    """
+
+    transform: Transform
+    mean: npt.NDArray[np.float32] | None
+    h_off: int
+    w_off: int
+    crop: int
+    mirror: bool  # rows whose word has bit 0 set are flipped
+    nhwc: bool
+    direct: bool  # the output block is itself the staging area (uint8, no crop, NCHW)
+
+    @property
+    def width_axis(self) -> int:
+        return 1 if self.nhwc else 2
+
+    def apply(self, src: npt.NDArray[np.uint8], out: np.ndarray) -> None:
+        # Same operations, element for element, as Transform._apply_fast.
+        mean = self.mean
+        if self.crop:
+            hs = slice(self.h_off, self.h_off + self.crop)
+            ws = slice(self.w_off, self.w_off + self.crop)
+            src = src[:, :, hs, ws]
+            if mean is not None:
+                mean = mean[:, hs, ws]
+        if self.nhwc:
+            src = src.transpose(0, 2, 3, 1)
+            if mean is not None:
+                mean = mean.transpose(1, 2, 0)
+        np.copyto(out, src)
+        if out.dtype == _U1:
+            return
+        if mean is not None:
+            np.subtract(out, mean, out=out)
+        scale = self.transform.scale
+        if scale != 1:
+            np.multiply(out, scale, out=out)
+
+
+def _block_plan(
+    t: Transform, info: Any, phase: Phase, record_shape: tuple[int, int, int], rows: int
+) -> _Block | None:
+    if rows < 2:
+        return None
+    if t.crop_size and phase == "train":
+        return None  # random crop offsets differ per row
+    params = t.record_params(record_shape, phase=phase, word=0)
+    nhwc = t.layout == "NHWC"
+    direct = t.dtype == _U1 and not t.crop_size and not nhwc
+    return _Block(
+        transform=t,
+        mean=info.mean,
+        h_off=params.h_off,
+        w_off=params.w_off,
+        crop=t.crop_size,
+        mirror=t.mirror,
+        nhwc=nhwc,
+        direct=direct,
+    )

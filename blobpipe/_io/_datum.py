@@ -52,7 +52,6 @@ import operator
 import sys
 from typing import NamedTuple, TypeAlias, cast
 
-import cv2
 import numpy as np
 import numpy.typing as npt
 
@@ -374,10 +373,10 @@ def _imread_flag(force_color: bool, force_gray: bool) -> int:
             "refuses); set at most one"
         )
     if force_color:
-        return int(cv2.IMREAD_COLOR)
+        return 1  # cv2.IMREAD_COLOR
     if force_gray:
-        return int(cv2.IMREAD_GRAYSCALE)
-    return int(cv2.IMREAD_UNCHANGED)  # Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
+        return 0  # cv2.IMREAD_GRAYSCALE
+    return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
 
 
 def _be(b: memoryview, pos: int, size: int) -> int:
@@ -434,6 +433,8 @@ def _decode_image(
             path=path,
             key=key,
         )
+    import cv2  # OpenCV loads on the first encoded record, not at import
+
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
     except cv2.error as exc:

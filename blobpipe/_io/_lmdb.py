@@ -625,6 +625,18 @@ class ReadTransaction:
             )
         return self._txn
 
+    def fast_get(self) -> Callable[[bytes], memoryview | None]:
+        """The bare lookup of this block for hot loops: ``key -> view or None``.
+
+        No per-call checks: the returned function must only be called by this
+        thread inside this block; it returns None for a missing key and may
+        raise ``lmdb.Error``. Use :meth:`get` elsewhere.
+
+        Raises:
+            StateError: the block has ended, or this is another thread.
+        """
+        return self._check().get  # type: ignore[no-any-return]
+
     def get(self, key: bytes) -> memoryview:
         """A view of the value under ``key``, valid until the block ends.
 

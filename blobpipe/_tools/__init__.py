@@ -6,12 +6,12 @@ batches) and nothing imports it but :mod:`blobpipe` and :mod:`blobpipe._cli`.
 
 from __future__ import annotations
 
+from .._errors import OutputExistsError
 from ._bench import BenchResult, bench
 from ._convert import ConvertResult, SkippedImage, convert_imageset, read_list_file
 from ._export import ExportResult, export
 from ._inspect import DatabaseInfo, inspect_db
 from ._mean import MeanResult, compute_mean
-from ._output import OutputExistsError
 from ._progress import Progress
 
 __all__ = [

@@ -29,10 +29,9 @@ import numpy.typing as npt
 
 from .._errors import DataError
 from .._io._transform import Transform
-from ._batchsource import count_selected, iter_batches
+from ._batchsource import open_batches
 from ._output import check_output, partial_path, promote, remove_partial, write_marker
 from ._progress import Progress
-from ._source import open_records
 
 __all__ = ["ExportResult", "export"]
 
@@ -102,6 +101,18 @@ def _write_blob(fh: BinaryIO, arr: npt.NDArray[Any], rows: int) -> None:
     fh.write(tail)
 
 
+def _check_proto_size(fmt: Format, shape: tuple[int, ...], db_path: str) -> None:
+    if fmt != "binaryproto":
+        return
+    size = 4 * int(np.prod(shape)) + 4 * shape[0] + 64
+    if size > _PROTO_LIMIT:
+        raise DataError(
+            f"a binaryproto of shape {shape} would be {size} bytes, over "
+            "protobuf's 2 GiB limit; export to .npy or .npz instead",
+            path=db_path,
+        )
+
+
 def export(
     db: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -133,46 +144,51 @@ def export(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     check_output(out_path, force=force)
-    with open_records(db) as records:
-        total = count_selected(records, shard, limit)
-        db_path = records.path
-    if total == 0:
-        raise DataError(
-            "nothing to export: the database (or shard/limit) selects no records", path=db_path
+    db_path = os.fspath(db)
+    # A limit below the batch size reads no more records than it keeps.
+    rows = batch_size if not limit else min(batch_size, limit)
+    with open_batches(db, batch_size=rows, transform=transform, shard=shard) as batches:
+        total = (
+            batches.records_per_epoch if limit is None else min(limit, batches.records_per_epoch)
         )
-    staging = partial_path(out_path)
-    remove_partial(staging, _STAGING_FILES)
-    staging.mkdir(parents=True)
-    write_marker(staging, {"kind": "export", "complete": False})
+        if total == 0:
+            raise DataError("nothing to export: limit 0 selects no records", path=db_path)
+        staging = partial_path(out_path)
+        remove_partial(staging, _STAGING_FILES)
+        staging.mkdir(parents=True)
+        write_marker(staging, {"kind": "export", "complete": False})
 
-    data: np.memmap[Any, Any] | None = None
-    labels = np.lib.format.open_memmap(
-        staging / "labels.npy", mode="w+", dtype=np.float32, shape=(total,)
-    )
-    filled = 0
-    batch_rows = batch_size
-    with Progress(total, "export", quiet=quiet) as bar:
-        for batch in iter_batches(
-            db, batch_size=batch_size, transform=transform, limit=limit, shard=shard
-        ):
-            n = batch.data.shape[0]
-            if data is None:
-                shape = (total, *batch.data.shape[1:])
-                if fmt == "binaryproto":
-                    size = 4 * int(np.prod(shape)) + 4 * total + 64
-                    if size > _PROTO_LIMIT:
-                        raise DataError(
-                            f"a binaryproto of shape {shape} would be {size} bytes, over "
-                            "protobuf's 2 GiB limit; export to .npy or .npz instead",
-                            path=db_path,
-                        )
-                data = np.lib.format.open_memmap(
-                    staging / "data.npy", mode="w+", dtype=batch.data.dtype, shape=shape
-                )
-            data[filled : filled + n] = batch.data
-            labels[filled : filled + n] = batch.label
-            filled += n
-            bar.advance(n)
+        data: np.memmap[Any, Any] | None = None
+        labels = np.lib.format.open_memmap(
+            staging / "labels.npy", mode="w+", dtype=np.float32, shape=(total,)
+        )
+        first_key = b""
+        filled = 0
+        with Progress(total, "export", quiet=quiet) as bar:
+            for batch in batches:
+                n = min(len(batch.keys), total - filled)
+                if data is None:
+                    first_key = batch.keys[0]
+                    shape = (total, *batch.data.shape[1:])
+                    _check_proto_size(fmt, shape, db_path)
+                    data = np.lib.format.open_memmap(
+                        staging / "data.npy", mode="w+", dtype=batch.data.dtype, shape=shape
+                    )
+                elif batch.data.shape[1:] != data.shape[1:]:
+                    raise DataError(
+                        f"record gives shape {batch.data.shape[1:]}, the first record "
+                        f"{first_key!r} gave {data.shape[1:]}; an export needs records of one "
+                        "size (crop with --crop-size, or convert with "
+                        "--resize-height/--resize-width)",
+                        key=batch.keys[0],
+                        path=db_path,
+                    )
+                data[filled : filled + n] = batch.data[:n]
+                labels[filled : filled + n] = batch.label[:n]
+                filled += n
+                bar.advance(n)
+                if filled == total:
+                    break
     if data is None or filled != total:
         raise DataError(f"expected {total} records, read {filled}", path=db_path)
     data.flush()
@@ -193,7 +209,7 @@ def export(
                 zf.write(staging / "labels.npy", "labels.npy")
         else:
             with open(final, "wb") as fh:
-                _write_blob(fh, data, batch_rows)
+                _write_blob(fh, data, batch_size)
                 _write_blob(fh, labels, 1 << 20)
             del data, labels
         with open(final, "rb+") as fh:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from .._errors import DataError
-from ._output import read_marker
+from .._io._datum import ParsedDatum, decode_datum, parse_datum
+from ._output import open_database, read_marker
 from ._progress import Progress
-from ._source import datum_kind, open_records, parse_datum, record_array
 
 __all__ = ["DatabaseInfo", "inspect_db"]
 
@@ -71,7 +72,18 @@ class DatabaseInfo:
         }
 
 
+def _kind(datum: ParsedDatum) -> str:
+    """``"encoded"``, ``"float"`` (float_data) or ``"raw"`` (uint8 data)."""
+    if datum.encoded:
+        return "encoded"
+    if datum.float_data is not None and not datum.data:
+        return "float"
+    return "raw"
+
+
 def _size(path: Path) -> int:
+    if not path.is_dir():  # an LMDB data file opened directly
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".mdb"))
 
 
@@ -94,26 +106,24 @@ def inspect_db(
     shapes: Counter[tuple[int, int, int]] = Counter()
     labels: Counter[int] = Counter()
     errors: dict[bytes, str] = {}
-    with open_records(db) as records:
-        n = len(records)
+    with open_database(db) as reader:
+        path = Path(reader.path)
+        n = len(reader)
         todo = n if limit is None else min(limit, n)
         scanned = 0
         with Progress(todo, "inspect", quiet=quiet) as bar:
-            for key, value in records.items():
-                if scanned >= todo:
-                    break
+            for key, value in islice(reader.items(), todo):
                 scanned += 1
                 bar.advance()
                 try:
-                    datum = parse_datum(value, key=key, path=records.path)
-                    kinds[datum_kind(datum)] += 1
+                    datum = parse_datum(value, key=key, path=path)
+                    kinds[_kind(datum)] += 1
                     labels[int(datum.label)] += 1
-                    arr = record_array(value, key=key, path=records.path)
+                    arr = decode_datum(value, key=key, path=path)[0]
                     shapes[(int(arr.shape[0]), int(arr.shape[1]), int(arr.shape[2]))] += 1
                 except DataError as exc:
                     errors[key] = str(exc)
-        first_keys = tuple(records.first_keys(first))
-        path = records.path
+        first_keys = tuple(key for key, _ in islice(reader.items(), first))
     marker = read_marker(path)
     complete = marker is None or bool(marker.get("complete"))
     progress = None

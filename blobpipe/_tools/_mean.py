@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError
+from .._io._datum import decode_datum
 from .._proto import caffe_pb2
-from ._output import check_output
+from ._output import check_output, open_database
 from ._progress import Progress
-from ._source import open_records, record_array
 
 __all__ = ["MeanResult", "compute_mean"]
 
@@ -76,9 +76,9 @@ def compute_mean(
         check_output(out_path, force=force)
     total: npt.NDArray[np.float32] | None = None
     count = 0
-    with open_records(db) as records, Progress(len(records), "mean", quiet=quiet) as bar:
-        for key, value in records.items():
-            arr: npt.NDArray[Any] = record_array(value, key=key, path=records.path)
+    with open_database(db) as reader, Progress(len(reader), "mean", quiet=quiet) as bar:
+        for key, value in reader.items():
+            arr: npt.NDArray[Any] = decode_datum(value, key=key, path=reader.path)[0]
             if total is None:
                 total = np.zeros(arr.shape, dtype=np.float32)
             elif arr.shape != total.shape:
@@ -87,13 +87,13 @@ def compute_mean(
                     "a mean needs records of one size (convert with --resize-height and "
                     "--resize-width)",
                     key=key,
-                    path=records.path,
+                    path=reader.path,
                 )
             np.add(total, arr, out=total, dtype=np.float32, casting="unsafe")
             count += 1
             bar.advance()
         if total is None:
-            raise DataError("database is empty; there is no mean to compute", path=records.path)
+            raise DataError("database is empty; there is no mean to compute", path=reader.path)
     mean = (total / np.float32(count)).astype(np.float32)
     if out_path is not None:
         tmp = out_path.with_name(out_path.name + ".partial")

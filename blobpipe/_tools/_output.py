@@ -20,12 +20,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .._errors import BlobpipeError
+from .._errors import DatabaseNotFoundError, OutputExistsError
+from .._io._lmdb import LmdbReader
 
 __all__ = [
     "MARKER_NAME",
-    "OutputExistsError",
     "check_output",
+    "open_database",
     "partial_path",
     "promote",
     "read_marker",
@@ -37,13 +38,29 @@ MARKER_NAME = "blobpipe-partial.json"
 """File inside a ``.partial`` directory saying what is being built and how far it got."""
 
 
-class OutputExistsError(BlobpipeError, FileExistsError):
-    """The output path exists and ``force`` was not given."""
-
-
 def partial_path(out: Path) -> Path:
     """``<out>.partial``: where ``out`` is built before it is renamed into place."""
     return out.with_name(out.name + ".partial")
+
+
+def open_database(db: str | os.PathLike[str]) -> LmdbReader:
+    """Open the LMDB ``db`` for reading; the caller closes it.
+
+    Raises :class:`DatabaseNotFoundError` as :class:`LmdbReader` does, except
+    that when ``db`` is missing but ``<db>.partial`` exists the message says the
+    conversion is unfinished and how to finish it.
+    """
+    try:
+        return LmdbReader(db)
+    except DatabaseNotFoundError as exc:
+        partial = partial_path(Path(db))
+        if not partial.is_dir():
+            raise
+        raise DatabaseNotFoundError(
+            f"no finished database here: an unfinished conversion is in {str(partial)!r}; "
+            "rerun the same convert-imageset command to finish it",
+            path=os.fspath(db),
+        ) from exc
 
 
 def _replaced_path(out: Path) -> Path:
