@@ -90,7 +90,7 @@ class Row:
         return statistics.median(self.rates) if self.rates else float("nan")
 
 
-# -- ceilings -----------------------------------------------------------------------------
+# -- ceilings ----------------------------------------------------------------
 
 
 def load_pixels(path: Path, n: int) -> np.ndarray:
@@ -144,7 +144,7 @@ def u8_to_f32_ceiling(src: np.ndarray, threads: int) -> Pass:
     return run
 
 
-# -- plain loops -------------------------------------------------------------------------------
+# -- plain loops ----------------------------------------------------------------
 
 
 def plain_loop(path: Path, n: int) -> Pass:
@@ -207,7 +207,7 @@ def opencv_loop(path: Path, n: int) -> Pass:
     return run
 
 
-# -- blobpipe ------------------------------------------------------------------------------------
+# -- blobpipe ----------------------------------------------------------------
 
 
 def _loader(path: Path, workers: int, dtype: str) -> blobpipe.Loader:
@@ -318,7 +318,7 @@ def torch_version() -> str | None:
     return str(torch.__version__)
 
 
-# -- driver ----------------------------------------------------------------------------------------
+# -- driver ----------------------------------------------------------------
 
 
 def build_rows(
