@@ -27,7 +27,9 @@ Rows (raw LMDB):
 * ``torch DataLoader``: the common recipe (a ``Dataset`` opening its LMDB
   environment lazily in each worker, ``txn.get`` + ``Datum.FromString`` +
   ``astype(float32) * scale`` per record, default collate), ``num_workers`` 0
-  and 2; skipped when torch is not installed.
+  and 2 (a new DataLoader per pass, so each pass starts its worker processes as
+  an epoch does), and 2 with ``persistent_workers=True`` (one DataLoader for all
+  passes: the median is a warm epoch); skipped when torch is not installed.
 
 Rows (JPEG LMDB): a single-thread OpenCV loop (fresh Datum, ``cv2.imdecode``
 with Caffe's flag, into a preallocated float32 batch, scaled per batch) and
@@ -287,17 +289,30 @@ class _LmdbDataset:
         return torch.from_numpy(pix.astype(np.float32) * SCALE32), d.label
 
 
-def torch_loader(path: Path, n: int, num_workers: int) -> Pass:
-    def run() -> tuple[int, np.ndarray]:
+def torch_loader(path: Path, n: int, num_workers: int, persistent: bool = False) -> Pass:
+    """One epoch of the recipe; ``persistent`` keeps one DataLoader (and its workers)
+    across passes, so only the first pass pays for starting the worker processes."""
+    kept: list[Any] = []
+
+    def make() -> Any:
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(
+        return DataLoader(
             _LmdbDataset(path, n),  # type: ignore[arg-type]
             batch_size=BATCH,
             shuffle=False,
             num_workers=num_workers,
             drop_last=True,
+            persistent_workers=persistent,
         )
+
+    def run() -> tuple[int, np.ndarray]:
+        if not persistent:
+            loader = make()
+        else:
+            if not kept:
+                kept.append(make())
+            loader = kept[0]
         rows = 0
         first = None
         for data, _label in loader:
@@ -380,12 +395,13 @@ def build_rows(
             check="memcpy",
         ),
     ]
-    for nw in (0, 2):
-        run = torch_loader(raw, n, nw) if torch_skip is None else None
+    for nw, persistent in ((0, False), (2, False), (2, True)):
+        run = torch_loader(raw, n, nw, persistent) if torch_skip is None else None
         rows.append(
             Row(
-                f"torch_nw{nw}",
-                f"torch DataLoader recipe, num_workers={nw}",
+                f"torch_nw{nw}" + ("_persistent" if persistent else ""),
+                f"torch DataLoader recipe, num_workers={nw}"
+                + (", persistent_workers" if persistent else ""),
                 "raw",
                 run,
                 baseline="plain",
