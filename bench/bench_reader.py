@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
+from _common import write_db
+
 from blobpipe._io._batches import Batches
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -42,34 +44,6 @@ from blobpipe._proto import caffe_pb2
 BATCH = 256
 SCALE = 1 / 256
 SHAPE = (3, 64, 64)
-
-
-def write_db(path: Path, n: int, encoded: bool) -> None:
-    rng = np.random.default_rng(0)
-    # 64 distinct smooth-ish images, reused: realistic JPEG sizes, fast to generate.
-    base = rng.integers(0, 256, (64, *SHAPE), dtype=np.uint8)
-    base = np.stack(
-        [
-            cv2.blur(np.ascontiguousarray(b.transpose(1, 2, 0)), (5, 5)).transpose(2, 0, 1)
-            for b in base
-        ]
-    )
-    values = []
-    for img in base:
-        if encoded:
-            ok, enc = cv2.imencode(".jpg", img.transpose(1, 2, 0), [cv2.IMWRITE_JPEG_QUALITY, 95])
-            assert ok
-            d = caffe_pb2.Datum(data=enc.tobytes(), encoded=True)
-        else:
-            d = caffe_pb2.Datum(channels=3, height=64, width=64, data=img.tobytes())
-        values.append(d)
-    env = lmdb.open(str(path), map_size=1 << 31)
-    with env.begin(write=True) as txn:
-        for i in range(n):
-            d = values[i % 64]
-            d.label = i % 1000
-            txn.put(f"{i:08d}".encode(), d.SerializeToString())
-    env.close()
 
 
 def plain_loop(path: Path, n: int) -> np.ndarray:

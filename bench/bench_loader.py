@@ -1,0 +1,624 @@
+"""Images/s of blobpipe.Loader vs a plain protobuf loop, PyTorch's LMDB recipe and memory ceilings.
+
+Run: ``python bench/bench_loader.py [--records 20480] [--jpeg-records 10000] [--repeats 5]
+[--workers 1 2 4] [--quick] [--json OUT] [--data-dir DIR] [--no-torch]``
+
+Two LMDBs of 3×64×64 Datums (raw uint8 and JPEG quality 95) are generated once
+and cached under ``bench/_data/`` (git-ignored). Every contender turns them into
+batches of 64, scale 1/256, on the CPU, one pass over the same whole batches
+(``records // 64 * 64`` records) per repetition; the repetitions are
+interleaved (each round runs every contender once) so the load of a shared
+machine spreads over all rows, and the table shows medians.
+
+Rows (raw LMDB):
+
+* ``memcpy ceiling``: the same pixel bytes, preloaded into one array, copied one
+  batch (64 records) at a time into a warm preallocated uint8 batch;
+* ``u8→f32 ceiling``: the same, converted into a warm float32 batch, one thread
+  (per core) and the batch split over two threads;
+* ``plain loop``: py-lmdb cursor, a fresh ``caffe_pb2.Datum`` per record, its
+  bytes converted (``np.copyto``) into a preallocated float32 batch, which is
+  scaled once per batch — the fastest plain form we found;
+* ``blobpipe float32/uint8``: ``blobpipe.Loader(..., device="cpu",
+  transform=Transform(scale=1/256), phase="test", prefetch=4, mode="epoch",
+  last="drop")`` iterated with ``async for`` (and ``for``, the portal form);
+  uint8 is ``Transform(dtype="uint8")`` (raw pixels, no scale). Each pass
+  includes opening and closing the Loader;
+* ``torch DataLoader``: the common recipe (a ``Dataset`` opening its LMDB
+  environment lazily in each worker, ``txn.get`` + ``Datum.FromString`` +
+  ``astype(float32) * scale`` per record, default collate), ``num_workers`` 0
+  and 2 (a new DataLoader per pass, so each pass starts its worker processes as
+  an epoch does), and 2 with ``persistent_workers=True`` (one DataLoader for all
+  passes: the median is a warm epoch); skipped when torch is not installed.
+
+Rows (JPEG LMDB): a single-thread OpenCV loop (fresh Datum, ``cv2.imdecode``
+with Caffe's flag, into a preallocated float32 batch, scaled per batch) and
+blobpipe with ``workers`` 1 and 2.
+
+Every contender's first batch is checked equal to the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import cv2
+import lmdb
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import cached_db
+
+import blobpipe
+from blobpipe._proto import caffe_pb2
+
+BATCH = 64
+SCALE = 1 / 256
+SCALE32 = np.float32(SCALE)
+SHAPE = (3, 64, 64)
+
+# (rows, first batch) for one pass over ``n`` records
+Pass = Callable[[], tuple[int, np.ndarray]]
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    group: str  # "raw" or "jpeg"
+    run: Pass | None  # None: skipped (see note)
+    baseline: str | None = None  # key of the row the ratio is taken against
+    target: float | None = None  # ratio to reach
+    note: str = ""
+    check: str | None = None  # key of the row whose first batch must be equal
+    rates: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates) if self.rates else float("nan")
+
+
+# -- ceilings ----------------------------------------------------------------
+
+
+def load_pixels(path: Path, n: int) -> np.ndarray:
+    """Every record's pixels, in key order, as one (n, C, H, W) uint8 array."""
+    out = np.empty((n, *SHAPE), np.uint8)
+    with blobpipe.LmdbReader(path) as reader, reader.transaction() as txn:
+        for i, key in enumerate(reader.keys()[:n]):
+            chw, _ = blobpipe.datum_view(txn.get(key))
+            out[i] = chw
+    return out
+
+
+def memcpy_ceiling(src: np.ndarray) -> Pass:
+    def run() -> tuple[int, np.ndarray]:
+        dst = np.empty((BATCH, *SHAPE), np.uint8)
+        dst.fill(0)  # warm: page faults are not timed
+        first = None
+        for lo in range(0, len(src), BATCH):
+            np.copyto(dst, src[lo : lo + BATCH])
+            if first is None:
+                first = dst.copy()
+        assert first is not None
+        return len(src), first
+
+    return run
+
+
+def u8_to_f32_ceiling(src: np.ndarray, threads: int) -> Pass:
+    def run() -> tuple[int, np.ndarray]:
+        dst = np.empty((BATCH, *SHAPE), np.float32)
+        dst.fill(0)
+        first = None
+        half = BATCH // 2
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        try:
+            for lo in range(0, len(src), BATCH):
+                if pool is None:
+                    np.copyto(dst, src[lo : lo + BATCH])
+                else:
+                    a = pool.submit(np.copyto, dst[:half], src[lo : lo + half])
+                    np.copyto(dst[half:], src[lo + half : lo + BATCH])
+                    a.result()
+                if first is None:
+                    first = dst * SCALE32
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        assert first is not None
+        return len(src), first
+
+    return run
+
+
+# -- plain loops ----------------------------------------------------------------
+
+
+def plain_loop(path: Path, n: int) -> Pass:
+    """Fresh Datum per record, bytes converted into a preallocated float32 batch."""
+
+    def run() -> tuple[int, np.ndarray]:
+        data = np.empty((BATCH, *SHAPE), np.float32)
+        label = np.empty(BATCH, np.float32)
+        first = None
+        env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
+        try:
+            with env.begin() as txn:
+                cursor = txn.cursor()
+                cursor.first()
+                for _ in range(n // BATCH):
+                    for i in range(BATCH):
+                        d = caffe_pb2.Datum.FromString(cursor.value())
+                        pix = np.frombuffer(d.data, np.uint8)
+                        np.copyto(data[i], pix.reshape(d.channels, d.height, d.width))
+                        label[i] = d.label
+                        cursor.next()
+                    data *= SCALE32
+                    if first is None:
+                        first = data.copy()
+        finally:
+            env.close()
+        assert first is not None
+        return n // BATCH * BATCH, first
+
+    return run
+
+
+def opencv_loop(path: Path, n: int) -> Pass:
+    """Single thread: fresh Datum, cv2.imdecode (Caffe's flag), into a float32 batch."""
+
+    def run() -> tuple[int, np.ndarray]:
+        data = np.empty((BATCH, *SHAPE), np.float32)
+        label = np.empty(BATCH, np.float32)
+        first = None
+        env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
+        try:
+            with env.begin() as txn:
+                cursor = txn.cursor()
+                cursor.first()
+                for _ in range(n // BATCH):
+                    for i in range(BATCH):
+                        d = caffe_pb2.Datum.FromString(cursor.value())
+                        img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_UNCHANGED)
+                        np.copyto(data[i], img.transpose(2, 0, 1))
+                        label[i] = d.label
+                        cursor.next()
+                    data *= SCALE32
+                    if first is None:
+                        first = data.copy()
+        finally:
+            env.close()
+        assert first is not None
+        return n // BATCH * BATCH, first
+
+    return run
+
+
+# -- blobpipe ----------------------------------------------------------------
+
+
+def _loader(path: Path, workers: int, dtype: str) -> blobpipe.Loader:
+    transform = (
+        blobpipe.Transform(scale=SCALE) if dtype == "float32" else blobpipe.Transform(dtype="uint8")
+    )
+    return blobpipe.Loader(
+        path,
+        batch_size=BATCH,
+        device="cpu",
+        transform=transform,
+        phase="test",
+        workers=workers,
+        prefetch=4,
+        mode="epoch",
+        last="drop",
+    )
+
+
+def blobpipe_async(path: Path, workers: int, dtype: str = "float32") -> Pass:
+    async def epoch() -> tuple[int, np.ndarray]:
+        rows = 0
+        first = None
+        async with _loader(path, workers, dtype) as loader:
+            async for batch in loader:
+                data = batch.data.cpu_data()
+                if first is None:
+                    first = data.copy()
+                rows += len(batch)
+        assert first is not None
+        return rows, first
+
+    return lambda: anyio.run(epoch)
+
+
+def blobpipe_sync(path: Path, workers: int, dtype: str = "float32") -> Pass:
+    def run() -> tuple[int, np.ndarray]:
+        rows = 0
+        first = None
+        with _loader(path, workers, dtype) as loader:
+            for batch in loader:
+                data = batch.data.cpu_data()
+                if first is None:
+                    first = data.copy()
+                rows += len(batch)
+        assert first is not None
+        return rows, first
+
+    return run
+
+
+# -- PyTorch -------------------------------------------------------------------------------------
+
+
+class _LmdbDataset:
+    """The usual LMDB Dataset: environment opened lazily, once per worker process."""
+
+    def __init__(self, path: Path, n: int) -> None:
+        self.path = str(path)
+        self.keys = [f"{i:08d}".encode() for i in range(n)]
+        self.env: Any = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import torch
+
+        if self.env is None:
+            self.env = lmdb.open(
+                self.path, readonly=True, lock=False, readahead=False, meminit=False
+            )
+        with self.env.begin() as txn:
+            value = txn.get(self.keys[i])
+        d = caffe_pb2.Datum.FromString(value)
+        pix = np.frombuffer(d.data, np.uint8).reshape(d.channels, d.height, d.width)
+        return torch.from_numpy(pix.astype(np.float32) * SCALE32), d.label
+
+
+def torch_loader(path: Path, n: int, num_workers: int, persistent: bool = False) -> Pass:
+    """One epoch of the recipe; ``persistent`` keeps one DataLoader (and its workers)
+    across passes, so only the first pass pays for starting the worker processes."""
+    kept: list[Any] = []
+
+    def make() -> Any:
+        from torch.utils.data import DataLoader
+
+        return DataLoader(
+            _LmdbDataset(path, n),  # type: ignore[arg-type]
+            batch_size=BATCH,
+            shuffle=False,
+            num_workers=num_workers,
+            drop_last=True,
+            persistent_workers=persistent,
+        )
+
+    def run() -> tuple[int, np.ndarray]:
+        if not persistent:
+            loader = make()
+        else:
+            if not kept:
+                kept.append(make())
+            loader = kept[0]
+        rows = 0
+        first = None
+        for data, _label in loader:
+            if first is None:
+                first = data.numpy().copy()
+            rows += len(data)
+        assert first is not None
+        return rows, first
+
+    return run
+
+
+def torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
+
+
+# -- driver ----------------------------------------------------------------
+
+
+def build_rows(
+    raw: Path, jpeg: Path, n: int, n_jpeg: int, sweep: list[int], torch_skip: str | None
+) -> list[Row]:
+    """The contenders; ``torch_skip`` says why the torch rows are skipped (None: run them)."""
+    cpus = os.cpu_count() or 1
+    main_w = cpus
+    pixels = load_pixels(raw, n // BATCH * BATCH)
+    rows = [
+        Row("memcpy", "memcpy ceiling (1 thread)", "raw", memcpy_ceiling(pixels)),
+        Row(
+            "u8f32",
+            "u8→f32 ceiling (1 thread = per core)",
+            "raw",
+            u8_to_f32_ceiling(pixels, 1),
+            baseline="memcpy",
+            check="plain",
+        ),
+        Row(
+            "u8f32x2",
+            "u8→f32 ceiling (2 threads)",
+            "raw",
+            u8_to_f32_ceiling(pixels, 2),
+            baseline="u8f32",
+            check="plain",
+        ),
+        Row("plain", "plain protobuf loop (float32)", "raw", plain_loop(raw, n)),
+    ]
+    for w in sorted({*sweep, main_w}):
+        target = 1.5 if w == main_w else None
+        rows.append(
+            Row(
+                f"bp_f32_w{w}",
+                f"blobpipe float32, async, workers={w}",
+                "raw",
+                blobpipe_async(raw, w),
+                baseline="plain",
+                target=target,
+                check="plain",
+            )
+        )
+    rows += [
+        Row(
+            f"bp_f32_sync_w{main_w}",
+            f"blobpipe float32, sync, workers={main_w}",
+            "raw",
+            blobpipe_sync(raw, main_w),
+            baseline="plain",
+            check="plain",
+        ),
+        Row(
+            f"bp_u8_w{main_w}",
+            f"blobpipe uint8, async, workers={main_w}",
+            "raw",
+            blobpipe_async(raw, main_w, "uint8"),
+            baseline="memcpy",
+            target=0.25,
+            check="memcpy",
+        ),
+    ]
+    for nw, persistent in ((0, False), (2, False), (2, True)):
+        run = torch_loader(raw, n, nw, persistent) if torch_skip is None else None
+        rows.append(
+            Row(
+                f"torch_nw{nw}" + ("_persistent" if persistent else ""),
+                f"torch DataLoader recipe, num_workers={nw}"
+                + (", persistent_workers" if persistent else ""),
+                "raw",
+                run,
+                baseline="plain",
+                check="plain",
+                note=torch_skip or "",
+            )
+        )
+    rows.append(Row("cv", "OpenCV imdecode loop (1 thread)", "jpeg", opencv_loop(jpeg, n_jpeg)))
+    for w in sorted({*sweep, 1, main_w}):
+        target = 1.6 if w == main_w else None
+        rows.append(
+            Row(
+                f"bp_jpeg_w{w}",
+                f"blobpipe JPEG float32, async, workers={w}",
+                "jpeg",
+                blobpipe_async(jpeg, w),
+                baseline="cv",
+                target=target,
+                check="cv",
+            )
+        )
+    return rows
+
+
+_PROBE = b"\x5a" * (1 << 20)
+
+
+def _hash(n: int) -> None:
+    for _ in range(n):
+        hashlib.sha256(_PROBE).digest()
+
+
+def parallel_headroom(threads: int = 2, n: int = 64) -> float:
+    """Speedup of a GIL-free workload (sha256 of 1 MiB) on ``threads`` threads over one.
+
+    ``threads``× means that many idle cores; on a shared machine it shows how
+    much parallelism the workers sweep could have had at that moment.
+    """
+    t0 = time.perf_counter()
+    _hash(n)
+    one = time.perf_counter() - t0
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(_hash, n // threads) for _ in range(threads)]:
+            f.result()
+        many = time.perf_counter() - t0
+    return one / many
+
+
+def measure(rows: list[Row], repeats: int) -> list[float]:
+    """Run every row ``repeats`` times, interleaved; returns the headroom per round."""
+    firsts: dict[str, np.ndarray] = {}
+    headroom = []
+    for rep in range(repeats):
+        headroom.append(parallel_headroom())
+        for row in rows:
+            if row.run is None:
+                continue
+            t0 = time.perf_counter()
+            count, first = row.run()
+            dt = time.perf_counter() - t0
+            row.rates.append(count / dt)
+            if rep == 0:
+                firsts[row.key] = first
+    for row in rows:
+        if row.check is not None and row.key in firsts:
+            same = np.array_equal(firsts[row.key], firsts[row.check])
+            assert same, f"{row.label}: first batch differs from {row.check}'s"
+    return headroom
+
+
+def ratio(rows: list[Row], row: Row) -> float | None:
+    if row.baseline is None or row.run is None:
+        return None
+    base = next(r for r in rows if r.key == row.baseline)
+    return row.median / base.median
+
+
+def markdown(rows: list[Row]) -> str:
+    by_key = {r.key: r for r in rows}
+    lines = [
+        "| row | img/s (median) | ratio | to | target | result |",
+        "| --- | ---: | ---: | --- | ---: | --- |",
+    ]
+    for row in rows:
+        r = ratio(rows, row)
+        if row.run is None:
+            lines.append(f"| {row.label} | — | — | — | — | {row.note} |")
+            continue
+        base = by_key[row.baseline].label if row.baseline else "—"
+        target = f"≥ {row.target:.2f}×" if row.target is not None else ""
+        verdict = ""
+        if row.target is not None and r is not None:
+            verdict = "PASS" if r >= row.target else f"FAIL ({r / row.target:.0%} of target)"
+        ratio_s = f"{r:.2f}×" if r is not None else "—"
+        lines.append(
+            f"| {row.label} | {row.median:,.0f} | {ratio_s} | {base} | {target} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_markdown(rows: list[Row], sweep: list[int]) -> str:
+    by_key = {r.key: r for r in rows}
+    lines = [
+        "| workers | float32 raw img/s | vs plain loop | JPEG img/s | vs OpenCV loop |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in sweep:
+        raw = by_key[f"bp_f32_w{w}"]
+        jpg = by_key[f"bp_jpeg_w{w}"]
+        lines.append(
+            f"| {w} | {raw.median:,.0f} | {ratio(rows, raw):.2f}× "
+            f"| {jpg.median:,.0f} | {ratio(rows, jpg):.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--records", type=int, default=20_480, help="raw records (default 20480)")
+    ap.add_argument("--jpeg-records", type=int, default=10_000, help="JPEG records (default 10000)")
+    ap.add_argument("--repeats", type=int, default=5, help="passes per row; medians reported")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="the workers sweep")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one pass: a smoke test")
+    ap.add_argument("--json", type=Path, metavar="OUT", help="write every sample to OUT")
+    ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.records, args.jpeg_records, args.repeats = 1024, 256, 1
+    if args.records < BATCH or args.jpeg_records < BATCH or args.repeats < 1:
+        ap.error(f"--records and --jpeg-records must be >= {BATCH}, --repeats >= 1")
+    tv = None if args.no_torch else torch_version()
+    torch_skip = None
+    if args.no_torch:
+        torch_skip = "skipped: --no-torch"
+    elif tv is None:
+        torch_skip = "skipped: torch is not installed (pip install torch)"
+
+    t0 = time.perf_counter()
+    raw, wrote_raw = cached_db("raw", args.records, SHAPE, args.data_dir)
+    jpeg, wrote_jpeg = cached_db("jpeg", args.jpeg_records, SHAPE, args.data_dir)
+    setup = time.perf_counter() - t0
+    rows = build_rows(raw, jpeg, args.records, args.jpeg_records, args.workers, torch_skip)
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    headroom = measure(rows, args.repeats)
+    elapsed = time.perf_counter() - t0
+
+    cpus = os.cpu_count() or 1
+    print(
+        f"blobpipe.Loader, {'×'.join(map(str, SHAPE))} uint8 Datums, batch {BATCH}, "
+        f"scale 1/256, device cpu; median of {args.repeats} interleaved passes; "
+        f"{args.records // BATCH * BATCH} raw / {args.jpeg_records // BATCH * BATCH} JPEG "
+        f"records per pass"
+    )
+    print(
+        f"{cpus} CPU cores (the u8→f32 ceiling is per core; ×{cpus} bounds this machine); "
+        f"load average {load0:.2f} at start; python {platform.python_version()}, "
+        f"numpy {np.__version__}, opencv {cv2.__version__}, "
+        f"torch {tv or '(rows skipped)'}"
+    )
+    print(
+        f"parallel headroom: a GIL-free workload ran {statistics.median(headroom):.2f}× faster "
+        f"on 2 threads than on 1 (median of rounds {', '.join(f'{h:.2f}' for h in headroom)}; "
+        "2.00× = two idle cores)"
+    )
+    print(
+        f"LMDBs: {raw} ({'written' if wrote_raw else 'cached'}), "
+        f"{jpeg} ({'written' if wrote_jpeg else 'cached'}), {setup:.1f} s; "
+        f"measured in {elapsed:.1f} s\n"
+    )
+    print(markdown(rows))
+    print()
+    print(f"workers sweep (blobpipe async, float32, scale 1/256; {cpus} cores):\n")
+    print(sweep_markdown(rows, sorted(set(args.workers))))
+
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "shape": SHAPE,
+            "batch": BATCH,
+            "records": args.records // BATCH * BATCH,
+            "jpeg_records": args.jpeg_records // BATCH * BATCH,
+            "repeats": args.repeats,
+            "cpus": cpus,
+            "loadavg_start": load0,
+            "parallel_headroom_2_threads": headroom,
+            "versions": {
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+                "opencv": cv2.__version__,
+                "torch": tv,
+            },
+            "rows": [
+                {
+                    "key": r.key,
+                    "label": r.label,
+                    "group": r.group,
+                    "img_per_s": r.rates,
+                    "median": r.median if r.rates else None,
+                    "baseline": r.baseline,
+                    "ratio": ratio(rows, r),
+                    "target": r.target,
+                    "passed": (
+                        None
+                        if r.target is None or r.run is None
+                        else bool((ratio(rows, r) or 0.0) >= r.target)
+                    ),
+                    "note": r.note,
+                }
+                for r in rows
+            ],
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

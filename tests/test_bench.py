@@ -1,0 +1,256 @@
+"""Smoke tests of the benchmark scripts: they run and print their tables (targets not checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.timeout(90)
+def test_bench_loader_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_loader.py"),
+            "--quick",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = proc.stdout
+    assert "| row | img/s (median) | ratio | to | target | result |" in text
+    for label in (
+        "memcpy ceiling",
+        "plain protobuf loop",
+        "blobpipe float32, async, workers=2",
+        "blobpipe uint8",
+        "torch DataLoader recipe, num_workers=0",
+        "OpenCV imdecode loop",
+        "blobpipe JPEG float32, async, workers=2",
+    ):
+        assert label in text
+    assert "| workers | float32 raw img/s |" in text
+    doc = json.loads(out.read_text())
+    rows = {row["key"]: row for row in doc["rows"]}
+    assert rows["plain"]["median"] > 0
+    assert [row["target"] for row in doc["rows"] if row["key"].startswith("bp_f32_w")].count(
+        1.5
+    ) == 1
+    # a second run reuses the cached LMDBs
+    again = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_loader.py"),
+            "--quick",
+            "--no-torch",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "(cached)" in again.stdout
+    assert "skipped: --no-torch" in again.stdout
+
+
+def _has_cupy() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(_has_cupy(), reason="CuPy is installed: the no-GPU path is not taken")
+def test_bench_gpu_without_gpu() -> None:
+    script = str(BENCH / "bench_gpu.py")
+    strict = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert strict.returncode == 1
+    assert strict.stdout.startswith("skipped: no GPU (CuPy is not installed")
+    lenient = subprocess.run(
+        [sys.executable, script, "--allow-skip"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert lenient.returncode == 0
+    assert lenient.stdout.startswith("skipped: no GPU")
+
+
+# The slice of CuPy bench_gpu.py uses, on NumPy: checks the script's flow (calls, arithmetic,
+# tables) before it meets a real GPU, where device time is scarce. Not a model of CUDA.
+_FAKE_CUPY = """
+import ctypes, time, types
+import numpy as np
+
+__version__ = "fake"
+float32, uint8 = np.float32, np.uint8
+
+
+class _Array(np.ndarray):
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def empty(n, dtype):
+    return np.empty(n, dtype).view(_Array)
+
+
+def zeros(n, dtype):
+    return np.zeros(n, dtype).view(_Array)
+
+
+def ones(n, dtype):
+    return np.ones(n, dtype).view(_Array)
+
+
+class _Stream:
+    def __init__(self, non_blocking=False):
+        assert non_blocking
+        self.ptr = 1
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class _Device:
+    def synchronize(self):
+        pass
+
+
+def _memcpy_async(dst, src, nbytes, kind, stream):
+    assert kind == 1 and isinstance(stream, int)
+    ctypes.memmove(dst, src, nbytes)
+
+
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: 1,
+    getDeviceProperties=lambda i: {"name": b"Fake GPU"},
+    memcpyAsync=_memcpy_async,
+    memcpyHostToDevice=1,
+)
+cuda = types.SimpleNamespace(
+    runtime=runtime,
+    Stream=_Stream,
+    Event=_Event,
+    Device=_Device,
+    get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+)
+
+
+class RawKernel:
+    def __init__(self, code, name):
+        assert "__global__ void " + name in code
+
+    def __call__(self, grid, block, args):
+        x, cycles, sink = args
+        assert x.dtype == np.float32 and isinstance(cycles, np.int64)
+        end = time.perf_counter() + int(cycles) * 1e-9
+        while time.perf_counter() < end:
+            pass
+"""
+
+_RUN_FAKE = """
+import sys
+import bench_gpu
+import blobpipe
+from blobpipe._backends import EmulatedBackend
+
+
+def make_loader(path, workers, device_transform):
+    return blobpipe.Loader(
+        path, batch_size=64, device=EmulatedBackend(delay=0.0005),
+        transform=blobpipe.Transform(scale=1 / 256), phase="test", workers=workers,
+        prefetch=4, mode="wrap", device_transform=device_transform,
+    )
+
+
+bench_gpu.make_loader = make_loader
+sys.exit(bench_gpu.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(_FAKE_CUPY)
+    (tmp_path / "cupyx").mkdir()
+    (tmp_path / "cupyx" / "__init__.py").write_text(
+        "import numpy as np\n\n\ndef empty_pinned(shape, dtype=float):\n"
+        "    return np.empty(shape, dtype)\n"
+    )
+    (tmp_path / "run_fake.py").write_text(_RUN_FAKE)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(BENCH), str(BENCH.parent)]),
+    }
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(tmp_path / "run_fake.py"),
+            "--records",
+            "1024",
+            "--steps",
+            "20",
+            "--seconds",
+            "0.2",
+            "--workers",
+            "2",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for header in (
+        "| size | pinned GB/s | pageable GB/s |",
+        "| workers | transfer | img/s | bus GB/s | of pinned peak |",
+        "| workers | wall s | vs synthetic | starvation (wait_time) |",
+    ):
+        assert header in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["pinned_peak_gbps"] > 0
+    assert len(doc["loader_throughput"]) == 2
+    assert doc["training"][0]["wall_s"] > 0
