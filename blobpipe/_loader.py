@@ -396,7 +396,11 @@ class Loader:
         self._tg: anyio.abc.TaskGroup | None = None
         self._current: tuple[_Slot, Batch] | None = None
         self._failure: BaseException | None = None
-        self._broken = False  # a failure was queued: plan and deliver nothing more
+        self._broken = False  # a failure was planned: plan and deliver nothing more
+        self._plan_lock = threading.Lock()
+        self._planned = 0  # batches numbered by the planner
+        self._delivered = 0  # the number of the next batch the consumer takes
+        self._ready: dict[int, tuple[_Slot, BatchPlan] | _End | _Failure] = {}
         self._means: dict[tuple[int, ...], Any] = {}
         # the blocking (sync) form
         self._portal_cm: Any = None
@@ -530,18 +534,17 @@ class Loader:
             )
         self._state = "open"
         self._free_send, self._free_recv = anyio.create_memory_object_stream[_Slot](self._prefetch)
-        self._full_send, self._full_recv = anyio.create_memory_object_stream[
-            tuple[_Slot, BatchPlan] | _End | _Failure
-        ](self._prefetch)
         for i in range(self._prefetch):
             stream = self._backend.create_stream() if self._backend.has_device else None
             slot = _Slot(i, self._backend, stream)
             self._slots.append(slot)
             self._free_send.send_nowait(slot)
         self._limiter = anyio.CapacityLimiter(self._workers)
+        self._ready_changed = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._produce)
+        for _ in range(self._prefetch):
+            self._tg.start_soon(self._filler)
 
     async def aclose(self) -> None:
         """Stop the pipeline: no thread left running, every block back in the pool.
@@ -574,8 +577,10 @@ class Loader:
         for slot in self._slots:
             slot.close()
         self._slots.clear()
-        for stream in (self._free_send, self._free_recv, self._full_send, self._full_recv):
-            stream.close()
+        self._free_send.close()
+        self._free_recv.close()
+        self._ready.clear()
+        self._ready_changed.set()  # a consumer waiting in another task sees the close
         self._batches.close()
 
     def _check_iterable(self) -> None:
@@ -588,107 +593,98 @@ class Loader:
             raise StateError("this Loader is closed; create a new one to iterate again")
 
     # -- producer ------------------------------------------------------------------
-    async def _produce(self) -> None:
-        # Plans batches in order, several per worker-thread call (one call per
-        # run of free slots), and starts one fill task per planned batch, so up
-        # to ``prefetch`` batches are read concurrently. Each task delivers its
-        # batch only after the previous one was delivered (the ``sent`` chain),
-        # so the consumer sees the planned order and errors at their place.
-        assert self._tg is not None
-        prev = anyio.Event()
-        prev.set()
+    #
+    # ``prefetch`` filler tasks, one per slot: each takes a free slot, waits for
+    # the device work still reading it, then in ONE worker-thread call plans the
+    # next batch (under a lock, which also numbers it) and fills it. Batches are
+    # thus read concurrently, and the consumer takes them by number, so it sees
+    # the planned order, and errors at their place, whatever finishes first.
+
+    async def _filler(self) -> None:
         while not self._broken:
             try:
-                slots = [await self._free_recv.receive()]
-                while len(slots) < self._prefetch:
-                    slots.append(self._free_recv.receive_nowait())
-            except anyio.WouldBlock:
-                pass
+                slot = await self._free_recv.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            plans = await anyio.to_thread.run_sync(
-                self._plan_many, len(slots), limiter=self._limiter
+            await wait_event(slot.event)
+            fill_here = len(self._chunks(self.batch_size)) == 1
+            seq, item = await anyio.to_thread.run_sync(
+                self._plan_and_fill, slot, fill_here, limiter=self._limiter
             )
-            for item in plans:
-                sent = anyio.Event()
-                if isinstance(item, BatchPlan):
-                    self._tg.start_soon(self._fill_and_deliver, slots.pop(), item, prev, sent)
-                else:
-                    self._tg.start_soon(self._deliver, None, item, prev, sent)
-                prev = sent
-            for slot in slots:  # not needed this round (end of epoch or an error)
+            if isinstance(item, BatchPlan):  # split over several worker threads
+                item = await self._fill_chunks(slot, item)
+            if isinstance(item, tuple):
+                try:
+                    self._issue_device_work(slot, item[1])
+                except Exception as exc:  # delivered to the consumer, in order
+                    item = _Failure(exc)
+            if not isinstance(item, tuple):  # end of epoch, failure, or stopped
                 self._free_send.send_nowait(slot)
-            if plans and isinstance(plans[-1], _Failure):
-                return
-
-    def _plan_many(self, count: int) -> list[BatchPlan | _End | _Failure]:
-        """Up to ``count`` plans, stopping after an epoch end or an error."""
-        out: list[BatchPlan | _End | _Failure] = []
-        while len(out) < count:
-            try:
-                plan = self._batches.next_plan()
-            except Exception as exc:  # delivered to the consumer, in order
-                out.append(_Failure(exc))
-                break
-            if plan is None:
-                out.append(_End())
-                break
-            out.append(plan)
-        return out
-
-    async def _fill_and_deliver(
-        self, slot: _Slot, plan: BatchPlan, prev: anyio.Event, sent: anyio.Event
-    ) -> None:
-        item: tuple[_Slot, BatchPlan] | _Failure
-        try:
-            await wait_event(slot.event)  # device work still reading the slot
-            await self._fill(slot, plan)
-            self._issue_device_work(slot, plan)
-            item = (slot, plan)
-        except anyio.get_cancelled_exc_class():
-            sent.set()
-            raise
-        except Exception as exc:  # delivered to the consumer, in order
-            item = _Failure(exc)
-        await self._deliver(slot, item, prev, sent)
-
-    async def _deliver(
-        self,
-        slot: _Slot | None,
-        item: tuple[_Slot, BatchPlan] | _End | _Failure,
-        prev: anyio.Event,
-        sent: anyio.Event,
-    ) -> None:
-        try:
-            await prev.wait()
-            if self._broken:
+            if seq is None or item is None:
                 return
             if isinstance(item, _Failure):
                 self._broken = True
-            await self._full_send.send(item)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+            self._ready[seq] = item
+            changed, self._ready_changed = self._ready_changed, anyio.Event()
+            changed.set()
+
+    def _plan_and_fill(
+        self, slot: _Slot, fill_here: bool
+    ) -> tuple[int | None, tuple[_Slot, BatchPlan] | BatchPlan | _End | _Failure | None]:
+        """In a worker thread: number and plan the next batch, then fill it if ``fill_here``."""
+        with self._plan_lock:
+            if self._broken:
+                return None, None
+            seq = self._planned
+            self._planned += 1
+            try:
+                plan = self._batches.next_plan()
+            except Exception as exc:  # delivered to the consumer, in order
+                self._broken = True
+                return seq, _Failure(exc)
+        if plan is None:
+            return seq, _End()
+        if not fill_here:
+            return seq, plan
+        t0 = time.perf_counter()
+        try:
+            data, label, params = self._prepare(slot, plan)
+            self._batches.fill(plan, data, label, params_out=params)
+        except Exception as exc:  # delivered to the consumer, in order
+            self._broken = True
+            return seq, _Failure(exc)
         finally:
-            sent.set()
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._decode_time += dt
+        return seq, (slot, plan)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        # Batches are filled concurrently (one task per slot), so a batch is
-        # split only when there are more workers than slots.
+        # Batches are filled concurrently (one filler per slot), so a batch is
+        # split over several threads only when there are more workers than slots.
         parts = max(1, min(-(-self._workers // self._prefetch), n // 8))
         step = math.ceil(n / parts)
         return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
-    async def _fill(self, slot: _Slot, plan: BatchPlan) -> None:
+    def _prepare(
+        self, slot: _Slot, plan: BatchPlan
+    ) -> tuple[np.ndarray, np.ndarray, npt.NDArray[np.int32] | None]:
         out_shape: tuple[int, ...] | None = None
         if self._device_transform:
-            c, h, w = plan.data_shape[1:]
-            n = plan.data_shape[0]
+            n, c, h, w = plan.data_shape
             out_shape = (n, c, h, w) if self._transform.layout == "NCHW" else (n, h, w, c)
         slot.prepare(plan, out_shape)
         assert slot.host is not None and slot.label is not None
-        data = slot.host.mutable_cpu_data()
-        label = slot.label.mutable_cpu_data()
         params = slot.params[: len(plan)] if self._device_transform else None
+        return slot.host.mutable_cpu_data(), slot.label.mutable_cpu_data(), params
+
+    async def _fill_chunks(
+        self, slot: _Slot, plan: BatchPlan
+    ) -> tuple[_Slot, BatchPlan] | _Failure:
+        try:
+            data, label, params = self._prepare(slot, plan)
+        except Exception as exc:  # delivered to the consumer, in order
+            return _Failure(exc)
         errors: list[tuple[int, Exception]] = []
         batches = self._batches
 
@@ -706,15 +702,12 @@ class Loader:
         async def run_chunk(lo: int, hi: int) -> None:
             await anyio.to_thread.run_sync(work, lo, hi, limiter=self._limiter)
 
-        chunks = self._chunks(len(plan))
-        if len(chunks) == 1:
-            await run_chunk(*chunks[0])
-        else:
-            async with anyio.create_task_group() as tg:
-                for lo, hi in chunks:
-                    tg.start_soon(run_chunk, lo, hi)
+        async with anyio.create_task_group() as tg:
+            for lo, hi in self._chunks(len(plan)):
+                tg.start_soon(run_chunk, lo, hi)
         if errors:
-            raise min(errors, key=lambda e: e[0])[1]
+            return _Failure(min(errors, key=lambda e: e[0])[1])
+        return (slot, plan)
 
     def _issue_device_work(self, slot: _Slot, plan: BatchPlan) -> None:
         backend = self._backend
@@ -809,10 +802,11 @@ class Loader:
             ) from self._failure
         self._recycle_current()
         t0 = time.perf_counter()
-        try:
-            item = await self._full_recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StateError("this Loader is closed") from None
+        while self._delivered not in self._ready:
+            await self._ready_changed.wait()
+            self._check_iterable()
+        item = self._ready.pop(self._delivered)
+        self._delivered += 1
         if isinstance(item, _End):
             with self._lock:
                 self._wait_time += time.perf_counter() - t0

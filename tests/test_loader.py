@@ -160,10 +160,20 @@ class FillProbe:
         monkeypatch.setattr(Batches, "fill", fill)
 
     async def wait_filling(self) -> None:
-        """Return once a fill starts (it then sleeps ``sleep`` seconds in its thread)."""
-        self.started.clear()
-        assert await anyio.to_thread.run_sync(self.started.wait, 5.0)
-        self.in_flight_at_wait = self.in_flight
+        """Return once a fill is in flight (it sleeps ``sleep`` seconds in its thread)."""
+
+        def wait() -> bool:
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if self.in_flight:
+                        self.in_flight_at_wait = self.in_flight
+                        return True
+                self.started.wait(0.002)
+                self.started.clear()
+            return False
+
+        assert await anyio.to_thread.run_sync(wait)
 
 
 class PoolWatch:
@@ -636,6 +646,7 @@ async def test_cleanup(
         with anyio.CancelScope() as scope:
             async with loader:
                 await anext(loader)
+                await anext(loader)  # recycles the first slot: it is refilled now
                 await probe.wait_filling()
                 scope.cancel()
                 await anext(loader)
