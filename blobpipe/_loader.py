@@ -29,17 +29,18 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import os
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
@@ -190,7 +191,8 @@ class _Slot:
         self.index = index
         self.backend = backend
         self.stream = stream
-        self.event: Event = COMPLETED
+        self.event: Event = COMPLETED  # completes after the slot's last device work
+        self.started: Event | None = None  # timing event before that work
         self.host: Blob | None = None  # data as filled on the host (pinned)
         self.label: Blob | None = None  # labels (pushed to the device too)
         self.staged: Blob | None = None  # device copy of ``host`` (device transform)
@@ -400,7 +402,13 @@ class Loader:
         self._plan_lock = threading.Lock()
         self._planned = 0  # batches numbered by the planner
         self._delivered = 0  # the number of the next batch the consumer takes
+        self._stopping = False
+        # free slots (None: a filler's stop signal); posted batches by number, and
+        # the consumer waiting for one: (number, event), both under _ready_lock
+        self._free: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._ready_lock = threading.Lock()
         self._ready: dict[int, tuple[_Slot, BatchPlan] | _End | _Failure] = {}
+        self._waiter: tuple[int, anyio.Event] | None = None
         self._means: dict[tuple[int, ...], Any] = {}
         # the blocking (sync) form
         self._portal_cm: Any = None
@@ -533,18 +541,17 @@ class Loader:
                 f"this Loader is {self._state}; a Loader can be opened once — create a new one"
             )
         self._state = "open"
-        self._free_send, self._free_recv = anyio.create_memory_object_stream[_Slot](self._prefetch)
         for i in range(self._prefetch):
             stream = self._backend.create_stream() if self._backend.has_device else None
             slot = _Slot(i, self._backend, stream)
             self._slots.append(slot)
-            self._free_send.send_nowait(slot)
+            self._free.put(slot)
         self._limiter = anyio.CapacityLimiter(self._workers)
-        self._ready_changed = anyio.Event()
+        self._call_soon = _threadsafe_caller()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        for _ in range(self._prefetch):
-            self._tg.start_soon(self._filler)
+        for _ in range(self._n_fillers):
+            self._tg.start_soon(self._run_filler)
 
     async def aclose(self) -> None:
         """Stop the pipeline: no thread left running, every block back in the pool.
@@ -560,7 +567,10 @@ class Loader:
             return
         try:
             if self._tg is not None:
+                self._stop_fillers()
                 self._tg.cancel_scope.cancel()
+                # fillers run in worker threads: the task group waits for each to
+                # finish its current batch and return (no thread is abandoned)
                 await self._tg.__aexit__(None, None, None)
         finally:
             self._tg = None
@@ -577,10 +587,11 @@ class Loader:
         for slot in self._slots:
             slot.close()
         self._slots.clear()
-        self._free_send.close()
-        self._free_recv.close()
-        self._ready.clear()
-        self._ready_changed.set()  # a consumer waiting in another task sees the close
+        with self._ready_lock:
+            self._ready.clear()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter[1].set()  # a consumer waiting in another task sees the close
         self._batches.close()
 
     def _check_iterable(self) -> None:
@@ -594,46 +605,48 @@ class Loader:
 
     # -- producer ------------------------------------------------------------------
     #
-    # ``prefetch`` filler tasks, one per slot: each takes a free slot, waits for
-    # the device work still reading it, then in ONE worker-thread call plans the
-    # next batch (under a lock, which also numbers it) and fills it. Batches are
-    # thus read concurrently, and the consumer takes them by number, so it sees
-    # the planned order, and errors at their place, whatever finishes first.
+    # ``min(workers, prefetch)`` fillers, each a loop in its own worker thread
+    # (anyio.to_thread under the workers limiter): take a free slot, wait for
+    # the device work still reading it, plan the next batch (under a lock that
+    # also numbers it), fill it, issue its host→device copy, post it by number.
+    # The event loop does no per-batch work for the producer; the consumer
+    # takes batches by number, so it sees the planned order (and errors at
+    # their place) whatever finishes first.
 
-    async def _filler(self) -> None:
-        while not self._broken:
-            try:
-                slot = await self._free_recv.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
+    @property
+    def _n_fillers(self) -> int:
+        return min(self._workers, self._prefetch)
+
+    async def _run_filler(self) -> None:
+        await anyio.to_thread.run_sync(self._filler, limiter=self._limiter)
+
+    def _stop_fillers(self) -> None:
+        self._stopping = True
+        for _ in range(self._n_fillers):
+            self._free.put(None)  # wakes a filler waiting for a slot
+
+    def _filler(self) -> None:
+        """One filler's loop (a worker thread); returns when stopped or broken."""
+        while not self._stopping:
+            slot = self._free.get()
+            if slot is None:
                 return
-            await wait_event(slot.event)
-            fill_here = len(self._chunks(self.batch_size)) == 1
-            seq, item = await anyio.to_thread.run_sync(
-                self._plan_and_fill, slot, fill_here, limiter=self._limiter
-            )
-            if isinstance(item, BatchPlan):  # split over several worker threads
-                item = await self._fill_chunks(slot, item)
-            if isinstance(item, tuple):
-                try:
-                    self._issue_device_work(slot, item[1])
-                except Exception as exc:  # delivered to the consumer, in order
-                    item = _Failure(exc)
+            slot.event.synchronize()  # device work still reading the slot's buffers
+            seq, item = self._plan_and_fill(slot)
             if not isinstance(item, tuple):  # end of epoch, failure, or stopped
-                self._free_send.send_nowait(slot)
+                self._free.put(slot)
             if seq is None or item is None:
                 return
+            self._post(seq, item)
             if isinstance(item, _Failure):
-                self._broken = True
-            self._ready[seq] = item
-            changed, self._ready_changed = self._ready_changed, anyio.Event()
-            changed.set()
+                return
 
     def _plan_and_fill(
-        self, slot: _Slot, fill_here: bool
-    ) -> tuple[int | None, tuple[_Slot, BatchPlan] | BatchPlan | _End | _Failure | None]:
-        """In a worker thread: number and plan the next batch, then fill it if ``fill_here``."""
+        self, slot: _Slot
+    ) -> tuple[int | None, tuple[_Slot, BatchPlan] | _End | _Failure | None]:
+        """Number and plan the next batch, fill it, and start its device work."""
         with self._plan_lock:
-            if self._broken:
+            if self._broken or self._stopping:
                 return None, None
             seq = self._planned
             self._planned += 1
@@ -644,8 +657,6 @@ class Loader:
                 return seq, _Failure(exc)
         if plan is None:
             return seq, _End()
-        if not fill_here:
-            return seq, plan
         t0 = time.perf_counter()
         try:
             data, label, params = self._prepare(slot, plan)
@@ -657,14 +668,26 @@ class Loader:
             dt = time.perf_counter() - t0
             with self._lock:
                 self._decode_time += dt
+        try:
+            self._issue_device_work(slot, plan)
+        except Exception as exc:
+            self._broken = True
+            return seq, _Failure(exc)
         return seq, (slot, plan)
 
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
-        # Batches are filled concurrently (one filler per slot), so a batch is
-        # split over several threads only when there are more workers than slots.
-        parts = max(1, min(-(-self._workers // self._prefetch), n // 8))
-        step = math.ceil(n / parts)
-        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    def _post(self, seq: int, item: tuple[_Slot, BatchPlan] | _End | _Failure) -> None:
+        with self._ready_lock:
+            self._ready[seq] = item
+            waiter = self._waiter
+            if waiter is None or waiter[0] != seq:
+                return
+            self._waiter = None
+        # the consumer waits for exactly this batch: wake it on the event loop,
+        # without blocking this filler until the loop has run the wake-up
+        try:
+            self._call_soon(waiter[1].set)
+        except RuntimeError:  # the event loop is gone (closing)
+            pass
 
     def _prepare(
         self, slot: _Slot, plan: BatchPlan
@@ -678,51 +701,20 @@ class Loader:
         params = slot.params[: len(plan)] if self._device_transform else None
         return slot.host.mutable_cpu_data(), slot.label.mutable_cpu_data(), params
 
-    async def _fill_chunks(
-        self, slot: _Slot, plan: BatchPlan
-    ) -> tuple[_Slot, BatchPlan] | _Failure:
-        try:
-            data, label, params = self._prepare(slot, plan)
-        except Exception as exc:  # delivered to the consumer, in order
-            return _Failure(exc)
-        errors: list[tuple[int, Exception]] = []
-        batches = self._batches
-
-        def work(lo: int, hi: int) -> None:
-            t0 = time.perf_counter()
-            try:
-                batches.fill(plan, data, label, lo, hi, params_out=params)
-            except Exception as exc:  # reported in row order after all chunks
-                errors.append((lo, exc))
-            finally:
-                dt = time.perf_counter() - t0
-                with self._lock:
-                    self._decode_time += dt
-
-        async def run_chunk(lo: int, hi: int) -> None:
-            await anyio.to_thread.run_sync(work, lo, hi, limiter=self._limiter)
-
-        async with anyio.create_task_group() as tg:
-            for lo, hi in self._chunks(len(plan)):
-                tg.start_soon(run_chunk, lo, hi)
-        if errors:
-            return _Failure(min(errors, key=lambda e: e[0])[1])
-        return (slot, plan)
-
     def _issue_device_work(self, slot: _Slot, plan: BatchPlan) -> None:
         backend = self._backend
         if not backend.has_device:
             slot.event = COMPLETED
+            slot.started = None
             return
         assert slot.host is not None and slot.label is not None
-        issued = time.perf_counter()
+        slot.started = backend.record_event(slot.stream, timing=True)
         slot.label.data.start_gpu_push(slot.stream)
         if self._device_transform:
-            event = self._launch_transform(slot, plan)
+            self._launch_transform(slot, plan)
         else:
-            event = slot.host.data.start_gpu_push(slot.stream)
-        slot.event = event
-        self._tg_start_copy_timer(event, issued)
+            slot.host.data.start_gpu_push(slot.stream)
+        slot.event = backend.record_event(slot.stream, timing=True)
 
     def _launch_transform(self, slot: _Slot, plan: BatchPlan) -> Event:
         backend = self._backend
@@ -754,20 +746,6 @@ class Loader:
             self._means[key] = None if mean is None else self._backend.xp.asarray(mean)
         return self._means[key]
 
-    def _tg_start_copy_timer(self, event: Event, issued: float) -> None:
-        if event.query():
-            with self._lock:
-                self._copy_time += time.perf_counter() - issued
-            return
-        assert self._tg is not None
-
-        async def timer() -> None:
-            await wait_event(event)
-            with self._lock:
-                self._copy_time += time.perf_counter() - issued
-
-        self._tg.start_soon(timer)
-
     # -- consumer ------------------------------------------------------------------
     def _recycle_current(self) -> None:
         current, self._current = self._current, None
@@ -775,7 +753,7 @@ class Loader:
             return
         slot, batch = current
         batch._recycle()
-        self._free_send.send_nowait(slot)
+        self._free.put(slot)
 
     def _detach_current(self, batch: Batch) -> None:
         if self._current is not None and self._current[1] is batch:
@@ -802,10 +780,7 @@ class Loader:
             ) from self._failure
         self._recycle_current()
         t0 = time.perf_counter()
-        while self._delivered not in self._ready:
-            await self._ready_changed.wait()
-            self._check_iterable()
-        item = self._ready.pop(self._delivered)
+        item = await self._take(self._delivered)
         self._delivered += 1
         if isinstance(item, _End):
             with self._lock:
@@ -819,7 +794,11 @@ class Loader:
         # lose the batch and its slot. The wait is bounded by the copy.
         with anyio.CancelScope(shield=True):
             await wait_event(slot.event)
+        copy = 0.0
+        if slot.started is not None and slot.event.query():
+            copy = self._backend.elapsed(slot.started, slot.event)
         with self._lock:
+            self._copy_time += copy
             self._wait_time += time.perf_counter() - t0
             self._n_batches += 1
             self._n_records += plan.valid
@@ -827,6 +806,24 @@ class Loader:
         batch = self._make_batch(slot, plan)
         self._current = (slot, batch)
         return batch
+
+    async def _take(self, seq: int) -> tuple[_Slot, BatchPlan] | _End | _Failure:
+        """Batch ``seq`` once a filler posted it."""
+        with self._ready_lock:
+            item = self._ready.pop(seq, None)
+            if item is not None:
+                return item
+            event = anyio.Event()
+            self._waiter = (seq, event)
+        try:
+            await event.wait()
+        finally:
+            with self._ready_lock:
+                if self._waiter is not None and self._waiter[1] is event:
+                    self._waiter = None
+        self._check_iterable()  # woken by close
+        with self._ready_lock:
+            return self._ready.pop(seq)
 
     def _make_batch(self, slot: _Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self._device_transform else slot.host
@@ -892,3 +889,23 @@ class Loader:
             return portal.call(self.__anext__)
         except StopAsyncIteration:
             raise StopIteration from None
+
+
+def _threadsafe_caller() -> Callable[[Callable[[], object]], object]:
+    """A function that schedules a callback on the running event loop from any thread
+    and returns at once (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``).
+
+    anyio's ``from_thread.run_sync`` would block the calling thread until the
+    loop ran the callback; it is the fallback for other backends.
+    """
+    token = anyio.lowlevel.current_token()
+    native = token.native_token
+    for name in ("call_soon_threadsafe", "run_sync_soon"):
+        call = getattr(native, name, None)
+        if callable(call):
+            return call  # type: ignore[no-any-return]
+
+    def blocking(fn: Callable[[], object]) -> object:
+        return anyio.from_thread.run_sync(fn, token=token)
+
+    return blocking

@@ -135,7 +135,7 @@ class FillProbe:
         self.calls = 0
         self.in_flight = 0
         self.max_in_flight = 0
-        self.plans: set[int] = set()
+        self.plans: set[tuple[int, int]] = set()
         self.in_flight_at_wait = 0
         self.started = threading.Event()
         self._lock = threading.Lock()
@@ -147,7 +147,7 @@ class FillProbe:
                 probe.calls += 1
                 probe.in_flight += 1
                 probe.max_in_flight = max(probe.max_in_flight, probe.in_flight)
-                probe.plans.add(id(plan))
+                probe.plans.add((plan.epochs[0], plan.positions[0]))  # one per batch
             probe.started.set()
             try:
                 if probe.sleep:

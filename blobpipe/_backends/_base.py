@@ -240,9 +240,17 @@ class Backend:
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
         raise NotImplementedError  # pragma: no cover
 
-    def record_event(self, stream: Stream | None = None) -> Event:
-        """An event that completes when the work queued so far on ``stream`` has."""
+    def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
+        """An event that completes when the work queued so far on ``stream`` has.
+
+        With ``timing``, two such events can be passed to :meth:`elapsed`.
+        """
         self._require_device("record_event")
+        raise NotImplementedError  # pragma: no cover
+
+    def elapsed(self, start: Event, end: Event) -> float:
+        """Seconds between two completed timing events (``record_event(timing=True)``)."""
+        self._require_device("elapsed")
         raise NotImplementedError  # pragma: no cover
 
     def synchronize(self) -> None:

@@ -134,9 +134,9 @@ class CupyBackend(Backend):
                     self._default = _CupyStream(self._cp.cuda.Stream(non_blocking=True))
             return self._default
 
-    def _record(self, stream: Stream) -> Event:
+    def _record(self, stream: Stream, timing: bool = False) -> Event:
         assert isinstance(stream, _CupyStream)
-        ev = self._cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        ev = self._cp.cuda.Event(block=False, disable_timing=not timing, interprocess=False)
         ev.record(stream.raw)
         return _CupyEvent(ev)
 
@@ -178,9 +178,13 @@ class CupyBackend(Backend):
             fn()
             return self._record(stream)
 
-    def record_event(self, stream: Stream | None = None) -> Event:
+    def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
         with self._device:
-            return self._record(stream or self.default_stream())
+            return self._record(stream or self.default_stream(), timing)
+
+    def elapsed(self, start: Event, end: Event) -> float:
+        assert isinstance(start, _CupyEvent) and isinstance(end, _CupyEvent)
+        return float(self._cp.cuda.get_elapsed_time(start._event, end._event)) / 1000.0
 
     def synchronize(self) -> None:
         with self._device:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +27,10 @@ class EmulatedEvent(Event):
 
     def __init__(self) -> None:
         self._done = threading.Event()
+        self.completed_at = 0.0  # time.perf_counter() when it completed
 
     def _set(self) -> None:
+        self.completed_at = time.perf_counter()
         self._done.set()
 
     def query(self) -> bool:
@@ -141,7 +144,14 @@ class EmulatedBackend(Backend):
 
         return self._enqueue(stream, run)
 
-    def record_event(self, stream: Stream | None = None) -> Event:
+    def elapsed(self, start: Event, end: Event) -> float:
+        if not (isinstance(start, EmulatedEvent) and isinstance(end, EmulatedEvent)):
+            raise TypeError("elapsed() needs two events of the emulated backend")
+        if not (start.query() and end.query()):
+            raise ValueError("elapsed() needs two completed events")
+        return end.completed_at - start.completed_at
+
+    def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
         s = stream or self.default_stream()
         if not isinstance(s, EmulatedStream):
             raise TypeError(f"expected a stream of the emulated backend, got {s!r}")

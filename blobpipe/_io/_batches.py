@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import datum_view, gather_raw, parse_datum
+from ._datum import datum_view, gather_raw, parse_datum, raw_block
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
@@ -659,15 +659,23 @@ class Batches:
         # their errors, in row order.
         c, h, w = plan.record_shape
         size = c * h * w
-        staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
-        flat = staging.reshape(stop - start, size)
-        slow: list[int] = []
         keys = plan.keys[start:stop]
         path = self._path
         try:
             values = [raw_get(k) for k in keys]
         except Exception:  # the per-row path reads the failing record again and names it
             values = [_try_get(raw_get, k) for k in keys]
+        if not block.direct:
+            # All records in convert_imageset's layout: transform straight from
+            # one joined buffer, no staging copy.
+            pixels = raw_block(values, plan.record_shape, label_out[start:stop])
+            if pixels is not None:
+                block.apply(pixels, data_out[start:stop])
+                self._finish_block(block, plan, data_out, start, stop, params_out)
+                return
+        staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
+        flat = staging.reshape(stop - start, size)
+        slow: list[int] = []
         # Records laid out as convert_imageset writes them are copied all at once.
         rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
         for r in rest:
@@ -694,6 +702,20 @@ class Batches:
             label_out[i] = p.label
         if not block.direct:
             block.apply(staging.reshape(stop - start, c, h, w), data_out[start:stop])
+        self._finish_block(block, plan, data_out, start, stop, params_out)
+        if slow:
+            self._fill_each(plan, data_out, label_out, slow, params_out, get)
+
+    @staticmethod
+    def _finish_block(
+        block: _Block,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> None:
+        """Flip the mirrored rows of a block-transformed range; record the params."""
         if block.mirror:
             words = plan.words
             for i in range(start, stop):
@@ -706,8 +728,6 @@ class Batches:
             params_out[start:stop, 2] = (
                 [word & 1 for word in plan.words[start:stop]] if block.mirror else 0
             )
-        if slow:
-            self._fill_each(plan, data_out, label_out, slow, params_out, get)
 
     def _fill_each(
         self,

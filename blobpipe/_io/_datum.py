@@ -70,6 +70,7 @@ __all__ = [
     "encode_raw_datum",
     "gather_raw",
     "parse_datum",
+    "raw_block",
 ]
 
 BytesLike: TypeAlias = bytes | bytearray | memoryview
@@ -663,6 +664,69 @@ def _varint_column(
     return ok, low
 
 
+def _raw_header(shape: tuple[int, int, int]) -> npt.NDArray[np.uint8]:
+    c, h, w = shape
+    return np.frombuffer(_header(c, h, w) + b"\x22" + _enc_varint(c * h * w), np.uint8)
+
+
+def _match_layout(
+    block: npt.NDArray[np.uint8], header: npt.NDArray[np.uint8], size: int
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+    """Rows of ``block`` (records of one length) in convert_imageset's raw layout, and labels.
+
+    The layout: ``header`` (channels, height, width, the data tag and length),
+    ``size`` pixel bytes, then ``0x28 varint(label)`` and optionally ``0x38
+    0x00`` (``encoded: false``) — nothing else.
+    """
+    n, length = block.shape
+    hl = len(header)
+    good = (block[:, :hl] == header).all(axis=1)
+    tail = block[:, hl + size :]
+    k = length - hl - size
+    good &= tail[:, 0] == 0x28
+    with_enc = np.zeros(n, dtype=bool)
+    labels = np.zeros(n, dtype=np.int64)
+    if 1 <= k - 3 <= 10:
+        ok, lab = _varint_column(tail, 1, k - 3)
+        with_enc = ok & (tail[:, k - 2] == 0x38) & (tail[:, k - 1] == 0x00)
+        labels = np.where(with_enc, lab, labels)
+    bare = np.zeros(n, dtype=bool)
+    if 1 <= k - 1 <= 10:
+        ok, lab = _varint_column(tail, 1, k - 1)
+        bare = ok & ~with_enc
+        labels = np.where(bare, lab, labels)
+    return good & (with_enc | bare), labels
+
+
+def raw_block(
+    values: Sequence[BytesLike | None],
+    shape: tuple[int, int, int],
+    labels_out: npt.NDArray[np.float32],
+) -> npt.NDArray[np.uint8] | None:
+    """All records' pixels as one ``(n, C, H, W)`` uint8 view, or None.
+
+    Succeeds when every record is a raw Datum of ``shape`` laid out as
+    ``convert_imageset`` writes it (see :func:`gather_raw`) and all have the
+    same length: then the records are joined into one buffer (one copy), and
+    the returned array is a strided view of their pixels; ``labels_out``
+    receives the labels. Otherwise nothing is written and None is returned.
+    """
+    size = shape[0] * shape[1] * shape[2]
+    if not values or any(v is None for v in values):
+        return None
+    length = len(values[0])  # type: ignore[arg-type]
+    header = _raw_header(shape)
+    if length < len(header) + size + 2 or any(len(v) != length for v in values):  # type: ignore[arg-type]
+        return None
+    block = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), length)  # type: ignore[arg-type]
+    good, labels = _match_layout(block, header, size)
+    if not good.all():
+        return None
+    labels_out[...] = labels
+    hl = len(header)
+    return block[:, hl : hl + size].reshape(len(values), *shape)
+
+
 def gather_raw(
     values: Sequence[BytesLike | None],
     shape: tuple[int, int, int],
@@ -681,51 +745,24 @@ def gather_raw(
     ``(len(values),)``; rows not taken (another layout, encoded, float_data,
     ``None``) are left untouched for the caller's per-record path.
     """
-    c, h, w = shape
-    size = c * h * w
-    header = np.frombuffer(_header(c, h, w) + b"\x22" + _enc_varint(size), np.uint8)
+    size = shape[0] * shape[1] * shape[2]
+    header = _raw_header(shape)
     hl = len(header)
     groups: dict[int, list[int]] = {}
     rest: list[int] = []
     for i, value in enumerate(values):
-        if value is None:
-            rest.append(i)
-            continue
-        n = len(value)
-        if n < hl + size + 2:
+        if value is None or len(value) < hl + size + 2:
             rest.append(i)
         else:
-            groups.setdefault(n, []).append(i)
+            groups.setdefault(len(value), []).append(i)
     for n, rows in groups.items():
         block = np.frombuffer(b"".join([values[i] for i in rows]), np.uint8)  # type: ignore[misc]
         block = block.reshape(len(rows), n)
-        good = (block[:, :hl] == header).all(axis=1)
-        tail = block[:, hl + size :]
-        k = n - hl - size  # tail: 0x28 varint(label) [0x38 0x00]
-        good &= tail[:, 0] == 0x28
-        with_enc_ok = np.zeros(len(rows), dtype=bool)
-        labels = np.zeros(len(rows), dtype=np.int64)
-        if 1 <= k - 3 <= 10:
-            ok, lab = _varint_column(tail, 1, k - 3)
-            with_enc_ok = ok & (tail[:, k - 2] == 0x38) & (tail[:, k - 1] == 0x00)
-            labels = np.where(with_enc_ok, lab, labels)
-        bare_ok = np.zeros(len(rows), dtype=bool)
-        if 1 <= k - 1 <= 10:
-            ok, lab = _varint_column(tail, 1, k - 1)
-            bare_ok = ok & ~with_enc_ok
-            labels = np.where(bare_ok, lab, labels)
-        good &= with_enc_ok | bare_ok
+        good, labels = _match_layout(block, header, size)
         idx = np.asarray(rows)
-        if good.all() and len(rows) == len(values):  # the common case: one plain copy
-            pixels_out[...] = block[:, hl : hl + size]
-            labels_out[...] = labels
-        elif good.all():
-            pixels_out[idx] = block[:, hl : hl + size]
-            labels_out[idx] = labels
-        else:
-            pixels_out[idx[good]] = block[good, hl : hl + size]
-            labels_out[idx[good]] = labels[good]
-            rest.extend(idx[~good].tolist())
+        pixels_out[idx[good]] = block[good, hl : hl + size]
+        labels_out[idx[good]] = labels[good]
+        rest.extend(idx[~good].tolist())
     rest.sort()
     return rest
 
