@@ -665,12 +665,18 @@ class Batches:
             values = [raw_get(k) for k in keys]
         except Exception:  # the per-row path reads the failing record again and names it
             values = [_try_get(raw_get, k) for k in keys]
+        if _encoded(values[0]):  # encoded batches decode record by record
+            self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
+            return
         if not block.direct:
             # All records in convert_imageset's layout: transform straight from
             # one joined buffer, no staging copy.
-            pixels = raw_block(values, plan.record_shape, label_out[start:stop])
-            if pixels is not None:
-                block.apply(pixels, data_out[start:stop])
+            groups = raw_block(values, plan.record_shape, label_out[start:stop])
+            if groups is not None:
+                out = data_out[start:stop]
+                for rows, pixels in groups:
+                    block.load(pixels, out, rows)
+                block.finish(out)
                 self._finish_block(block, plan, data_out, start, stop, params_out)
                 return
         staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
@@ -826,6 +832,16 @@ class Batches:
         self.close()
 
 
+def _encoded(value: bytes | memoryview | None) -> bool:
+    """True when ``value`` parses as a Datum that says ``encoded: true``."""
+    if value is None:
+        return False
+    try:
+        return parse_datum(value).encoded
+    except BlobpipeError:
+        return False
+
+
 def _try_get(
     get: Callable[[bytes], bytes | memoryview | None], key: bytes
 ) -> bytes | memoryview | None:
@@ -871,26 +887,47 @@ class _Block:
         return 1 if self.nhwc else 2
 
     def apply(self, src: npt.NDArray[np.uint8], out: np.ndarray) -> None:
-        # Same operations, element for element, as Transform._apply_fast.
-        mean = self.mean
+        """Transform the uncropped uint8 NCHW block ``src`` into ``out``."""
+        self.load(src, out)
+        self.finish(out)
+
+    def load(
+        self, src: npt.NDArray[np.uint8], out: np.ndarray, rows: npt.NDArray[np.intp] | None = None
+    ) -> None:
+        """Crop, lay out and convert ``src`` into ``out`` (or into ``out[rows]``)."""
         if self.crop:
-            hs = slice(self.h_off, self.h_off + self.crop)
-            ws = slice(self.w_off, self.w_off + self.crop)
-            src = src[:, :, hs, ws]
-            if mean is not None:
-                mean = mean[:, hs, ws]
+            src = src[:, :, self._hs, self._ws]
         if self.nhwc:
             src = src.transpose(0, 2, 3, 1)
-            if mean is not None:
-                mean = mean.transpose(1, 2, 0)
-        np.copyto(out, src)
+        if rows is None:
+            np.copyto(out, src)
+        else:
+            out[rows] = src
+
+    def finish(self, out: np.ndarray) -> None:
+        """Subtract the mean and scale ``out`` in place (nothing for uint8 output)."""
+        # Same operations, element for element, as Transform._apply_fast: the
+        # uint8 to float32 conversion in load() is exact.
         if out.dtype == _U1:
             return
+        mean = self.mean
         if mean is not None:
+            if self.crop:
+                mean = mean[:, self._hs, self._ws]
+            if self.nhwc:
+                mean = mean.transpose(1, 2, 0)
             np.subtract(out, mean, out=out)
         scale = self.transform.scale
         if scale != 1:
             np.multiply(out, scale, out=out)
+
+    @property
+    def _hs(self) -> slice:
+        return slice(self.h_off, self.h_off + self.crop)
+
+    @property
+    def _ws(self) -> slice:
+        return slice(self.w_off, self.w_off + self.crop)
 
 
 def _block_plan(

@@ -226,7 +226,7 @@ def _parse(b: memoryview) -> ParsedDatum:
                 return _new_parsed((c, h, w, lab, b[p2 + 1] != 0, data, None))
         return _parse_from(b, pos, c, h, w, data)
     p = _parse_from(b, 0, 0, 0, 0, None)
-    if p.data is not None and p.channels >= 0 and p.height >= 0 and p.width >= 0:
+    if p.data is not None and not p.encoded and p.channels > 0 and p.height > 0 and p.width > 0:
         hdr = _header(p.channels, p.height, p.width) + b"\x22" + _enc_varint(len(p.data))
         if b[: len(hdr)] == hdr:
             _last_header = (hdr, len(hdr), p.channels, p.height, p.width, len(p.data))
@@ -702,29 +702,45 @@ def raw_block(
     values: Sequence[BytesLike | None],
     shape: tuple[int, int, int],
     labels_out: npt.NDArray[np.float32],
-) -> npt.NDArray[np.uint8] | None:
-    """All records' pixels as one ``(n, C, H, W)`` uint8 view, or None.
+) -> list[tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.uint8]]] | None:
+    """All records' pixels as uint8 ``(m, C, H, W)`` views, one per record length, or None.
 
     Succeeds when every record is a raw Datum of ``shape`` laid out as
-    ``convert_imageset`` writes it (see :func:`gather_raw`) and all have the
-    same length: then the records are joined into one buffer (one copy), and
-    the returned array is a strided view of their pixels; ``labels_out``
-    receives the labels. Otherwise nothing is written and None is returned.
+    ``convert_imageset`` writes it (see :func:`gather_raw`). Records of one
+    length (labels of one varint size) are joined into one buffer (one copy)
+    and viewed as ``(m, C, H, W)``; each view comes with the rows it holds
+    (None: all rows, in order). ``labels_out`` receives the labels. Otherwise
+    nothing is written and None is returned.
     """
-    size = shape[0] * shape[1] * shape[2]
-    if not values or any(v is None for v in values):
-        return None
-    length = len(values[0])  # type: ignore[arg-type]
+    c, h, w = shape
+    size = c * h * w
     header = _raw_header(shape)
-    if length < len(header) + size + 2 or any(len(v) != length for v in values):  # type: ignore[arg-type]
-        return None
-    block = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), length)  # type: ignore[arg-type]
-    good, labels = _match_layout(block, header, size)
-    if not good.all():
-        return None
-    labels_out[...] = labels
     hl = len(header)
-    return block[:, hl : hl + size].reshape(len(values), *shape)
+    groups: dict[int, list[int]] = {}
+    for i, value in enumerate(values):
+        if value is None:
+            return None
+        groups.setdefault(len(value), []).append(i)
+    if min(groups) < hl + size + 2:
+        return None
+    out: list[tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.uint8]]] = []
+    for length, rows in groups.items():
+        if len(groups) == 1:
+            joined = b"".join(values)  # type: ignore[arg-type]
+            idx = None
+        else:
+            joined = b"".join([values[i] for i in rows])  # type: ignore[misc]
+            idx = np.asarray(rows, dtype=np.intp)
+        block = np.frombuffer(joined, np.uint8).reshape(len(rows), length)
+        good, labels = _match_layout(block, header, size)
+        if not good.all():
+            return None
+        out.append((idx, block[:, hl : hl + size].reshape(len(rows), c, h, w)))
+        if idx is None:
+            labels_out[...] = labels
+        else:
+            labels_out[idx] = labels
+    return out
 
 
 def gather_raw(
