@@ -408,7 +408,7 @@ class Loader:
         self._free: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._ready_lock = threading.Lock()
         self._ready: dict[int, tuple[_Slot, BatchPlan] | _End | _Failure] = {}
-        self._waiter: tuple[int, anyio.Event] | None = None
+        self._waiter: tuple[int, Callable[[], object]] | None = None
         self._means: dict[tuple[int, ...], Any] = {}
         # the blocking (sync) form
         self._portal_cm: Any = None
@@ -591,7 +591,7 @@ class Loader:
             self._ready.clear()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
-            waiter[1].set()  # a consumer waiting in another task sees the close
+            waiter[1]()  # a consumer waiting in another task or thread sees the close
         self._batches.close()
 
     def _check_iterable(self) -> None:
@@ -682,10 +682,10 @@ class Loader:
             if waiter is None or waiter[0] != seq:
                 return
             self._waiter = None
-        # the consumer waits for exactly this batch: wake it on the event loop,
-        # without blocking this filler until the loop has run the wake-up
+        # the consumer waits for exactly this batch: wake it (on the event loop
+        # for the async form, without blocking this filler until it ran)
         try:
-            self._call_soon(waiter[1].set)
+            waiter[1]()
         except RuntimeError:  # the event loop is gone (closing)
             pass
 
@@ -773,27 +773,94 @@ class Loader:
                 DataError naming the record key and the database).
             StateError: the loader is closed or failed earlier.
         """
+        t0 = self._begin_next()
+        item = self._pop_ready()
+        if item is None:
+            event = anyio.Event()
+            call_soon = self._call_soon
+            item = self._pop_ready(lambda: call_soon(event.set))
+            if item is None:
+                try:
+                    await event.wait()
+                finally:
+                    self._forget_waiter()
+                item = self._taken()
+        got = self._arrived(item, t0)
+        if got is None:
+            raise StopAsyncIteration
+        # Shielded: the batch has left the ready set, so a cancellation here
+        # would lose it and its slot. The wait is bounded by the copy.
+        with anyio.CancelScope(shield=True):
+            await wait_event(got[0].event)
+        return self._deliver(*got, t0)
+
+    def _next_blocking(self) -> Batch:
+        """:meth:`__anext__` for the blocking form: waits in the calling thread."""
+        t0 = self._begin_next()
+        item = self._pop_ready()
+        if item is None:
+            event = threading.Event()
+            item = self._pop_ready(event.set)
+            if item is None:
+                try:
+                    event.wait()
+                finally:
+                    self._forget_waiter()
+                item = self._taken()
+        got = self._arrived(item, t0)
+        if got is None:
+            raise StopIteration
+        got[0].event.synchronize()
+        return self._deliver(*got, t0)
+
+    def _begin_next(self) -> float:
         self._check_iterable()
         if self._failure is not None:
             raise StateError(
                 f"this Loader stopped after an error: {self._failure!r}"
             ) from self._failure
         self._recycle_current()
-        t0 = time.perf_counter()
-        item = await self._take(self._delivered)
-        self._delivered += 1
+        return time.perf_counter()
+
+    def _pop_ready(
+        self, wake: Callable[[], object] | None = None
+    ) -> tuple[_Slot, BatchPlan] | _End | _Failure | None:
+        """The next batch if a filler posted it; else register ``wake`` (if given)."""
+        with self._ready_lock:
+            item = self._ready.pop(self._delivered, None)
+            if item is None and wake is not None:
+                self._waiter = (self._delivered, wake)
+        if item is not None:
+            self._delivered += 1
+        return item
+
+    def _forget_waiter(self) -> None:
+        with self._ready_lock:
+            self._waiter = None
+
+    def _taken(self) -> tuple[_Slot, BatchPlan] | _End | _Failure:
+        """After a wake-up: the batch that arrived (or StateError when closed)."""
+        self._check_iterable()
+        item = self._pop_ready()
+        if item is None:  # pragma: no cover - woken without a batch means closed
+            raise StateError("this Loader is closed; create a new one to iterate again")
+        return item
+
+    def _arrived(
+        self, item: tuple[_Slot, BatchPlan] | _End | _Failure, t0: float
+    ) -> tuple[_Slot, BatchPlan] | None:
+        """A batch that arrived; None at the end of an epoch; raises failures."""
         if isinstance(item, _End):
             with self._lock:
                 self._wait_time += time.perf_counter() - t0
-            raise StopAsyncIteration
+            return None
         if isinstance(item, _Failure):
             self._failure = item.exc
             raise item.exc
-        slot, plan = item
-        # Shielded: the item has left the queue, so a cancellation here would
-        # lose the batch and its slot. The wait is bounded by the copy.
-        with anyio.CancelScope(shield=True):
-            await wait_event(slot.event)
+        return item
+
+    def _deliver(self, slot: _Slot, plan: BatchPlan, t0: float) -> Batch:
+        """Account for the batch whose device work completed and hand it out."""
         copy = 0.0
         if slot.started is not None and slot.event.query():
             copy = self._backend.elapsed(slot.started, slot.event)
@@ -806,24 +873,6 @@ class Loader:
         batch = self._make_batch(slot, plan)
         self._current = (slot, batch)
         return batch
-
-    async def _take(self, seq: int) -> tuple[_Slot, BatchPlan] | _End | _Failure:
-        """Batch ``seq`` once a filler posted it."""
-        with self._ready_lock:
-            item = self._ready.pop(seq, None)
-            if item is not None:
-                return item
-            event = anyio.Event()
-            self._waiter = (seq, event)
-        try:
-            await event.wait()
-        finally:
-            with self._ready_lock:
-                if self._waiter is not None and self._waiter[1] is event:
-                    self._waiter = None
-        self._check_iterable()  # woken by close
-        with self._ready_lock:
-            return self._ready.pop(seq)
 
     def _make_batch(self, slot: _Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self._device_transform else slot.host
@@ -885,10 +934,9 @@ class Loader:
         portal = self._portal
         if portal is None:
             raise StateError("this Loader is closed; create a new one to iterate again")
-        try:
-            return portal.call(self.__anext__)
-        except StopAsyncIteration:
-            raise StopIteration from None
+        # The fillers run under the portal's event loop; batches are taken here,
+        # in the calling thread, with no round trip through the loop.
+        return self._next_blocking()
 
 
 def _threadsafe_caller() -> Callable[[Callable[[], object]], object]:

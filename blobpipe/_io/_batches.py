@@ -665,10 +665,8 @@ class Batches:
             values = [raw_get(k) for k in keys]
         except Exception:  # the per-row path reads the failing record again and names it
             values = [_try_get(raw_get, k) for k in keys]
-        if _encoded(values[0]):  # encoded batches decode record by record
-            self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
-            return
-        if not block.direct:
+        encoded = _encoded(values[0])
+        if not encoded:
             # All records in convert_imageset's layout: transform straight from
             # one joined buffer, no staging copy.
             groups = raw_block(values, plan.record_shape, label_out[start:stop])
@@ -682,17 +680,41 @@ class Batches:
         staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
         flat = staging.reshape(stop - start, size)
         slow: list[int] = []
-        # Records laid out as convert_imageset writes them are copied all at once.
-        rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
+        pixels = staging.reshape(stop - start, c, h, w)
+        t = self._transform
+        if encoded:  # decoded one by one (OpenCV releases the GIL), transformed as a block
+            rest: Sequence[int] = range(stop - start)
+        else:
+            # Records laid out as convert_imageset writes them are copied all at once.
+            rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
         for r in rest:
             i = start + r
             value = values[r]
             try:
                 if value is None:
                     raise LookupError
-                p = parse_datum(value, key=keys[r], path=path)
+                if i == 0 and plan._first is not None:
+                    chw, label = plan._first  # decoded by next_plan already
+                    p = None
+                else:
+                    p = parse_datum(value, key=keys[r], path=path)
+                    if p.encoded:
+                        chw, label = datum_view(
+                            p,
+                            force_color=t.force_color,
+                            force_gray=t.force_gray,
+                            key=keys[r],
+                            path=path,
+                        )
             except Exception:  # the per-row path reads it again and names the error
                 slow.append(i)
+                continue
+            if p is None or p.encoded:
+                if chw.dtype != _U1 or chw.shape != plan.record_shape:
+                    slow.append(i)
+                    continue
+                pixels[r] = chw
+                label_out[i] = label
                 continue
             data = p.data
             if (
@@ -707,7 +729,7 @@ class Batches:
             flat[r] = np.frombuffer(data, _U1)
             label_out[i] = p.label
         if not block.direct:
-            block.apply(staging.reshape(stop - start, c, h, w), data_out[start:stop])
+            block.apply(pixels, data_out[start:stop])
         self._finish_block(block, plan, data_out, start, stop, params_out)
         if slow:
             self._fill_each(plan, data_out, label_out, slow, params_out, get)
