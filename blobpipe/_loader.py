@@ -773,6 +773,9 @@ class Loader:
                 DataError naming the record key and the database).
             StateError: the loader is closed or failed earlier.
         """
+        # A checkpoint even when the batch is ready, so a consumer whose body
+        # never awaits can still be cancelled.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         t0 = self._begin_next()
         item = self._pop_ready()
         if item is None:
@@ -788,10 +791,12 @@ class Loader:
         got = self._arrived(item, t0)
         if got is None:
             raise StopAsyncIteration
-        # Shielded: the batch has left the ready set, so a cancellation here
-        # would lose it and its slot. The wait is bounded by the copy.
-        with anyio.CancelScope(shield=True):
-            await wait_event(got[0].event)
+        event = got[0].event
+        if not event.query():
+            # Shielded: the batch has left the ready set, so a cancellation here
+            # would lose it and its slot. The wait is bounded by the copy.
+            with anyio.CancelScope(shield=True):
+                await wait_event(event)
         return self._deliver(*got, t0)
 
     def _next_blocking(self) -> Batch:

@@ -1004,3 +1004,18 @@ async def test_state_dict_follows_the_consumer_not_the_producer(db30: Path, mode
         with Batches(db30, 4, **options) as batches:
             want = list(batches) + list(batches)
     assert_matches(got + after, want[:n])
+
+
+@pytest.mark.anyio
+async def test_cancel_reaches_a_consumer_that_never_awaits(db30: Path) -> None:
+    """Ready batches are handed out without waiting, but still at a checkpoint."""
+    seen = 0
+    async with Loader(db30, 4, device="cpu", prefetch=4, mode="epoch", last="keep") as loader:
+        with anyio.move_on_after(0.05) as scope:
+            async for _ in loader:
+                seen += 1
+                deadline = time.monotonic() + 0.02
+                while time.monotonic() < deadline:  # CPU work, no await
+                    pass
+        assert scope.cancelled_caught
+    assert seen < 8  # the epoch has 8 batches; cancellation stopped it early
