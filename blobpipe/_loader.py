@@ -774,8 +774,8 @@ class Loader:
             StateError: the loader is closed or failed earlier.
         """
         # A checkpoint even when the batch is ready, so a consumer whose body
-        # never awaits can still be cancelled.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        # never awaits can still be cancelled (and time out).
+        await anyio.lowlevel.checkpoint()
         t0 = self._begin_next()
         item = self._pop_ready()
         if item is None:
