@@ -791,12 +791,12 @@ class Loader:
         got = self._arrived(item, t0)
         if got is None:
             raise StopAsyncIteration
-        event = got[0].event
-        if not event.query():
+        done = got[0].event
+        if not done.query():
             # Shielded: the batch has left the ready set, so a cancellation here
             # would lose it and its slot. The wait is bounded by the copy.
             with anyio.CancelScope(shield=True):
-                await wait_event(event)
+                await wait_event(done)
         return self._deliver(*got, t0)
 
     def _next_blocking(self) -> Batch:

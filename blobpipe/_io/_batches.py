@@ -672,9 +672,12 @@ class Batches:
             groups = raw_block(values, plan.record_shape, label_out[start:stop])
             if groups is not None:
                 out = data_out[start:stop]
-                for rows, pixels in groups:
-                    block.load(pixels, out, rows)
-                block.finish(out)
+                if len(groups) == 1:
+                    block.apply(groups[0][1], out)
+                else:
+                    for rows, pixels in groups:
+                        block.load(pixels, out, rows)
+                    block.finish(out)
                 self._finish_block(block, plan, data_out, start, stop, params_out)
                 return
         staging = data_out[start:stop] if block.direct else _staging(stop - start, size)

@@ -714,15 +714,27 @@ def raw_block(
     """
     c, h, w = shape
     size = c * h * w
-    header = _raw_header(shape)
+    header = _raw_header(shape).tobytes()
     hl = len(header)
+    labels: list[int] = []
     groups: dict[int, list[int]] = {}
+    # Checked in plain Python: per record a slice comparison and a dict lookup,
+    # with no numpy call that would hand the GIL to another thread mid-way.
+    tails = _TAIL_LABELS
     for i, value in enumerate(values):
-        if value is None:
+        if value is None or len(value) < hl + size + 2 or value[:hl] != header:
             return None
+        tail = bytes(value[hl + size :])
+        label = tails.get(tail)
+        if label is None:
+            label = _tail_label(tail)
+            if label is None:
+                return None
+            if len(tails) < 65536:
+                tails[tail] = label
+        labels.append(label)
         groups.setdefault(len(value), []).append(i)
-    if min(groups) < hl + size + 2:
-        return None
+    labels_out[...] = labels
     out: list[tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.uint8]]] = []
     for length, rows in groups.items():
         if len(groups) == 1:
@@ -732,15 +744,32 @@ def raw_block(
             joined = b"".join([values[i] for i in rows])  # type: ignore[misc]
             idx = np.asarray(rows, dtype=np.intp)
         block = np.frombuffer(joined, np.uint8).reshape(len(rows), length)
-        good, labels = _match_layout(block, header, size)
-        if not good.all():
-            return None
         out.append((idx, block[:, hl : hl + size].reshape(len(rows), c, h, w)))
-        if idx is None:
-            labels_out[...] = labels
-        else:
-            labels_out[idx] = labels
     return out
+
+
+#: tail bytes (``0x28 varint(label) [0x38 0x00]``) -> label, shared by all threads
+_TAIL_LABELS: dict[bytes, int] = {}
+
+
+def _tail_label(tail: bytes) -> int | None:
+    """The label of a raw record's tail ``0x28 varint(label)`` + optional ``0x38 0x00``."""
+    if len(tail) < 2 or tail[0] != 0x28:
+        return None
+    value = shift = 0
+    i = 1
+    while True:
+        if i >= len(tail) or shift > 63:
+            return None
+        byte = tail[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            break
+        shift += 7
+    if tail[i:] not in (b"", b"\x38\x00"):
+        return None
+    return _int32(value)
 
 
 def gather_raw(
