@@ -2,16 +2,17 @@
 
 Pipeline (Caffe's free/full prefetch queues, FFCV's ring of slots)::
 
-    producer task                                   consumer (async for / for)
-    ─────────────                                   ──────────────────────────
-    plan = next_plan()            (worker thread)
-    slot = free.receive()         ◄──── recycled ── previous batch's slot
-    wait slot's last event
-    fill rows in parallel          (worker threads, CapacityLimiter(workers))
-      into the slot's host blobs   (pinned on CUDA)
+    fillers: min(workers, prefetch) loops,           consumer (async for / for)
+    each in an anyio worker thread                   ──────────────────────────
+    ─────────────────────────────
+    slot = free.get()              ◄──── recycled ── previous batch's slot
+    wait for the slot's last device event
+    number + plan the next batch   (under a lock)
+    fill it into the slot's host blobs (pinned on CUDA)
     push host→device on the slot's stream
     [device transform kernel on the same stream]
-    full.send((slot, plan))       ─────────────────► wait the slot's event
+    post (number, slot)            ─────────────────► take batches by number,
+                                                     await the slot's event,
                                                      hand out Batch (views of the slot)
 
 Invariants:
@@ -307,7 +308,9 @@ class Loader:
         mode: "wrap" (Caffe: endless, every batch full) or "epoch" (``async
             for`` ends at the end of each epoch; iterate again for the next).
         last: with ``mode="epoch"``: "keep", "drop" or "pad" the last batch.
-        workers: worker threads filling records (default: the CPU count).
+        workers: the worker-thread limit (default: the CPU count). Batches are
+            filled by ``min(workers, prefetch)`` threads at once, one batch each;
+            raise ``prefetch`` to use more workers.
         device_transform: apply mean/scale/float conversion on the device from
             uint8 transfers (4× less host→device traffic). Default: on when the
             backend has a device and the transform outputs float32. Records
