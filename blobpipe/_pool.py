@@ -18,7 +18,6 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from ._backends import Backend, Event
 from ._errors import PoolMemoryError
@@ -130,6 +129,7 @@ class MemoryPool:
         self._cached = 0
         self._free_count = 0
         self._allocations = 0
+        self._empty: Any = None  # the one zero-byte buffer, shared by empty blocks
         self.set_limit(limit)
 
     def __repr__(self) -> str:
@@ -170,27 +170,32 @@ class MemoryPool:
                 return Block(self, buf, nbytes, cap)
             if cap == 0:
                 self._hits += 1
-                return Block(self, self._empty(), 0, 0)
+                if self._empty is None:
+                    self._empty = self._backend_alloc(0)
+                return Block(self, self._empty, 0, 0)
         buf = self._allocate(cap, nbytes)
         with self._lock:
             self._misses += 1
             self._allocations += 1
-            self._used += cap
-            self._requested += nbytes
+            self._requested += nbytes  # _used was reserved by _allocate
         return Block(self, buf, nbytes, cap)
 
-    def _empty(self) -> Any:
+    def _backend_alloc(self, nbytes: int) -> Any:
         if self.kind == "host":
-            return self.backend.alloc_host(0)
-        return self.backend.alloc_device(0)
+            return self.backend.alloc_host(nbytes)
+        return self.backend.alloc_device(nbytes)
 
-    def _over_limit(self, cap: int) -> bool:
+    def _reserve(self, cap: int) -> bool:
+        """Count ``cap`` bytes as in use if the limit allows (atomically)."""
         with self._lock:
-            return bool(self._limit) and self._used + self._cached + cap > self._limit
+            if self._limit and self._used + self._cached + cap > self._limit:
+                return False
+            self._used += cap
+            return True
 
     def _allocate(self, cap: int, nbytes: int) -> Any:
         for attempt in range(2):
-            if self._over_limit(cap):
+            if not self._reserve(cap):
                 if attempt == 0:
                     self.free_all_blocks(wait=True)
                     continue
@@ -203,15 +208,14 @@ class MemoryPool:
                     "set_limit(), or close blobs and batches you no longer need."
                 )
             try:
-                if self.kind == "host":
-                    return self.backend.alloc_host(cap)
-                return self.backend.alloc_device(cap)
+                return self._backend_alloc(cap)
             except MemoryError as exc:
+                with self._lock:
+                    self._used -= cap  # give the reservation back
+                    used = self._used
                 if attempt == 0:
                     self.free_all_blocks(wait=True)
                     continue
-                with self._lock:
-                    used = self._used
                 raise PoolMemoryError(
                     f"out of {self.kind} memory on {self.backend!r}: cannot allocate "
                     f"{_fmt(cap)} for a request of {_fmt(nbytes)} even after freeing the "
@@ -303,15 +307,21 @@ class MemoryPool:
 
 
 _registry_lock = threading.Lock()
-_registry: WeakKeyDictionary[Backend, dict[str, MemoryPool]] = WeakKeyDictionary()
 
 
 def get_pool(backend: Backend, kind: str) -> MemoryPool:
-    """The pool of ``kind`` ("host" or "device") shared by everything on ``backend``."""
+    """The pool of ``kind`` ("host" or "device") shared by everything on ``backend``.
+
+    The pools live on the backend object itself (an attribute the backend layer
+    never reads), so they go away with it.
+    """
     if kind not in ("host", "device"):
         raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
     with _registry_lock:
-        pools = _registry.setdefault(backend, {})
+        pools: dict[str, MemoryPool] | None = getattr(backend, "_blobpipe_pools", None)
+        if pools is None:
+            pools = {}
+            backend._blobpipe_pools = pools  # type: ignore[attr-defined]
         pool = pools.get(kind)
         if pool is None:
             pool = pools[kind] = MemoryPool(backend, kind)

@@ -160,9 +160,7 @@ class SyncedMemory:
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None:
-            self._owned.event = self._pending
-        self._owned.release()
+        self._owned.release()  # after the pending copy's event, if any
         self._finalizer.detach()
         self._cpu = self._gpu = None
         self._pending = None
@@ -204,6 +202,7 @@ class SyncedMemory:
         if self._pending is not None:
             self._pending.synchronize()
             self._pending = None
+            self._owned.event = None
             self._head = self._pending_head
 
     def _to_cpu(self) -> None:
@@ -311,7 +310,9 @@ class SyncedMemory:
         if self._gpu is None:
             self._alloc_gpu()
         event = self._backend.copy_to_device(self._gpu, self._cpu, stream)
+        # Also known to the finalizer: blocks return only after the copy.
         self._pending, self._pending_head = event, Head.SYNCED
+        self._owned.event = event
         return event
 
     def start_cpu_pull(self, stream: Stream | None = None) -> Event:
@@ -327,6 +328,7 @@ class SyncedMemory:
             self._alloc_cpu()
         event = self._backend.copy_to_host(self._cpu, self._gpu, stream)
         self._pending, self._pending_head = event, Head.SYNCED
+        self._owned.event = event
         return event
 
     async def wait(self) -> None:

@@ -316,8 +316,9 @@ def test_close_with_copy_in_flight_defers_block_reuse() -> None:
     mem.close()
     stats = host_pool.statistics()
     assert stats.pending_blocks == 1 and stats.free_blocks == 0
+    pending_buffer = host_pool._pending[0][2]
     again = host_pool.malloc(600)  # must not get the block the copy still reads
-    assert again.buffer is not None
+    assert again.buffer is not pending_buffer
     assert host_pool.statistics().misses == 2
     event.synchronize()
     assert host_pool.statistics().free_blocks == 1
@@ -343,3 +344,20 @@ def test_steady_state_allocates_nothing(any_backend: Backend) -> None:
     assert host.statistics().misses == misses
     assert after.host_allocations == before.host_allocations
     assert after.device_allocations == before.device_allocations
+
+
+def test_finalizer_waits_for_a_copy_in_flight() -> None:
+    """A SyncedMemory dropped without close() must not hand its block out mid-copy."""
+    backend = EmulatedBackend(delay=0.2)
+    pool = get_pool(backend, "host")
+    mem = SyncedMemory(600, backend)
+    mem.mutable_cpu_data()[:] = 1
+    event = mem.start_gpu_push()
+    dev = mem._gpu
+    del mem
+    gc.collect()
+    block = pool.malloc(600)  # must not be the block the copy still reads
+    block.view()[:] = 9
+    event.synchronize()
+    assert dev.tolist() == [1] * 600
+    pool.free(block)
