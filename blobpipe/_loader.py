@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from ._backends import COMPLETED, Backend, Event, Stream, get_backend, wait_event
 from ._blob import Blob
-from ._errors import StateError
+from ._errors import DataError, ShapeError, StateError
 from ._io._batches import Batches, BatchPlan
 from ._io._prototxt import read_data_layer
 from ._io._transform import Phase, Transform
@@ -96,8 +96,11 @@ class Batch:
     array, and ``torch.from_dlpack(batch.data)`` works without a copy.
 
     The buffers belong to the loader and are recycled when the next batch is
-    requested; using the batch after that raises StateError. :meth:`detach`
-    keeps it.
+    requested; using the batch (its Blobs) after that raises StateError.
+    Arrays already taken from it (``cpu_data()``, ``gpu_data()``, DLPack
+    exports such as ``torch.from_dlpack(batch.data)``) are views of the same
+    buffers and are *not* invalidated: copy them, or :meth:`detach` the batch,
+    to keep data beyond the next iteration.
 
     Attributes:
         keys: the records' keys, row by row.
@@ -188,8 +191,7 @@ class Batch:
 class _Slot:
     """One ring slot: host staging blobs, device blobs, a stream, the last event."""
 
-    def __init__(self, index: int, backend: Backend, stream: Stream | None) -> None:
-        self.index = index
+    def __init__(self, backend: Backend, stream: Stream | None) -> None:
         self.backend = backend
         self.stream = stream
         self.event: Event = COMPLETED  # completes after the slot's last device work
@@ -385,7 +387,6 @@ class Loader:
         # The producer plans ahead of the consumer: resume after the last
         # *delivered* batch, never from the producer's cursor.
         self._resume_state: dict[str, Any] = self._batches.state_dict()
-        self._phase: Phase = phase
         self._prefetch = int(prefetch)
         self._workers = int(workers)
         self._state: _State = "unopened"
@@ -409,6 +410,9 @@ class Loader:
         # free slots (None: a filler's stop signal); posted batches by number, and
         # the consumer waiting for one: (number, event), both under _ready_lock
         self._free: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._fillers_running = 0
+        self._fillers_done = threading.Event()  # set when the last filler returned
+        self._in_context = False  # inside ``async with``: __aexit__ leaves the task group
         self._ready_lock = threading.Lock()
         self._ready: dict[int, tuple[_Slot, BatchPlan] | _End | _Failure] = {}
         self._waiter: tuple[int, Callable[[], object]] | None = None
@@ -528,13 +532,18 @@ class Loader:
     # -- async lifetime ------------------------------------------------------------
     async def __aenter__(self) -> Loader:
         await self.open()
+        self._in_context = True
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._in_context = False
         await self.aclose()
 
     async def open(self) -> None:
-        """Start the pipeline (``async with`` does this).
+        """Start the pipeline. Prefer ``async with``, which does this and :meth:`aclose`.
+
+        The pipeline's task group is entered here, so a matching :meth:`aclose`
+        must run in the same task and cancel scope (``async with`` guarantees it).
 
         Raises:
             StateError: the loader was opened before.
@@ -544,13 +553,14 @@ class Loader:
                 f"this Loader is {self._state}; a Loader can be opened once — create a new one"
             )
         self._state = "open"
-        for i in range(self._prefetch):
+        for _ in range(self._prefetch):
             stream = self._backend.create_stream() if self._backend.has_device else None
-            slot = _Slot(i, self._backend, stream)
+            slot = _Slot(self._backend, stream)
             self._slots.append(slot)
             self._free.put(slot)
         self._limiter = anyio.CapacityLimiter(self._workers)
         self._call_soon = _threadsafe_caller()
+        self._fillers_running = self._n_fillers
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for _ in range(self._n_fillers):
@@ -559,28 +569,29 @@ class Loader:
     async def aclose(self) -> None:
         """Stop the pipeline: no thread left running, every block back in the pool.
 
-        Idempotent.
+        Idempotent. Inside ``async with`` it may be called from anywhere (a nested
+        cancel scope, another task); the task group is left at the block's end.
         """
-        if self._state == "closed":
-            return
+        if self._state != "closed":
+            await self._shutdown()
+        if self._tg is not None and not self._in_context:
+            tg, self._tg = self._tg, None
+            await tg.__aexit__(None, None, None)
+
+    async def _shutdown(self) -> None:
         was_open = self._state == "open"
         self._state = "closed"
         if not was_open:
             self._batches.close()
             return
-        try:
-            if self._tg is not None:
-                self._stop_fillers()
-                self._tg.cancel_scope.cancel()
-                # fillers run in worker threads: the task group waits for each to
-                # finish its current batch and return (no thread is abandoned)
-                await self._tg.__aexit__(None, None, None)
-        finally:
-            self._tg = None
-            with anyio.CancelScope(shield=True):
-                # device work still reading slot buffers finishes before they return
-                for slot in self._slots:
-                    await wait_event(slot.event)
+        with anyio.CancelScope(shield=True):
+            # Fillers are loops in worker threads: each finishes its current
+            # batch and returns; no thread is abandoned.
+            self._stop_fillers()
+            await anyio.to_thread.run_sync(self._fillers_done.wait)
+            # device work still reading slot buffers finishes before they return
+            for slot in self._slots:
+                await wait_event(slot.event)
             self._release()
 
     def _release(self) -> None:
@@ -621,7 +632,13 @@ class Loader:
         return min(self._workers, self._prefetch)
 
     async def _run_filler(self) -> None:
-        await anyio.to_thread.run_sync(self._filler, limiter=self._limiter)
+        try:
+            await anyio.to_thread.run_sync(self._filler, limiter=self._limiter)
+        finally:
+            with self._lock:
+                self._fillers_running -= 1
+                if self._fillers_running == 0:
+                    self._fillers_done.set()
 
     def _stop_fillers(self) -> None:
         self._stopping = True
@@ -629,13 +646,23 @@ class Loader:
             self._free.put(None)  # wakes a filler waiting for a slot
 
     def _filler(self) -> None:
-        """One filler's loop (a worker thread); returns when stopped or broken."""
+        """One filler's loop (a worker thread); returns when stopped or broken.
+
+        Whatever it raises is posted as a failure at the next batch number, so
+        the consumer gets it in order, as itself, never as an exception group.
+        """
         while not self._stopping:
             slot = self._free.get()
             if slot is None:
                 return
-            slot.event.synchronize()  # device work still reading the slot's buffers
-            seq, item = self._plan_and_fill(slot)
+            try:
+                slot.event.synchronize()  # device work still reading the slot's buffers
+                seq, item = self._plan_and_fill(slot)
+            except Exception as exc:
+                with self._plan_lock:
+                    seq, item = self._planned, _Failure(exc)
+                    self._planned += 1
+                    self._broken = True
             if not isinstance(item, tuple):  # end of epoch, failure, or stopped
                 self._free.put(slot)
             if seq is None or item is None:
@@ -711,27 +738,32 @@ class Loader:
             slot.started = None
             return
         assert slot.host is not None and slot.label is not None
+        # Everything that can fail before work is queued happens first ...
+        mean = self._device_mean(plan) if self._device_transform else None
         slot.started = backend.record_event(slot.stream, timing=True)
-        slot.label.data.start_gpu_push(slot.stream)
-        if self._device_transform:
-            self._launch_transform(slot, plan)
-        else:
-            slot.host.data.start_gpu_push(slot.stream)
-        slot.event = backend.record_event(slot.stream, timing=True)
+        try:
+            slot.label.data.start_gpu_push(slot.stream)
+            if self._device_transform:
+                self._launch_transform(slot, plan, mean)
+            else:
+                slot.host.data.start_gpu_push(slot.stream)
+        finally:
+            # ... and once anything is queued, the slot's event covers it, so its
+            # buffers are not reused (or released) while the device reads them.
+            slot.event = backend.record_event(slot.stream, timing=True)
 
-    def _launch_transform(self, slot: _Slot, plan: BatchPlan) -> Event:
+    def _launch_transform(self, slot: _Slot, plan: BatchPlan, mean: Any) -> None:
         backend = self._backend
         xp = backend.xp
         t = self._transform
         assert slot.host is not None and slot.staged is not None and slot.out is not None
         # The uint8 batch is copied into a device-only blob rather than pushed
         # through the host blob's SyncedMemory: a pending push would make the
-        # device accessor below wait for the copy, blocking the event loop.
+        # device accessor below wait for the copy.
         # The kernel runs after the copy in this stream's order (launch()).
         u8 = slot.staged.mutable_gpu_data()
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         out = slot.out.mutable_gpu_data()
-        mean = self._device_mean(plan.record_shape)
         params_host = slot.params[: len(plan)].copy()
         scale = t.scale
         layout = t.layout
@@ -740,14 +772,29 @@ class Loader:
             params = xp.asarray(params_host)
             _device_transform(xp, u8, params, mean, scale, layout, out)
 
-        return backend.launch(kernel, slot.stream)
+        backend.launch(kernel, slot.stream)
 
-    def _device_mean(self, record_shape: tuple[int, int, int]) -> Any:
-        key = record_shape
-        if key not in self._means:
-            mean = self._transform.mean_array(record_shape)
-            self._means[key] = None if mean is None else self._backend.xp.asarray(mean)
-        return self._means[key]
+    def _device_mean(self, plan: BatchPlan) -> Any:
+        """The transform's mean on the device for the plan's record shape (cached).
+
+        Raises DataError (naming the batch's first record) when the mean does not
+        fit the records, as the CPU path does.
+        """
+        key = plan.record_shape
+        with self._lock:
+            if key in self._means:
+                return self._means[key]
+        try:
+            mean = self._transform.mean_array(key)
+        except ShapeError as exc:
+            raise DataError(str(exc), path=self._batches.path, key=plan.keys[0]) from exc
+        device = None
+        if mean is not None:
+            device = self._backend.xp.asarray(mean)
+            # uploaded on the current stream: finished before any slot stream reads it
+            self._backend.synchronize()
+        with self._lock:
+            return self._means.setdefault(key, device)
 
     # -- consumer ------------------------------------------------------------------
     def _recycle_current(self) -> None:
@@ -884,7 +931,8 @@ class Loader:
 
     def _make_batch(self, slot: _Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self._device_transform else slot.host
-        assert src is not None and slot.label is not None
+        if src is None or slot.label is None:  # closed by another thread meanwhile
+            raise StateError("this Loader is closed; create a new one to iterate again")
         data = src._alias()
         label = slot.label._alias()
         return Batch(self, data, label, plan)

@@ -17,7 +17,7 @@ from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
-from tests._helpers import image, write_lmdb
+from tests._helpers import image, raw_db, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 REF_CASES = {
@@ -644,3 +644,20 @@ def test_any_record_source(cls: type[DictSource]) -> None:
         pytest.raises(DataError, match=r"record key b'b'; database '<dict>'"),
     ):
         next(iter(b))
+
+
+def test_drop_never_plans_an_empty_epoch(tmp_path: Path) -> None:
+    db = raw_db(tmp_path / "db3", 3)
+    with pytest.raises(ValueError, match="never fills a batch of 4: every epoch would be empty"):
+        Batches(db, 4, mode="epoch", last="drop")
+
+
+def test_drop_resume_state_points_at_the_next_epoch(tmp_path: Path) -> None:
+    db = raw_db(tmp_path / "db10", 10)
+    with Batches(db, 4, mode="epoch", last="drop") as it:
+        batches = list(it)
+        assert len(batches) == 2
+        state = batches[-1].state
+        assert (state["epoch"], state["position"]) == (1, 0)
+    with Batches(db, 4, mode="epoch", last="drop", state=state) as resumed:
+        assert [b.indices for b in resumed] == [(0, 1, 2, 3), (4, 5, 6, 7)]

@@ -302,6 +302,12 @@ class Batches:
                     f"(the database has {self._n})",
                     path=self._path,
                 )
+            if mode == "epoch" and last == "drop" and self._shard_len < self._batch_size:
+                raise ValueError(
+                    f"with last='drop', a shard of {self._shard_len} records never fills a "
+                    f"batch of {self._batch_size}: every epoch would be empty; use "
+                    "last='keep' or last='pad', or a smaller batch_size"
+                )
             self._orders: dict[int, npt.NDArray[np.int64]] = {}
             self._epoch = 0
             self._pos = 0
@@ -313,6 +319,11 @@ class Batches:
             raise
 
     # -- properties ---------------------------------------------------------------------
+
+    @property
+    def path(self) -> object:
+        """The database path (None for a source that has none)."""
+        return self._path
 
     @property
     def transform(self) -> Transform:
@@ -517,7 +528,9 @@ class Batches:
             if count < bs and self._last == "pad":
                 rows += [(epoch, i % size) for i in range(bs - count)]
             pos += count
-            if pos == size:
+            if pos == size or (self._last == "drop" and size - pos < bs):
+                # the epoch ends here (a tail shorter than a batch is dropped): the
+                # resume state already points at the next epoch
                 epoch, pos = epoch + 1, 0
                 self._end_pending = True
         self._epoch, self._pos = epoch, pos
