@@ -1019,3 +1019,44 @@ async def test_cancel_reaches_a_consumer_that_never_awaits(db30: Path) -> None:
                     pass
         assert scope.cancelled_caught
     assert seen < 8  # the epoch has 8 batches; cancellation stopped it early
+
+
+@pytest.mark.anyio
+async def test_aclose_from_a_nested_scope_inside_async_with(db30: Path) -> None:
+    backend = make_backend("host")
+    pools = PoolWatch(backend)
+    async with Loader(db30, 4, device=backend) as loader:
+        await anext(loader)
+        with anyio.move_on_after(5):
+            await loader.aclose()  # not the scope the task group was entered in
+        with pytest.raises(StateError, match="this Loader is closed"):
+            await anext(loader)
+    pools.assert_returned()
+
+
+@pytest.mark.anyio
+async def test_an_error_outside_the_fill_reaches_the_consumer_as_itself(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Loader, slot: Any) -> Any:
+        raise RuntimeError("the device fell off the bus")
+
+    monkeypatch.setattr(Loader, "_plan_and_fill", broken)
+    async with Loader(db30, 4, device="cpu") as loader:
+        with pytest.raises(RuntimeError, match="fell off the bus") as info:
+            await anext(loader)
+        assert type(info.value) is RuntimeError  # not an exception group
+        with pytest.raises(StateError, match="stopped after an error"):
+            await anext(loader)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_mean_file_mismatch_is_a_data_error_on_every_path(
+    db30: Path, device: str
+) -> None:
+    t = Transform(mean_file=MEAN_FILE)  # 3x32x40; the records are 3x10x12
+    async with Loader(db30, 4, device=make_backend(device), transform=t) as loader:
+        with pytest.raises(DataError, match="mean file") as info:
+            await anext(loader)
+    assert info.value.key is not None and info.value.path is not None
