@@ -604,3 +604,20 @@ def test_raw_block_takes_caffe_records_of_mixed_label_sizes() -> None:
     groups = raw_block(records, SHAPE, labels)
     assert groups is not None and len(groups) == 4  # four varint lengths
     assert labels.tolist() == [0, 127, 128, 300000, -1]
+
+
+def test_max_pixels_sees_through_stray_bytes_in_a_jpeg() -> None:
+    ok, jpg = cv2.imencode(".jpg", np.zeros((64, 64, 3), np.uint8))
+    assert ok
+    data = bytearray(jpg.tobytes())
+    data[2:2] = b"\x00"  # one extraneous byte before the first marker; libjpeg skips it
+    record = encode_encoded_datum(bytes(data), 0)
+    with pytest.raises(DataError, match="announces 64×64 pixels, more than max_pixels=100"):
+        decode_datum(record, max_pixels=100)
+
+
+def test_opencv_bounds_formats_we_cannot_read() -> None:
+    import os
+
+    decode_datum(encode_encoded_datum(cv2.imencode(".bmp", np.zeros((4, 4, 3), np.uint8))[1], 0))
+    assert int(os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"]) <= _datum.DEFAULT_MAX_PIXELS

@@ -49,6 +49,7 @@ The writers produce the bytes Caffe's tools write: :func:`encode_raw_datum` and
 from __future__ import annotations
 
 import operator
+import os
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias, cast
@@ -397,8 +398,9 @@ def _image_dims(b: memoryview) -> tuple[int, int] | None:
     if n >= 4 and b[0] == 0xFF and b[1] == 0xD8:
         i = 2
         while i + 4 <= n:
-            if b[i] != 0xFF:
-                return None
+            if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
+                i += 1
+                continue
             marker = b[i + 1]
             if marker == 0xFF:
                 i += 1
@@ -436,6 +438,10 @@ def _decode_image(
             path=path,
             key=key,
         )
+    # Other formats (and headers we cannot read) are bounded by OpenCV's own
+    # limit, which it reads on its first decode: at most DEFAULT_MAX_PIXELS
+    # unless the environment sets another.
+    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
     import cv2  # OpenCV loads on the first encoded record, not at import
 
     try:
