@@ -307,6 +307,8 @@ class Loader:
         seed: seeds the order and the per-record randomness.
         shard: None, ``(rank, world_size)`` or "auto" (torchrun's RANK/WORLD_SIZE).
         shard_mode: "strided" or "contiguous".
+        pad_shards: equal-length shards for distributed training, as torch's
+            DistributedSampler (see :class:`~blobpipe.Batches`).
         mode: "wrap" (Caffe: endless, every batch full) or "epoch" (``async
             for`` ends at the end of each epoch; iterate again for the next).
         last: with ``mode="epoch"``: "keep", "drop" or "pad" the last batch.
@@ -341,6 +343,7 @@ class Loader:
         seed: int = 0,
         shard: tuple[int, int] | Literal["auto"] | None = None,
         shard_mode: Literal["strided", "contiguous"] = "strided",
+        pad_shards: bool = False,
         mode: Literal["wrap", "epoch"] = "wrap",
         last: Literal["keep", "drop", "pad"] = "keep",
         workers: int | None = None,
@@ -379,6 +382,7 @@ class Loader:
             seed=seed,
             shard=shard,
             shard_mode=shard_mode,
+            pad_shards=pad_shards,
             mode=mode,
             last=last,
             readahead=readahead,

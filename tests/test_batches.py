@@ -661,3 +661,33 @@ def test_drop_resume_state_points_at_the_next_epoch(tmp_path: Path) -> None:
         assert (state["epoch"], state["position"]) == (1, 0)
     with Batches(db, 4, mode="epoch", last="drop", state=state) as resumed:
         assert [b.indices for b in resumed] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+@pytest.mark.parametrize("shard_mode", ["strided", "contiguous"])
+def test_padded_shards_have_equal_batch_counts(tmp_path: Path, shard_mode: str) -> None:
+    """DDP needs every rank to see the same number of batches (DistributedSampler)."""
+    db = raw_db(tmp_path / "db10", 10)
+    counts, seen = [], []
+    for rank in range(3):
+        with Batches(
+            db,
+            2,
+            mode="epoch",
+            last="drop",
+            shard=(rank, 3),
+            shard_mode=shard_mode,  # type: ignore[arg-type]
+            pad_shards=True,
+            order="shuffle",
+            seed=5,
+        ) as it:
+            batches = list(it)
+            counts.append(len(batches))
+            assert len(it) == len(batches)
+            seen += [i for b in batches for i in b.indices]
+    assert counts == [2, 2, 2]  # 4 records per rank; unpadded: 2, 1, 1 batches
+    assert sorted(set(seen)) == list(range(10))  # every record, two of them twice
+    assert len(seen) == 12
+    with Batches(db, 2, mode="epoch", shard=(0, 3), pad_shards=True) as it:
+        state = next(iter(it)).state
+    with pytest.raises(ValueError, match="pad_shards=True"):
+        Batches(db, 2, mode="epoch", shard=(0, 3), state=state)

@@ -210,6 +210,12 @@ class Batches:
             environment variables as torchrun sets them; absent: no sharding).
         shard_mode: "strided" (record position ``i`` goes to rank ``i % world``)
             or "contiguous".
+        pad_shards: give every rank ``ceil(n / world)`` records, repeating records
+            from the start of the epoch's order, as torch's DistributedSampler
+            does, so all ranks see the same number of batches (distributed
+            training needs it: a rank with one batch fewer blocks the others at
+            the last all-reduce). Off: shards are disjoint and cover every record
+            once, and may differ in length by one.
         mode: "wrap" (Caffe: the cursor wraps to the start mid-batch, every batch
             is full, iteration is endless) or "epoch" (iteration stops at the end
             of each epoch; iterate again for the next epoch).
@@ -243,6 +249,7 @@ class Batches:
         seed: int = 0,
         shard: tuple[int, int] | Literal["auto"] | None = None,
         shard_mode: ShardMode = "strided",
+        pad_shards: bool = False,
         mode: Mode = "wrap",
         last: Last = "keep",
         readahead: bool = False,
@@ -275,6 +282,7 @@ class Batches:
         self._buffer_size = buffer_size
         self._seed = int(seed)
         self._shard_mode: ShardMode = shard_mode
+        self._pad_shards = bool(pad_shards)
         self._mode: Mode = mode
         self._last: Last = last
 
@@ -374,12 +382,21 @@ class Batches:
 
     # -- order -----------------------------------------------------------------------------
 
-    def _shard_positions(self, n: int) -> range:
+    def _shard_positions(self, n: int) -> npt.NDArray[np.int64]:
+        """Positions of the epoch's global order that this shard visits, in order."""
+        rank, world = self._rank, self._world
+        if self._pad_shards:
+            # torch's DistributedSampler: every rank gets ceil(n / world) positions,
+            # the order wrapping around to its start to fill the last ones.
+            per = -(-n // world)
+            if self._shard_mode == "strided":
+                return np.arange(rank, per * world, world, dtype=np.int64) % n
+            return (rank * per + np.arange(per, dtype=np.int64)) % n
         if self._shard_mode == "strided":
-            return range(self._rank, n, self._world)
-        base, extra = divmod(n, self._world)
-        start = self._rank * base + min(self._rank, extra)
-        return range(start, start + base + (1 if self._rank < extra else 0))
+            return np.arange(rank, n, world, dtype=np.int64)
+        base, extra = divmod(n, world)
+        start = rank * base + min(rank, extra)
+        return np.arange(start, start + base + (1 if rank < extra else 0), dtype=np.int64)
 
     def epoch_order(self, epoch: int) -> npt.NDArray[np.int64]:
         """The global indices this shard visits in ``epoch``, in order (read-only)."""
@@ -395,8 +412,7 @@ class Batches:
                 glob = rng.permutation(n).astype(np.int64)
             else:
                 glob = _buffer_order(n, cast(int, self._buffer_size), rng)
-        r = self._shard_positions(n)
-        order = np.ascontiguousarray(glob[r.start : r.stop : r.step])
+        order = np.ascontiguousarray(glob[self._shard_positions(n)])
         order.setflags(write=False)
         if len(self._orders) >= 2:
             self._orders.pop(min(self._orders))
@@ -417,6 +433,7 @@ class Batches:
             "buffer_size": self._buffer_size,
             "shard": (self._rank, self._world),
             "shard_mode": self._shard_mode,
+            "pad_shards": self._pad_shards,
             "num_records": self._n,
         }
 
@@ -446,6 +463,7 @@ class Batches:
             version = state["version"]
             epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
             saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
+            saved["pad_shards"] = bool(state.get("pad_shards", False))
             saved_shard = tuple(state["shard"])
             n = int(state["num_records"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -457,6 +475,7 @@ class Batches:
             "order": self._order,
             "buffer_size": self._buffer_size,
             "shard_mode": self._shard_mode,
+            "pad_shards": self._pad_shards,
         }
         for name, value in saved.items():
             if mine[name] != value:
