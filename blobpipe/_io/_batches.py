@@ -712,14 +712,21 @@ class Batches:
                     block.finish(out)
                 self._finish_block(block, plan, data_out, start, stop, params_out)
                 return
-        staging = data_out[start:stop] if block.direct else _staging(stop - start, size)
-        flat = staging.reshape(stop - start, size)
+        n = stop - start
+        direct = block.direct and not encoded
+        staging = data_out[start:stop] if direct else _staging(n, size)
+        flat = staging.reshape(n, size)
         slow: list[int] = []
-        pixels = staging.reshape(stop - start, c, h, w)
         t = self._transform
-        if encoded:  # decoded one by one (OpenCV releases the GIL), transformed as a block
-            rest: Sequence[int] = range(stop - start)
+        if encoded:
+            # Decoded one by one (OpenCV releases the GIL) into an HWC staging block
+            # (a plain copy of OpenCV's array), then transposed and transformed as a
+            # block by a few large numpy calls.
+            hwc = staging.reshape(n, h, w, c)
+            pixels = hwc.transpose(0, 3, 1, 2)
+            rest: Sequence[int] = range(n)
         else:
+            pixels = staging.reshape(n, c, h, w)
             # Records laid out as convert_imageset writes them are copied all at once.
             rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
         for r in rest:
@@ -748,7 +755,10 @@ class Batches:
                 if chw.dtype != _U1 or chw.shape != plan.record_shape:
                     slow.append(i)
                     continue
-                pixels[r] = chw
+                if encoded:
+                    hwc[r] = chw.transpose(1, 2, 0)  # OpenCV's own HWC layout: a plain copy
+                else:
+                    pixels[r] = chw
                 label_out[i] = label
                 continue
             data = p.data
@@ -763,7 +773,7 @@ class Batches:
                 continue
             flat[r] = np.frombuffer(data, _U1)
             label_out[i] = p.label
-        if not block.direct:
+        if not direct:
             block.apply(pixels, data_out[start:stop])
         self._finish_block(block, plan, data_out, start, stop, params_out)
         if slow:

@@ -52,7 +52,7 @@ import operator
 import os
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias, cast
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -416,6 +416,9 @@ def _image_dims(b: memoryview) -> tuple[int, int] | None:
     return None
 
 
+_cv2: Any = None  # OpenCV, once the first encoded record needed it
+
+
 def _decode_image(
     data: memoryview | None,
     flag: int,
@@ -441,8 +444,13 @@ def _decode_image(
     # Other formats (and headers we cannot read) are bounded by OpenCV's own
     # limit, which it reads on its first decode: at most DEFAULT_MAX_PIXELS
     # unless the environment sets another.
-    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
-    import cv2  # OpenCV loads on the first encoded record, not at import
+    global _cv2
+    if _cv2 is None:
+        os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
+        import cv2  # OpenCV loads on the first encoded record, not at import
+
+        _cv2 = cv2
+    cv2 = _cv2
 
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
