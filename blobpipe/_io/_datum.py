@@ -226,12 +226,34 @@ def _parse(b: memoryview) -> ParsedDatum:
             if p2 == end - 2 and b[p2] == 0x38 and b[p2 + 1] < 0x80:
                 return _new_parsed((c, h, w, lab, b[p2 + 1] != 0, data, None))
         return _parse_from(b, pos, c, h, w, data)
+    if end >= 6 and b[0] == 0x22:  # convert_imageset --encoded: data, label, encoded
+        p = _parse_encoded_layout(b, end)
+        if p is not None:
+            return p
     p = _parse_from(b, 0, 0, 0, 0, None)
     if p.data is not None and not p.encoded and p.channels > 0 and p.height > 0 and p.width > 0:
         hdr = _header(p.channels, p.height, p.width) + b"\x22" + _enc_varint(len(p.data))
         if b[: len(hdr)] == hdr:
             _last_header = (hdr, len(hdr), p.channels, p.height, p.width, len(p.data))
     return p
+
+
+def _parse_encoded_layout(b: memoryview, end: int) -> ParsedDatum | None:
+    """Exactly ``data, label, encoded`` (one each, in this order), or None."""
+    try:
+        length, pos = _varint(b, 1, end, 10, "the length of field 4")
+    except _Malformed:
+        return None
+    stop = pos + length
+    if stop + 4 > end or b[stop] != 0x28:
+        return None
+    try:
+        label, p2 = _varint(b, stop + 1, end, 10, "the varint of field 5")
+    except _Malformed:
+        return None
+    if p2 != end - 2 or b[p2] != 0x38 or b[p2 + 1] >= 0x80:
+        return None
+    return _new_parsed((0, 0, 0, _int32(label), b[p2 + 1] != 0, b[pos:stop], None))
 
 
 def _parse_from(
