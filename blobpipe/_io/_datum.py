@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import operator
 import os
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeAlias, cast
@@ -405,36 +406,47 @@ def _imread_flag(force_color: bool, force_gray: bool) -> int:
     return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
 
 
-def _be(b: memoryview, pos: int, size: int) -> int:
-    return int.from_bytes(b[pos : pos + size], "big")
-
-
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
 def _image_dims(b: memoryview) -> tuple[int, int] | None:
     """(width, height) from a PNG or JPEG header, None for other or unreadable data."""
     n = len(b)
-    if n >= 24 and bytes(b[:8]) == b"\x89PNG\r\n\x1a\n" and bytes(b[12:16]) == b"IHDR":
-        return _be(b, 16, 4), _be(b, 20, 4)
-    if n >= 4 and b[0] == 0xFF and b[1] == 0xD8:
-        i = 2
-        while i + 4 <= n:
-            if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
-                i += 1
-                continue
-            marker = b[i + 1]
-            if marker == 0xFF:
-                i += 1
-                continue
-            if marker == 0x01 or 0xD0 <= marker <= 0xD8:
-                i += 2
-                continue
-            if marker in _JPEG_SOF:
-                if i + 9 > n:
-                    return None
-                return _be(b, i + 7, 2), _be(b, i + 5, 2)
-            i += 2 + _be(b, i + 2, 2)
+    head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
+    if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
+        width, height = _BE32X2.unpack_from(head, 16)
+        return width, height
+    if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
+        dims = _jpeg_dims(head)
+        if dims is None and n > len(head):
+            dims = _jpeg_dims(bytes(b))  # a long header (EXIF, ICC profile, ...)
+        return dims
+    return None
+
+
+_BE16 = struct.Struct(">H")
+_BE32X2 = struct.Struct(">II")
+
+
+def _jpeg_dims(b: bytes) -> tuple[int, int] | None:
+    n = len(b)
+    i = 2
+    while i + 4 <= n:
+        if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
+            i += 1
+            continue
+        marker = b[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
+            i += 2
+            continue
+        if marker in _JPEG_SOF:
+            if i + 9 > n:
+                return None
+            return _BE16.unpack_from(b, i + 7)[0], _BE16.unpack_from(b, i + 5)[0]
+        i += 2 + _BE16.unpack_from(b, i + 2)[0]
     return None
 
 
