@@ -1060,3 +1060,16 @@ async def test_mean_file_mismatch_is_a_data_error_on_every_path(
         with pytest.raises(DataError, match="mean file") as info:
             await anext(loader)
     assert info.value.key is not None and info.value.path is not None
+
+
+@pytest.mark.anyio
+async def test_torch_from_dlpack_shares_memory(db30: Path) -> None:
+    torch = pytest.importorskip("torch")
+    t = Transform(scale=0.5)
+    want = expected(db30, 1, batch_size=4, transform=t)[0].data
+    async with Loader(db30, 4, device="cpu", transform=t) as loader:
+        batch = await anext(loader)
+        tensor = torch.from_dlpack(batch.data)
+        native = batch.data.cpu_data()
+        assert tensor.data_ptr() == native.ctypes.data  # no copy
+        assert np.array_equal(tensor.numpy(), want)
