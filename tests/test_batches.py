@@ -691,3 +691,39 @@ def test_padded_shards_have_equal_batch_counts(tmp_path: Path, shard_mode: str) 
         state = next(iter(it)).state
     with pytest.raises(ValueError, match="pad_shards=True"):
         Batches(db, 2, mode="epoch", shard=(0, 3), state=state)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("crop", [0, 24])
+@pytest.mark.parametrize("mean", [None, (104.0, 117.0, 123.0)])
+def test_block_path_equals_caffe_arithmetic(
+    layout: str, crop: int, mean: tuple[float, ...] | None
+) -> None:
+    """The whole-batch paths against Caffe's formula computed record by record."""
+    from blobpipe import decode_datum
+    from blobpipe._io._lmdb import LmdbReader
+
+    scale = np.float32(0.017)
+    t = Transform(
+        scale=float(scale),
+        crop_size=crop,
+        mean_value=mean or (),
+        layout=layout,  # type: ignore[arg-type]
+    )
+    with LmdbReader(CAFFE / "lmdb" / "raw_color") as reader, Batches(
+        reader, 16, transform=t, phase="test", mode="epoch"
+    ) as it:
+        batch = next(iter(it))
+        for row, key in enumerate(batch.keys):
+            x, _ = decode_datum(reader.get(key))
+            c, h, w = x.shape
+            if crop:
+                h0, w0 = (h - crop) // 2, (w - crop) // 2
+                x = x[:, h0 : h0 + crop, w0 : w0 + crop]
+            ref = x.astype(np.float32)
+            if mean is not None:
+                ref = ref - np.asarray(mean, np.float32).reshape(c, 1, 1)
+            ref = ref * scale
+            if layout == "NHWC":
+                ref = ref.transpose(1, 2, 0)
+            assert np.array_equal(batch.data[row], ref), (row, key)
