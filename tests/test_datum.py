@@ -17,6 +17,7 @@ from blobpipe._errors import DataError, ProtoError, ShapeError
 from blobpipe._io import _datum
 from blobpipe._io._datum import (
     ParsedDatum,
+    copy_raw,
     datum_view,
     decode_datum,
     decode_datum_into,
@@ -621,3 +622,31 @@ def test_opencv_bounds_formats_we_cannot_read() -> None:
 
     decode_datum(encode_encoded_datum(cv2.imencode(".bmp", np.zeros((4, 4, 3), np.uint8))[1], 0))
     assert int(os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"]) <= _datum.DEFAULT_MAX_PIXELS
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_batch_record(), min_size=1, max_size=12))
+def test_copy_raw_agrees_with_protobuf(records: list[bytes]) -> None:
+    pixels = np.zeros((len(records), *SHAPE), np.uint8)
+    labels = np.zeros(len(records), np.float32)
+    expected = [_protobuf_view(r) for r in records]
+    if not copy_raw(records, SHAPE, pixels, labels):
+        return  # the caller falls back to the general path
+    assert all(e is not None for e in expected)
+    for i, e in enumerate(expected):
+        assert e is not None
+        assert pixels[i].tobytes() == e[0]
+        assert labels[i] == np.float32(e[1])
+
+
+def test_uint8_batches_equal_the_records(tmp_path: Path) -> None:
+    from blobpipe import Batches, Transform
+
+    with lmdb.open(str(tmp_path / "db"), map_size=1 << 24) as env, env.begin(write=True) as txn:
+        for i, label in enumerate([3, 200, 70000]):
+            txn.put(b"%08d" % i, encode_raw_datum(np.full(SHAPE, i + 1, np.uint8), label))
+    with Batches(tmp_path / "db", 3, transform=Transform(dtype="uint8"), mode="epoch") as it:
+        batch = next(iter(it))
+    assert batch.data.dtype == np.uint8
+    assert [int(batch.data[i].max()) for i in range(3)] == [1, 2, 3]
+    assert batch.label.tolist() == [3, 200, 70000]

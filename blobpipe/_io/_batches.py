@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import datum_view, gather_raw, parse_datum, raw_block
+from ._datum import copy_raw, datum_view, gather_raw, parse_datum, raw_block
 from ._lmdb import LmdbReader
 from ._transform import Phase, Transform, _check_phase
 
@@ -698,6 +698,14 @@ class Batches:
         except Exception:  # the per-row path reads the failing record again and names it
             values = [_try_get(raw_get, k) for k in keys]
         encoded = _encoded(values[0])
+        # uint8 output, no crop, NCHW: one copy per record, straight into the batch
+        if (
+            block.direct
+            and not encoded
+            and copy_raw(values, plan.record_shape, data_out[start:stop], label_out[start:stop])
+        ):
+            self._finish_block(block, plan, data_out, start, stop, params_out)
+            return
         if not encoded:
             # All records in convert_imageset's layout: transform straight from
             # one joined buffer, no staging copy.

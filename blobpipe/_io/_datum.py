@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "BytesLike",
     "ParsedDatum",
+    "copy_raw",
     "datum_view",
     "decode_datum",
     "decode_datum_into",
@@ -794,6 +795,42 @@ def raw_block(
         block = np.frombuffer(joined, np.uint8).reshape(len(rows), length)
         out.append((idx, block[:, hl : hl + size].reshape(len(rows), c, h, w)))
     return out
+
+
+def copy_raw(
+    values: Sequence[BytesLike | None],
+    shape: tuple[int, int, int],
+    pixels_out: npt.NDArray[np.uint8],
+    labels_out: npt.NDArray[np.float32],
+) -> bool:
+    """Copy every record's pixels straight into the C-contiguous uint8 ``pixels_out``.
+
+    For uint8 output: one copy per record from the database buffer, no staging.
+    The records must all be in ``convert_imageset``'s raw layout (see
+    :func:`gather_raw`); returns False at the first that is not, leaving the
+    outputs partly written for the caller's general path to overwrite.
+    """
+    c, h, w = shape
+    size = c * h * w
+    header = _raw_header(shape).tobytes()
+    hl = len(header)
+    end = hl + size
+    out = memoryview(pixels_out).cast("B")  # type: ignore[arg-type]
+    tails = _TAIL_LABELS
+    for i, value in enumerate(values):
+        if value is None or len(value) < end + 2 or value[:hl] != header:
+            return False
+        tail = bytes(value[end:])
+        label = tails.get(tail)
+        if label is None:
+            label = _tail_label(tail)
+            if label is None:
+                return False
+            if len(tails) < 65536:
+                tails[tail] = label
+        out[i * size : (i + 1) * size] = value[hl:end]
+        labels_out[i] = label
+    return True
 
 
 #: tail bytes (``0x28 varint(label) [0x38 0x00]``) -> label, shared by all threads
