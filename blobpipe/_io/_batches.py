@@ -527,13 +527,16 @@ class Batches:
             self._end_pending = False
             return None
         bs, size = self._batch_size, self._shard_len
-        rows: list[tuple[int, int]] = []  # (epoch, position)
+        runs: list[tuple[int, int, int]] = []  # (epoch, first position, stop position)
         epoch, pos = self._epoch, self._pos
         valid: int
         if self._mode == "wrap":
-            for _ in range(bs):
-                rows.append((epoch, pos))
-                pos += 1
+            left = bs
+            while left:
+                take = min(left, size - pos)
+                runs.append((epoch, pos, pos + take))
+                left -= take
+                pos += take
                 if pos == size:
                     epoch, pos = epoch + 1, 0
             valid = bs
@@ -542,10 +545,14 @@ class Batches:
             if count < bs and self._last == "drop":
                 self._epoch, self._pos = epoch + 1, 0
                 return None
-            rows = [(epoch, p) for p in range(pos, pos + count)]
+            runs.append((epoch, pos, pos + count))
             valid = count
             if count < bs and self._last == "pad":
-                rows += [(epoch, i % size) for i in range(bs - count)]
+                left = bs - count
+                while left:  # the epoch's first records, again
+                    take = min(left, size)
+                    runs.append((epoch, 0, take))
+                    left -= take
             pos += count
             if pos == size or (self._last == "drop" and size - pos < bs):
                 # the epoch ends here (a tail shorter than a batch is dropped): the
@@ -555,8 +562,15 @@ class Batches:
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
 
-        indices = self._indices(rows)
-        epochs = tuple(e for e, _ in rows)
+        indices_list: list[int] = []
+        epochs_list: list[int] = []
+        positions_list: list[int] = []
+        for e, a, b in runs:
+            indices_list.extend(self.epoch_order(e)[a:b].tolist())
+            epochs_list.extend([e] * (b - a))
+            positions_list.extend(range(a, b))
+        indices = tuple(indices_list)
+        epochs = tuple(epochs_list)
         all_keys = self._keys
         keys = tuple([all_keys[i] for i in indices])
         t = self._transform
@@ -564,7 +578,7 @@ class Batches:
             seed = self._seed
             words = tuple(Transform.draw(seed, e, i) for e, i in zip(epochs, indices, strict=True))
         else:
-            words = (0,) * len(rows)
+            words = (0,) * len(indices)
         first = self._read(keys[0])
         record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
         try:
@@ -576,28 +590,15 @@ class Batches:
             keys=keys,
             indices=indices,
             epochs=epochs,
-            positions=tuple(p for _, p in rows),
+            positions=tuple(positions_list),
             words=words,
             valid=valid,
             record_shape=record_shape,
-            data_shape=(len(rows), *out_shape),
+            data_shape=(len(indices), *out_shape),
             dtype=t.dtype,
             state=state,
             _first=first,
         )
-
-    def _indices(self, rows: list[tuple[int, int]]) -> tuple[int, ...]:
-        """Global record indices of (epoch, position) rows, a slice per epoch run."""
-        out: list[int] = []
-        i = 0
-        while i < len(rows):
-            epoch, first = rows[i]
-            j = i + 1
-            while j < len(rows) and rows[j] == (epoch, first + (j - i)):
-                j += 1
-            out.extend(self.epoch_order(epoch)[first : first + (j - i)].tolist())
-            i = j
-        return tuple(out)
 
     def _read(
         self, key: bytes, get: Callable[[bytes], bytes | memoryview] | None = None
