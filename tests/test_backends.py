@@ -120,3 +120,11 @@ def test_import_loads_neither_cupy_nor_opencv() -> None:
         "assert 'cv2' not in sys.modules, 'cv2 imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_testing_module_exports_the_emulated_device() -> None:
+    import blobpipe.testing
+
+    assert blobpipe.testing.EmulatedBackend is EmulatedBackend
+    backend = blobpipe.testing.EmulatedBackend(delay=0.0)
+    assert backend.has_device and backend.xp is np
