@@ -28,8 +28,11 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blobpipe._backends import HostBackend
 from blobpipe._blob import Blob
