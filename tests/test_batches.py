@@ -727,3 +727,18 @@ def test_block_path_equals_caffe_arithmetic(
             if layout == "NHWC":
                 ref = ref.transpose(1, 2, 0)
             assert np.array_equal(batch.data[row], ref), (row, key)
+
+
+def test_fill_into_a_strided_uint8_output(tmp_path: Path) -> None:
+    """fill() accepts any writable view of the right shape, not only contiguous ones."""
+    db = raw_db(tmp_path / "db4", 4)
+    with Batches(db, 4, transform=Transform(dtype="uint8"), mode="epoch") as it:
+        plan = it.next_plan()
+        assert plan is not None
+        big = np.zeros((8, *plan.data_shape[1:]), np.uint8)
+        data = big[::2]  # every other row: not C-contiguous
+        label = np.zeros(4, np.float32)
+        it.fill(plan, data, label)
+    want = [image(i, (3, 10, 12)) for i in range(4)]
+    assert all(np.array_equal(data[i], want[i]) for i in range(4))
+    assert label.tolist() == [0, 1, 2, 3]

@@ -810,6 +810,8 @@ def copy_raw(
     :func:`gather_raw`); returns False at the first that is not, leaving the
     outputs partly written for the caller's general path to overwrite.
     """
+    if not pixels_out.flags.c_contiguous:
+        return False
     c, h, w = shape
     size = c * h * w
     header = _raw_header(shape).tobytes()
