@@ -710,9 +710,10 @@ def test_block_path_equals_caffe_arithmetic(
         mean_value=mean or (),
         layout=layout,  # type: ignore[arg-type]
     )
-    with LmdbReader(CAFFE / "lmdb" / "raw_color") as reader, Batches(
-        reader, 16, transform=t, phase="test", mode="epoch"
-    ) as it:
+    with (
+        LmdbReader(CAFFE / "lmdb" / "raw_color") as reader,
+        Batches(reader, 16, transform=t, phase="test", mode="epoch") as it,
+    ):
         batch = next(iter(it))
         for row, key in enumerate(batch.keys):
             x, _ = decode_datum(reader.get(key))
@@ -742,3 +743,28 @@ def test_fill_into_a_strided_uint8_output(tmp_path: Path) -> None:
     want = [image(i, (3, 10, 12)) for i in range(4)]
     assert all(np.array_equal(data[i], want[i]) for i in range(4))
     assert label.tolist() == [0, 1, 2, 3]
+
+
+def test_fill_mixed_layouts_into_a_strided_uint8_output(tmp_path: Path) -> None:
+    """The per-record path must write into the caller's view, never into a copy of it."""
+    from blobpipe import encode_raw_datum
+
+    def record(i: int) -> bytes:
+        pixels = image(i, (3, 10, 12))
+        if i % 2:  # no label field at all: not convert_imageset's layout
+            datum = caffe_pb2.Datum(channels=3, height=10, width=12, data=pixels.tobytes())
+            return datum.SerializeToString()
+        return encode_raw_datum(pixels, i)
+
+    records = [(b"%08d" % i, record(i)) for i in range(4)]
+    db = write_lmdb(tmp_path / "mixed", records)
+    with Batches(db, 4, transform=Transform(dtype="uint8"), mode="epoch") as it:
+        plan = it.next_plan()
+        assert plan is not None
+        n, c, h, w = plan.data_shape
+        big = np.zeros((n, c, 2 * h, w), np.uint8)
+        data = big[:, :, ::2, :]  # every other image row: a row cannot be viewed flat
+        label = np.zeros(4, np.float32)
+        it.fill(plan, data, label)
+    assert all(np.array_equal(data[i], image(i, (3, 10, 12))) for i in range(4))
+    assert label.tolist() == [0, 0, 2, 0]  # an absent label is 0, as in protobuf

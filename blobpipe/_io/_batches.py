@@ -722,7 +722,8 @@ class Batches:
                 self._finish_block(block, plan, data_out, start, stop, params_out)
                 return
         n = stop - start
-        direct = block.direct and not encoded
+        # the output block itself can be the staging area only when contiguous
+        direct = block.direct and not encoded and data_out[start:stop].flags.c_contiguous
         staging = data_out[start:stop] if direct else _staging(n, size)
         flat = staging.reshape(n, size)
         slow: list[int] = []
