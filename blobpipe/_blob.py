@@ -436,8 +436,7 @@ class Blob:
             )
         if not -4 <= idx < 4:
             raise BlobIndexError(
-                f"legacy axis {idx} out of range [-4, 4) for Blob with shape "
-                f"{self.shape_string()}"
+                f"legacy axis {idx} out of range [-4, 4) for Blob with shape {self.shape_string()}"
             )
         if idx >= self.num_axes or idx < -self.num_axes:
             return 1
@@ -516,8 +515,7 @@ class Blob:
     def _check_shaped(self, what: str) -> None:
         if not self._shaped:
             raise StateError(
-                f"{what}: this Blob has no shape yet (Caffe's default Blob); call "
-                "reshape() first"
+                f"{what}: this Blob has no shape yet (Caffe's default Blob); call reshape() first"
             )
 
     def _host(self, which: str, mutable: bool) -> np.ndarray[Any, Any]:
@@ -625,9 +623,7 @@ class Blob:
             raise TypeError(f"{what} expects a numpy array, got {type(array).__name__}")
         dtype = getattr(array, "dtype", None)
         if dtype != self._dtype:
-            raise ShapeError(
-                f"{what}: the array's dtype is {dtype}, this blob's is {self._dtype}"
-            )
+            raise ShapeError(f"{what}: the array's dtype is {dtype}, this blob's is {self._dtype}")
         size = int(getattr(array, "size", -1))
         if size != self._count:
             raise ShapeError(

@@ -37,9 +37,7 @@ def _parse(message: Any, path: StrPath, what: str) -> None:
         raise ProtoError(f"{os.fspath(path)!r} is not a valid {what}: {exc}") from exc
 
 
-def _blob_from(
-    proto: Any, dtype: Any, backend: Backend | str | None, where: str
-) -> Blob:
+def _blob_from(proto: Any, dtype: Any, backend: Backend | str | None, where: str) -> Blob:
     blob = Blob(dtype=dtype, backend=backend)
     try:
         blob.from_proto(proto, reshape=True)

@@ -207,7 +207,8 @@ class _Slot:
         blob: Blob | None, shape: tuple[int, ...], dtype: np.dtype[Any], backend: Backend
     ) -> Blob:
         if blob is not None and blob.dtype == dtype:
-            blob.reshape(shape)  # within capacity: no allocation
+            if blob.shape != shape:
+                blob.reshape(shape)  # within capacity: no allocation
             return blob
         if blob is not None:
             blob.close()

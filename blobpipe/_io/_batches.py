@@ -54,8 +54,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
-from ._datum import copy_raw, datum_view, gather_raw, parse_datum, raw_block
+from ._datum import (
+    _imread_flag,
+    _opencv,
+    copy_raw,
+    datum_view,
+    gather_raw,
+    parse_datum,
+    raw_block,
+)
+from ._index import IndexedRows, RecordIndex
 from ._lmdb import LmdbReader
+from ._lmdbfile import value_extents
 from ._transform import Phase, Transform, _check_phase
 
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
@@ -300,6 +310,10 @@ class Batches:
         self._keys = keys
         self._n = len(self._keys)
         self._closed = False
+        self._index: RecordIndex | None = None
+        self._index_tried = False
+        self._blocks: dict[tuple[tuple[int, int, int], bool], _Block | None] = {}
+        self._index_lock = threading.Lock()
         try:
             if self._n == 0:
                 raise DataError("the database holds no records", path=self._path)
@@ -579,8 +593,14 @@ class Batches:
             words = tuple(Transform.draw(seed, e, i) for e, i in zip(epochs, indices, strict=True))
         else:
             words = (0,) * len(indices)
-        first = self._read(keys[0])
-        record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
+        index = self._index
+        known = index.shape_of(indices[0]) if index is not None else None
+        first: tuple[np.ndarray, int] | None = None
+        if known is not None:
+            record_shape = known  # read and checked before: fill() reads it from the index
+        else:
+            first = self._read(keys[0])
+            record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
         try:
             # validates the record against the transform and caches what fill needs
             out_shape = t._shape_info(record_shape, self._phase).out_shape
@@ -611,6 +631,21 @@ class Batches:
         return chw, int(label)
 
     # -- filling -----------------------------------------------------------------------------
+
+    def _record_index(self) -> RecordIndex | None:
+        """The record index (see ``_index.py``), made on first use; None where the
+        database file cannot be read directly (then every read goes through LMDB)."""
+        if not self._index_tried:
+            with self._index_lock:
+                if not self._index_tried:
+                    reader = self._reader
+                    if isinstance(reader, LmdbReader):
+                        file = reader._mapped_file()
+                        extents = value_extents(file, self._keys) if file is not None else None
+                        if file is not None and extents is not None:
+                            self._index = RecordIndex(file, extents)
+                    self._index_tried = True
+        return self._index
 
     def fill(
         self,
@@ -653,6 +688,10 @@ class Batches:
             )
         if params_out is not None and params_out.shape != (n, 3):
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
+        if start == stop:
+            return
+        if self._fill_indexed(plan, data_out, label_out, start, stop, params_out):
+            return
         transaction = getattr(self._reader, "transaction", None)
         if transaction is None:
             get = self._reader.get
@@ -663,6 +702,87 @@ class Batches:
                 fast_get = getattr(txn, "fast_get", None)
                 raw = fast_get() if fast_get is not None else txn.get
                 self._fill_rows(plan, data_out, label_out, start, stop, params_out, txn.get, raw)
+
+    def _block(self, record_shape: tuple[int, int, int], rows: int) -> _Block | None:
+        """How to transform ``rows`` records of ``record_shape`` as a block (cached)."""
+        key = (record_shape, rows > 1)
+        try:
+            return self._blocks[key]
+        except KeyError:
+            t = self._transform
+            info = t._shape_info(record_shape, self._phase)
+            block = _block_plan(t, info, self._phase, record_shape, rows)
+            if len(self._blocks) < 64:
+                self._blocks[key] = block
+            return block
+
+    def _fill_indexed(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> bool:
+        """Fill rows ``[start:stop]`` from the record index; False (nothing written
+        that the checked path would not overwrite) unless every row is indexed."""
+        index = self._record_index()
+        if index is None:
+            return False
+        block = self._block(plan.record_shape, stop - start)
+        if block is None:
+            return False
+        rows = index.lookup(plan.indices[start:stop], plan.record_shape)
+        if rows is None:
+            return False
+        out = data_out[start:stop]
+        if rows.encoded:
+            if not self._decode_indexed(index, rows, plan, block, out, start):
+                return False
+        else:
+            _apply_raw_runs(index.file, rows, plan.record_shape, block, out)
+        label_out[start:stop] = rows.labels
+        self._finish_block(block, plan, data_out, start, stop, params_out)
+        return True
+
+    def _decode_indexed(
+        self,
+        index: RecordIndex,
+        rows: IndexedRows,
+        plan: BatchPlan,
+        block: _Block,
+        out: np.ndarray,
+        start: int,
+    ) -> bool:
+        """Decode indexed encoded rows straight from the file map, then transform the block."""
+        cv2 = _opencv()
+        t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
+        c, h, w = plan.record_shape
+        n = len(rows.offsets)
+        # CHW uint8 staging: each image is transposed while still in cache, so
+        # the block transform below reads contiguous rows
+        chw = _staging(n, c * h * w).reshape(n, c, h, w)
+        want = (h, w, c) if c > 1 else (h, w)
+        file = index.file
+        first = plan._first if start == 0 else None
+        for r, (off, length) in enumerate(
+            zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
+        ):
+            if r == 0 and first is not None:
+                chw[0] = first[0]  # decoded by next_plan already
+                continue
+            img = cv2.imdecode(file[off : off + length], flag)
+            # the same bytes decoded to this shape before; anything else: the checked path
+            if img is None or img.dtype != _U1 or img.shape != want:
+                return False
+            if c > 1:
+                chw[r] = img.transpose(2, 0, 1)
+            else:
+                chw[r, 0] = img
+        block.apply(chw, out)
+        return True
 
     def _fill_rows(
         self,
@@ -677,9 +797,7 @@ class Batches:
     ) -> None:
         # ``get`` raises a named error for a missing record; ``raw_get`` is the
         # unchecked lookup (None when missing) for the block path's loop.
-        t = self._transform
-        info = t._shape_info(plan.record_shape, self._phase)
-        block = _block_plan(t, info, self._phase, plan.record_shape, stop - start)
+        block = self._block(plan.record_shape, stop - start)
         if block is None:
             self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
             return
@@ -700,6 +818,7 @@ class Batches:
             values = [_try_get(raw_get, k) for k in keys]
         encoded = _encoded(values[0])
         # uint8 output, no crop, NCHW: one copy per record, straight into the batch
+        index = self._index
         if (
             block.direct
             and not encoded
@@ -745,23 +864,21 @@ class Batches:
             try:
                 if value is None:
                     raise LookupError
+                p = parse_datum(value, key=keys[r], path=path)
                 if i == 0 and plan._first is not None:
                     chw, label = plan._first  # decoded by next_plan already
-                    p = None
-                else:
-                    p = parse_datum(value, key=keys[r], path=path)
-                    if p.encoded:
-                        chw, label = datum_view(
-                            p,
-                            force_color=t.force_color,
-                            force_gray=t.force_gray,
-                            key=keys[r],
-                            path=path,
-                        )
+                elif p.encoded:
+                    chw, label = datum_view(
+                        p,
+                        force_color=t.force_color,
+                        force_gray=t.force_gray,
+                        key=keys[r],
+                        path=path,
+                    )
             except Exception:  # the per-row path reads it again and names the error
                 slow.append(i)
                 continue
-            if p is None or p.encoded:
+            if p.encoded or (i == 0 and plan._first is not None):
                 if chw.dtype != _U1 or chw.shape != plan.record_shape:
                     slow.append(i)
                     continue
@@ -770,6 +887,13 @@ class Batches:
                 else:
                     pixels[r] = chw
                 label_out[i] = label
+                if (
+                    p.encoded
+                    and index is not None
+                    and isinstance(value, memoryview)
+                    and p.data is not None
+                ):
+                    index.learn_encoded(plan.indices[i], value, p.data, label, plan.record_shape)
                 continue
             data = p.data
             if (
@@ -1015,6 +1139,46 @@ class _Block:
     @property
     def _ws(self) -> slice:
         return slice(self.w_off, self.w_off + self.crop)
+
+
+def _apply_raw_runs(
+    file: npt.NDArray[np.uint8],
+    rows: IndexedRows,
+    shape: tuple[int, int, int],
+    block: _Block,
+    out: np.ndarray,
+) -> None:
+    """Transform indexed raw rows from the file map into ``out``.
+
+    A run of rows whose offsets step by one stride is one strided view of the
+    file: one numpy call (GIL released) per run. Rows scattered over the file
+    (shuffled reads) are first gathered into a staging block, one copy each.
+    """
+    c, h, w = shape
+    size = c * h * w
+    runs = rows.runs()
+    n = len(rows.offsets)
+    if len(runs) * 4 <= n:
+        for a, b, stride in runs:
+            src: npt.NDArray[np.uint8] = np.ndarray(
+                (b - a, c, h, w),
+                _U1,
+                buffer=file,  # type: ignore[arg-type]
+                offset=int(rows.offsets[a]),
+                strides=(stride, h * w, w, 1),
+            )
+            block.apply(src, out[a:b])
+        return
+    offsets = rows.offsets.tolist()
+    if block.direct and out.flags.c_contiguous:
+        flat = out.reshape(n, size)
+        for r, off in enumerate(offsets):
+            flat[r] = file[off : off + size]
+        return
+    staging = _staging(n, size)
+    for r, off in enumerate(offsets):
+        staging[r] = file[off : off + size]
+    block.apply(staging.reshape(n, c, h, w), out)
 
 
 def _block_plan(

@@ -454,6 +454,20 @@ def _jpeg_dims(b: bytes) -> tuple[int, int] | None:
 _cv2: Any = None  # OpenCV, once the first encoded record needed it
 
 
+def _opencv() -> Any:
+    """OpenCV, imported on first use (never at import of blobpipe)."""
+    global _cv2
+    if _cv2 is None:
+        # Formats whose header we cannot read are bounded by OpenCV's own limit,
+        # which it reads on its first decode: at most DEFAULT_MAX_PIXELS unless
+        # the environment sets another.
+        os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
+        import cv2  # OpenCV loads on the first encoded record, not at import
+
+        _cv2 = cv2
+    return _cv2
+
+
 def _decode_image(
     data: memoryview | None,
     flag: int,
@@ -476,16 +490,7 @@ def _decode_image(
             path=path,
             key=key,
         )
-    # Other formats (and headers we cannot read) are bounded by OpenCV's own
-    # limit, which it reads on its first decode: at most DEFAULT_MAX_PIXELS
-    # unless the environment sets another.
-    global _cv2
-    if _cv2 is None:
-        os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
-        import cv2  # OpenCV loads on the first encoded record, not at import
-
-        _cv2 = cv2
-    cv2 = _cv2
+    cv2 = _opencv()
 
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)

@@ -43,6 +43,7 @@ Closing
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import weakref
@@ -51,6 +52,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import lmdb
+import numpy as np
+import numpy.typing as npt
 
 from .._errors import (
     DatabaseNotFoundError,
@@ -77,17 +80,49 @@ _FileId = tuple[int, int]
 class _SharedEnv:
     """One open environment and the number of readers using it."""
 
-    __slots__ = ("entries", "env", "file_id", "generation", "path", "refs")
+    __slots__ = (
+        "data_file",
+        "entries",
+        "env",
+        "file_id",
+        "generation",
+        "map_lock",
+        "mapped",
+        "path",
+        "refs",
+    )
 
     def __init__(
-        self, env: Any, file_id: _FileId, path: str, generation: int, entries: int
+        self,
+        env: Any,
+        file_id: _FileId,
+        path: str,
+        generation: int,
+        entries: int,
+        data_file: str,
     ) -> None:
         self.env = env
         self.file_id = file_id
         self.path = path
         self.generation = generation
         self.entries = entries
+        self.data_file = data_file
+        self.mapped: npt.NDArray[np.uint8] | bool | None = False  # False: not tried yet
+        self.map_lock = threading.Lock()
         self.refs = 0
+
+
+def _map_file(path: str) -> npt.NDArray[np.uint8] | None:
+    """The data file mapped read-only as a numpy array (our own mapping of the pages
+    LMDB maps: valid while any array made from it lives); None when it cannot be."""
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError, OverflowError):
+        return None
+    # Default advice (not MADV_RANDOM, even without readahead): the kernel's
+    # fault-around then maps several cached pages per page fault.
+    return np.frombuffer(mapped, np.uint8)
 
 
 # Invariant: _registry holds exactly the environments opened in this process (this
@@ -113,8 +148,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _locate(path: str) -> tuple[bool, _FileId]:
-    """(subdir, identity of the data file) of the database at ``path``."""
+def _locate(path: str) -> tuple[bool, _FileId, str]:
+    """(subdir, identity of the data file, its path) of the database at ``path``."""
     if os.path.isdir(path):
         subdir, data_file = True, os.path.join(path, "data.mdb")
     elif os.path.exists(path):
@@ -135,7 +170,7 @@ def _locate(path: str) -> tuple[bool, _FileId]:
         ) from None
     except OSError as exc:
         raise DataError(f"cannot read the database: {exc}", path=path) from exc
-    return subdir, (st.st_dev, st.st_ino)
+    return subdir, (st.st_dev, st.st_ino), data_file
 
 
 def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
@@ -143,7 +178,7 @@ def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
 
     The caller holds ``_registry_lock``.
     """
-    subdir, file_id = _locate(path)
+    subdir, file_id, data_file = _locate(path)
     shared = _registry.get(file_id)
     if shared is None:
         try:
@@ -177,7 +212,7 @@ def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
         except lmdb.Error as exc:
             env.close()
             raise DataError(f"cannot read the database: {exc}", path=path) from exc
-        shared = _SharedEnv(env, file_id, path, _generation, entries)
+        shared = _SharedEnv(env, file_id, path, _generation, entries, data_file)
         _registry[file_id] = shared
     shared.refs += 1
     return shared
@@ -395,6 +430,25 @@ class LmdbReader:
                 finally:
                     self._exit(generation)
             return self._keys
+
+    def _mapped_file(self) -> npt.NDArray[np.uint8] | None:
+        """The data file mapped read-only by numpy, shared by the readers of the
+        environment; None when it cannot be mapped (e.g. larger than a 32-bit
+        address space). The database must not be written while it is read (as
+        for LMDB's own map with ``lock=False``).
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        shared = self._shared
+        mapped = shared.mapped
+        if mapped is False:
+            with shared.map_lock:
+                if shared.mapped is False:
+                    shared.mapped = _map_file(shared.data_file)
+                mapped = shared.mapped
+        return mapped if isinstance(mapped, np.ndarray) else None
 
     def __iter__(self) -> Iterator[bytes]:
         """Iterate over :meth:`keys`."""
