@@ -93,9 +93,9 @@ def test_caffemodel_reproduces_the_forward_pass(host: HostBackend) -> None:
     conv += b[None, :, None, None]
     mean, var, scale = (blob.cpu_data().astype(np.float64) for blob in params["bn1"])
     factor = 0.0 if scale[0] == 0 else 1.0 / scale[0]
-    bn = (conv - (mean * factor)[None, :, None, None]) / np.sqrt(
-        var * factor + 1e-5
-    )[None, :, None, None]
+    bn = (conv - (mean * factor)[None, :, None, None]) / np.sqrt(var * factor + 1e-5)[
+        None, :, None, None
+    ]
     ip_w, ip_b = (blob.cpu_data().astype(np.float64) for blob in params["ip1"])
     out = bn.reshape(2, -1) @ ip_w.T + ip_b
     np.testing.assert_allclose(out, np.load(MODEL.parent / "output_ip1.npy"), rtol=1e-4, atol=1e-4)

@@ -1052,9 +1052,7 @@ async def test_an_error_outside_the_fill_reaches_the_consumer_as_itself(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", ["host", "emulated"])
-async def test_mean_file_mismatch_is_a_data_error_on_every_path(
-    db30: Path, device: str
-) -> None:
+async def test_mean_file_mismatch_is_a_data_error_on_every_path(db30: Path, device: str) -> None:
     t = Transform(mean_file=MEAN_FILE)  # 3x32x40; the records are 3x10x12
     async with Loader(db30, 4, device=make_backend(device), transform=t) as loader:
         with pytest.raises(DataError, match="mean file") as info:

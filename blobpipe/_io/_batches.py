@@ -1163,7 +1163,7 @@ def _apply_raw_runs(
             src: npt.NDArray[np.uint8] = np.ndarray(
                 (b - a, c, h, w),
                 _U1,
-                buffer=file,  # type: ignore[arg-type]
+                buffer=file,
                 offset=int(rows.offsets[a]),
                 strides=(stride, h * w, w, 1),
             )

@@ -1,0 +1,274 @@
+"""The record index: value extents read from the LMDB file, and batches filled from it.
+
+Every batch filled from the index must equal what the checked path (LMDB lookups
+and Datum parsing, as in a source without a file) gives, and Caffe's arrays.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import cv2
+import lmdb
+import numpy as np
+import pytest
+
+import blobpipe
+from blobpipe._errors import DataError
+from blobpipe._io._batches import ArrayBatch, Batches
+from blobpipe._io._lmdbfile import value_extents
+from blobpipe._io._transform import Transform
+from tests._helpers import encoded_db, float_db, image, key, raw_db, write_lmdb
+
+CAFFE = Path(__file__).parent / "data" / "caffe"
+
+
+class PlainSource:
+    """The same records with no file behind them: Batches reads them the checked way."""
+
+    def __init__(self, path: Path) -> None:
+        with blobpipe.LmdbReader(path) as reader:
+            self._items = {k: reader.get(k) for k in reader}
+        self.path = str(path)
+
+    def keys(self) -> list[bytes]:
+        return sorted(self._items)
+
+    def get(self, key: bytes) -> bytes:
+        return self._items[key]
+
+
+def values_of(path: Path) -> list[bytes]:
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        out = [bytes(v) for _, v in txn.cursor()]
+    env.close()
+    return out
+
+
+def check_extents(path: Path) -> None:
+    with blobpipe.LmdbReader(path) as reader:
+        file = reader._mapped_file()
+        assert file is not None
+        extents = value_extents(file, reader.keys())
+        assert extents is not None
+        got = [
+            file[o : o + n].tobytes()
+            for o, n in zip(extents.offsets.tolist(), extents.lengths.tolist(), strict=True)
+        ]
+    assert got == values_of(path)
+
+
+# -- extents -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("db", ["raw_color", "encoded_jpg"])
+def test_extents_of_caffe_databases(db: str) -> None:
+    check_extents(CAFFE / "lmdb" / db)
+
+
+def test_extents_inline_overflow_and_deep_trees(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    # small values stay in the leaf pages, large ones go to overflow pages;
+    # 300-byte keys make a tree of several branch levels
+    items = [
+        (f"{i:06d}".encode() + b"k" * int(rng.integers(0, 300)), rng.bytes(int(n)))
+        for i, n in enumerate(rng.choice([1, 40, 900, 2100, 5000, 20000], 3000))
+    ]
+    path = write_lmdb(tmp_path / "mixed", items)
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    depth = env.stat()["depth"]
+    env.close()
+    assert depth >= 3
+    check_extents(path)
+
+
+def test_extents_after_deletes_and_rewrites(tmp_path: Path) -> None:
+    path = raw_db(tmp_path / "db", 200)
+    env = lmdb.open(str(path), map_size=1 << 28)
+    with env.begin(write=True) as txn:
+        for i in range(0, 200, 3):
+            txn.delete(key(i))
+        for i in range(0, 200, 7):
+            txn.put(key(i), blobpipe.encode_raw_datum(image(1000 + i), 7))
+    env.close()
+    check_extents(path)
+
+
+def test_extents_refuse_what_they_do_not_understand(tmp_path: Path) -> None:
+    path = raw_db(tmp_path / "db", 30)
+    with blobpipe.LmdbReader(path) as reader:
+        file = reader._mapped_file()
+        assert file is not None
+        keys = list(reader.keys())
+        assert value_extents(file, keys) is not None
+        assert value_extents(file, keys[:-1]) is None  # not the same keys
+        assert value_extents(file, [*keys[:-1], b"00000029x"]) is None
+        assert value_extents(file, list(reversed(keys))) is None
+        assert value_extents(np.zeros(1 << 16, np.uint8), keys) is None
+        assert value_extents(file[: file.size // 2], keys) is None  # truncated
+        junk = np.random.default_rng(1).integers(0, 256, file.size, dtype=np.uint8)
+        junk[: 2 * 4096] = file[: 2 * 4096]  # valid meta pages, garbage tree
+        assert value_extents(junk, keys) is None
+        flagged = file.copy()
+        for meta in (0, 4096):
+            flagged[meta + 92] = 0x04  # the main database's md_flags: MDB_DUPSORT
+        assert value_extents(flagged, keys) is None
+    named = tmp_path / "named"
+    env = lmdb.open(str(named), map_size=1 << 24, max_dbs=2)
+    sub = env.open_db(b"sub")
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"1", db=sub)
+    env.close()
+    with blobpipe.LmdbReader(named) as reader:
+        file = reader._mapped_file()
+        assert file is not None
+        # the main database holds the sub-database's record: not a plain database
+        assert value_extents(file, reader.keys()) is None
+
+
+# -- batches from the index equal the checked path --------------------------------------------
+
+
+def epochs(b: Batches, n: int) -> list[list[ArrayBatch]]:
+    out = []
+    for _ in range(n):
+        out.append(list(islice(iter(b), 10_000)))
+    return out
+
+
+def assert_same(a: list[ArrayBatch], b: list[ArrayBatch]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys == y.keys
+        assert x.data.dtype == y.data.dtype
+        assert np.array_equal(x.data, y.data)
+        assert np.array_equal(x.label, y.label)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "float32": {"transform": Transform()},
+    "scale": {"transform": Transform(scale=1 / 256)},
+    "uint8": {"transform": Transform(dtype="uint8")},
+    "mean_scale": {"transform": Transform(mean_value=(10.5, 20, 30.25), scale=0.017)},
+    "mean_value_crop_test": {
+        "transform": Transform(mean_value=(104, 117, 123), crop_size=8),
+        "phase": "test",
+    },
+    "crop_mirror_train": {"transform": Transform(crop_size=8, mirror=True), "phase": "train"},
+    "mirror_test_nhwc": {
+        "transform": Transform(mirror=True, layout="NHWC", scale=0.5),
+        "phase": "test",
+    },
+    "uint8_shuffle": {"transform": Transform(dtype="uint8"), "order": "shuffle"},
+    "scale_shuffle": {"transform": Transform(scale=0.25), "order": "shuffle"},
+    "buffer_pad": {"transform": Transform(), "order": "buffer", "buffer_size": 9, "last": "pad"},
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("kind", ["raw", "jpg", "png"])
+def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind: str) -> None:
+    if kind == "raw":
+        path = raw_db(tmp_path / "db", 70)
+    else:
+        path = encoded_db(tmp_path / "db", 70, "." + kind)
+    kwargs = {"mode": "epoch", "phase": "test", **CONFIGS[config]}
+    with Batches(PlainSource(path), 16, **kwargs) as plain:
+        expected = epochs(plain, 3)
+    with Batches(path, 16, **kwargs) as b:
+        got = epochs(b, 3)
+        index = b._index
+    for e in range(3):
+        assert_same(got[e], expected[e])
+    assert index is not None
+    if config != "crop_mirror_train":  # random crops: per-row path, nothing to index
+        hit = index.lookup(list(range(70)), (3, 10, 12))
+        assert hit is not None and hit.encoded == (kind != "raw")
+
+
+def test_known_batches_do_not_touch_lmdb(tmp_path: Path) -> None:
+    """After the first epoch, batches come from the file map only."""
+    for path, t in [
+        (raw_db(tmp_path / "raw", 40), Transform(scale=0.5)),
+        (encoded_db(tmp_path / "jpg", 40, ".jpg"), Transform(scale=0.5)),
+    ]:
+        with Batches(path, 8, transform=t, mode="epoch") as b:
+            first = epochs(b, 1)[0]
+            reader: Any = b._reader
+
+            def refuse(*args: object, **kwargs: object) -> None:
+                raise AssertionError("LMDB read")
+
+            reader.transaction = refuse
+            reader.get = refuse
+            again = epochs(b, 1)[0]
+        assert_same(again, first)
+
+
+def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> None:
+    ok, jpg = cv2.imencode(".jpg", np.ascontiguousarray(image(5).transpose(1, 2, 0)))
+    assert ok
+    items = {key(i): blobpipe.encode_raw_datum(image(i), i) for i in range(20)}
+    items[key(5)] = blobpipe.encode_encoded_datum(jpg.tobytes(), 5)
+    items[key(9)] = blobpipe.encode_float_datum(image(9).astype(np.float32) / 3, 9)
+    items[key(12)] = blobpipe.encode_raw_datum(image(12, (3, 4, 4)), 12)  # another shape
+    path = write_lmdb(tmp_path / "mixed", sorted(items.items()))
+    for t in (Transform(), Transform(scale=0.5)):
+        kwargs: dict[str, Any] = {"transform": t, "mode": "epoch", "batch_size": 1}
+        with Batches(PlainSource(path), **kwargs) as plain:
+            expected = epochs(plain, 2)
+        with Batches(path, **kwargs) as b:
+            got = epochs(b, 2)
+        for e in range(2):
+            assert_same(got[e], expected[e])
+    for _ in range(2):  # the same error in a second Batches over the same file
+        with Batches(path, 4, mode="epoch") as b:
+            assert len(list(islice(iter(b), 3))) == 3
+            with pytest.raises(DataError, match="record key b'00000013'"):
+                next(iter(b))  # record 12 is 3×4×4, the others of its batch 3×10×12
+    with Batches(float_db(tmp_path / "f", 12), 4, mode="epoch") as b:
+        assert len(epochs(b, 2)[1]) == 3
+
+
+def test_caffe_references_through_the_index() -> None:
+    """Epoch 2 (indexed) of each reference case equals Caffe's arrays."""
+    cases = {
+        "raw_color_b8": ("raw_color", {}),
+        "raw_color_b8_meanfile_scale": (
+            "raw_color",
+            {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
+        ),
+        "raw_color_b8_meanvalue_crop24": (
+            "raw_color",
+            {"crop_size": 24, "mean_value": (104, 117, 123)},
+        ),
+        "encoded_jpg_b8": ("encoded_jpg", {}),
+    }
+    for case, (db, kwargs) in cases.items():
+        ref = CAFFE / "ref" / case
+        n = len(list(ref.glob("data_b*.npy")))
+        t = Transform(**kwargs)  # type: ignore[arg-type]
+        with Batches(CAFFE / "lmdb" / db, 8, transform=t, phase="test", mode="epoch") as b:
+            list(b)  # epoch 1: learns the records
+            got = list(islice(iter(b), n))
+            assert b._index is not None
+        for k, batch in enumerate(got):
+            assert np.array_equal(batch.data, np.load(ref / f"data_b{k}.npy")), (case, k)
+            assert np.array_equal(batch.label, np.load(ref / f"label_b{k}.npy")), (case, k)
+
+
+def test_loader_threads_over_the_index(tmp_path: Path) -> None:
+    path = raw_db(tmp_path / "db", 300)
+    t = Transform(scale=1 / 3)
+    with Batches(PlainSource(path), 16, transform=t, mode="epoch", order="shuffle") as plain:
+        expected = [np.concatenate([x.data for x in e]) for e in epochs(plain, 3)]
+    loader = blobpipe.Loader(
+        path, batch_size=16, device="cpu", transform=t, mode="epoch", order="shuffle", workers=3
+    )
+    with loader:
+        for e in range(3):
+            got = np.concatenate([batch.data.cpu_data().copy() for batch in loader])
+            assert np.array_equal(got, expected[e]), e
