@@ -223,13 +223,18 @@ class Blob:
         self._holder = _Holder(self._new_memory(nbytes), self._new_memory(nbytes))
         self._closed = False
         self._closed_message: str | None = None
-        self._finalizer = weakref.finalize(self, self._holder.release)
+        self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, self._holder.release
+        )
 
-    def _alias(self) -> Blob:
+    def _alias(self, *, finalize: bool = True) -> Blob:
         """A new Blob of the same shape sharing this blob's data *and* diff memories.
 
         Allocates nothing (each memory's reference count goes up); closing the
         alias releases only its references. Used to hand out loader batches.
+        ``finalize=False`` skips the garbage-collection safety net: the caller
+        closes the alias itself, or calls :meth:`_keep` before handing it over.
         """
         self._check_open()
         data, diff = self._holder.data, self._holder.diff
@@ -244,8 +249,14 @@ class Blob:
         alias._holder = _Holder(data.acquire(), diff.acquire())
         alias._closed = False
         alias._closed_message = None
-        alias._finalizer = weakref.finalize(alias, alias._holder.release)
+        alias._typed = {}
+        alias._finalizer = weakref.finalize(alias, alias._holder.release) if finalize else None
         return alias
+
+    def _keep(self) -> None:
+        """Give an alias made with ``finalize=False`` the usual safety net."""
+        if self._finalizer is None and not self._closed:
+            self._finalizer = weakref.finalize(self, self._holder.release)
 
     def _new_memory(self, nbytes: int) -> _SharedMemory:
         return _SharedMemory(SyncedMemory(nbytes, self._backend))
@@ -259,7 +270,9 @@ class Blob:
         if self._closed:
             return
         self._closed = True
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._typed.clear()
         self._holder.release()
 
     @property
@@ -366,6 +379,7 @@ class Blob:
         if count > self.capacity:
             nbytes = count * self._itemsize
             data, diff = self._new_memory(nbytes), self._new_memory(nbytes)
+            self._typed.clear()
             self._holder.release()
             self._holder.data, self._holder.diff = data, diff
         self._shape, self._count, self._shaped = new_shape, count, True
@@ -521,8 +535,20 @@ class Blob:
     def _host(self, which: str, mutable: bool) -> np.ndarray[Any, Any]:
         mem = self._mem(which)
         self._check_shaped(f"cpu_{which}")
-        raw = mem.mutable_cpu_data() if mutable else mem.cpu_data()
-        return raw[: self.nbytes].view(self._dtype).reshape(self._shape)
+        raw = mem.mutable_cpu_data() if mutable else mem._host_bytes()
+        # The typed view of a buffer is made once per (buffer, shape); callers get
+        # a fresh view of it, so nothing they do to theirs reaches the next caller.
+        cached = self._typed.get(which)
+        typed: np.ndarray[Any, Any]
+        if cached is not None and cached[0] is raw and cached[1] == self._shape:
+            typed = cached[2]
+        else:
+            typed = raw[: self.nbytes].view(self._dtype).reshape(self._shape)
+            self._typed[which] = (raw, self._shape, typed)
+        out: np.ndarray[Any, Any] = typed.view()
+        if not mutable:
+            out.flags.writeable = False
+        return out
 
     def _device(self, which: str, mutable: bool) -> Any:
         mem = self._mem(which)

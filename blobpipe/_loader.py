@@ -168,6 +168,8 @@ class Batch:
         if not self._detached:
             loader, self._loader = self._loader, None
             self._detached = True
+            self._data._keep()
+            self._label._keep()
             if loader is not None:
                 loader._detach_current(self)
         return self
@@ -828,10 +830,14 @@ class Loader:
                 DataError naming the record key and the database).
             StateError: the loader is closed or failed earlier.
         """
-        # A checkpoint even when the batch is ready, so a consumer whose body
-        # never awaits can still be cancelled (and time out).
-        await anyio.lowlevel.checkpoint()
+        # Every call is a checkpoint, so a consumer whose body never awaits can
+        # still be cancelled (and time out): waiting for a batch is one; a batch
+        # already there gets an explicit one before it leaves the ready set.
         t0 = self._begin_next()
+        if self._delivered in self._ready:
+            await anyio.lowlevel.checkpoint()
+            t0 = time.perf_counter()
+            self._check_iterable()
         item = self._pop_ready()
         if item is None:
             event = anyio.Event()
@@ -843,6 +849,10 @@ class Loader:
                 finally:
                     self._forget_waiter()
                 item = self._taken()
+            else:
+                # it arrived meanwhile and is taken: a cancellation now would lose
+                # it, so this call's checkpoint is a shielded one
+                await anyio.lowlevel.cancel_shielded_checkpoint()
         got = self._arrived(item, t0)
         if got is None:
             raise StopAsyncIteration
@@ -938,8 +948,9 @@ class Loader:
         src = slot.out if self._device_transform else slot.host
         if src is None or slot.label is None:  # closed by another thread meanwhile
             raise StateError("this Loader is closed; create a new one to iterate again")
-        data = src._alias()
-        label = slot.label._alias()
+        # closed by _recycle (or kept by detach, which adds the finalizer)
+        data = src._alias(finalize=False)
+        label = slot.label._alias(finalize=False)
         return Batch(self, data, label, plan)
 
     # -- the blocking form ------------------------------------------------------------

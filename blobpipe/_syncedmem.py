@@ -245,6 +245,12 @@ class SyncedMemory:
         view.flags.writeable = False
         return view
 
+    def _host_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """:meth:`cpu_data`'s bytes as the writable buffer itself, for callers
+        (Blob) that hand out read-only views of it."""
+        self._to_cpu()
+        return self._cpu  # type: ignore[no-any-return]
+
     def mutable_cpu_data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The bytes on the host, writable; the head moves to the CPU."""
         self._to_cpu()

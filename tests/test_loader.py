@@ -8,6 +8,7 @@ same tests run on CUDA under the ``gpu`` marker.
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -479,6 +480,21 @@ async def test_detach_keeps_batch(db30: Path, device: str, device_transform: boo
     # the loader is closed; the detached batch is still the caller's
     assert_matches([Got.of(kept)], want[1:2])
     kept.close()
+    pools.assert_returned()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_dropped_detached_batch_returns_its_memory(db30: Path, device: str) -> None:
+    """A detached batch the caller forgets to close goes back to the pool when collected."""
+    backend = make_backend(device)
+    pools = PoolWatch(backend)
+    async with Loader(db30, 4, device=backend, prefetch=2) as loader:
+        kept = (await anext(loader)).detach()
+        await anext(loader)
+    assert not kept.recycled
+    del kept
+    gc.collect()
     pools.assert_returned()
 
 

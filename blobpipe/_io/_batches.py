@@ -48,6 +48,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Literal, Protocol, cast
 
 import numpy as np
@@ -586,7 +587,7 @@ class Batches:
         indices = tuple(indices_list)
         epochs = tuple(epochs_list)
         all_keys = self._keys
-        keys = tuple([all_keys[i] for i in indices])
+        keys = itemgetter(*indices)(all_keys) if len(indices) > 1 else (all_keys[indices[0]],)
         t = self._transform
         if t.needs_random:
             seed = self._seed
