@@ -12,10 +12,16 @@ machine spreads over all rows, and the table shows medians.
 
 Rows (raw LMDB):
 
-* ``memcpy ceiling``: the same pixel bytes, preloaded into one array, copied one
-  batch (64 records) at a time into a warm preallocated uint8 batch;
-* ``u8→f32 ceiling``: the same, converted into a warm float32 batch, one thread
-  (per core) and the batch split over two threads;
+* ``memcpy ceiling``: as the issue defines it, one bulk memcpy of the same
+  pixel bytes: every record's pixels, preloaded into one array, copied by one
+  call into a preallocated array of the same size (touched beforehand, so no
+  page fault is timed). The uint8 target is a ratio to this row;
+* ``u8→f32 ceiling``: one bulk uint8→float32 conversion of the same bytes into
+  a preallocated float32 array, one thread;
+* for orientation, the same two done batch by batch (64 records at a time) into
+  one warm batch that stays in the CPU cache: a cache-resident destination is
+  faster than any real pipeline's memory can be, so these rows only bound the
+  per-batch copy (the conversion also split over two threads).
 * ``plain loop``: py-lmdb cursor, a fresh ``caffe_pb2.Datum`` per record, its
   bytes converted (``np.copyto``) into a preallocated float32 batch, which is
   scaled once per batch — the fastest plain form we found;
@@ -108,7 +114,31 @@ def load_pixels(path: Path, n: int) -> np.ndarray:
     return out
 
 
-def memcpy_ceiling(src: np.ndarray) -> Pass:
+def bulk_memcpy(src: np.ndarray) -> Pass:
+    """One copy of all the bytes into a preallocated (touched) array of the same size."""
+    dst = np.empty_like(src)
+    dst.fill(0)  # touched once here: page faults are not timed
+
+    def run() -> tuple[int, np.ndarray]:
+        np.copyto(dst, src)
+        return len(src), dst[:BATCH].copy()
+
+    return run
+
+
+def bulk_u8_to_f32(src: np.ndarray) -> Pass:
+    """One conversion of all the bytes into a preallocated (touched) float32 array."""
+    dst = np.empty(src.shape, np.float32)
+    dst.fill(0)
+
+    def run() -> tuple[int, np.ndarray]:
+        np.multiply(src, SCALE32, out=dst, dtype=np.float32)
+        return len(src), dst[:BATCH].copy()
+
+    return run
+
+
+def memcpy_per_batch(src: np.ndarray) -> Pass:
     def run() -> tuple[int, np.ndarray]:
         dst = np.empty((BATCH, *SHAPE), np.uint8)
         dst.fill(0)  # warm: page faults are not timed
@@ -123,7 +153,7 @@ def memcpy_ceiling(src: np.ndarray) -> Pass:
     return run
 
 
-def u8_to_f32_ceiling(src: np.ndarray, threads: int) -> Pass:
+def u8_to_f32_per_batch(src: np.ndarray, threads: int) -> Pass:
     def run() -> tuple[int, np.ndarray]:
         dst = np.empty((BATCH, *SHAPE), np.float32)
         dst.fill(0)
@@ -133,13 +163,17 @@ def u8_to_f32_ceiling(src: np.ndarray, threads: int) -> Pass:
         try:
             for lo in range(0, len(src), BATCH):
                 if pool is None:
-                    np.copyto(dst, src[lo : lo + BATCH])
+                    np.multiply(src[lo : lo + BATCH], SCALE32, out=dst, dtype=np.float32)
                 else:
-                    a = pool.submit(np.copyto, dst[:half], src[lo : lo + half])
-                    np.copyto(dst[half:], src[lo + half : lo + BATCH])
+                    a = pool.submit(
+                        np.multiply, src[lo : lo + half], SCALE32, out=dst[:half], dtype=np.float32
+                    )
+                    np.multiply(
+                        src[lo + half : lo + BATCH], SCALE32, out=dst[half:], dtype=np.float32
+                    )
                     a.result()
                 if first is None:
-                    first = dst * SCALE32
+                    first = dst.copy()
         finally:
             if pool is not None:
                 pool.shutdown()
@@ -423,21 +457,37 @@ def build_rows(
     main_w = cpus
     pixels = load_pixels(raw_copy, n // BATCH * BATCH)
     rows = [
-        Row("memcpy", "memcpy ceiling (1 thread)", "raw", memcpy_ceiling(pixels)),
+        Row("memcpy", "memcpy ceiling (one bulk copy)", "raw", bulk_memcpy(pixels)),
         Row(
             "u8f32",
-            "u8→f32 ceiling (1 thread = per core)",
+            "u8→f32 ceiling (one bulk conversion, 1 thread)",
             "raw",
-            u8_to_f32_ceiling(pixels, 1),
+            bulk_u8_to_f32(pixels),
             baseline="memcpy",
             check="plain",
         ),
         Row(
-            "u8f32x2",
-            "u8→f32 ceiling (2 threads)",
+            "memcpy_b",
+            "memcpy batch by batch into a cache-resident batch",
             "raw",
-            u8_to_f32_ceiling(pixels, 2),
+            memcpy_per_batch(pixels),
+            baseline="memcpy",
+            check="memcpy",
+        ),
+        Row(
+            "u8f32_b",
+            "u8→f32 batch by batch into a cache-resident batch, 1 thread",
+            "raw",
+            u8_to_f32_per_batch(pixels, 1),
             baseline="u8f32",
+            check="plain",
+        ),
+        Row(
+            "u8f32x2_b",
+            "u8→f32 batch by batch into a cache-resident batch, 2 threads",
+            "raw",
+            u8_to_f32_per_batch(pixels, 2),
+            baseline="u8f32_b",
             check="plain",
         ),
         Row("plain", "plain protobuf loop (float32)", "raw", plain_loop(raw_copy, n)),
@@ -660,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         f"records per pass"
     )
     print(
-        f"{cpus} CPU cores (the u8→f32 ceiling is per core; ×{cpus} bounds this machine); "
+        f"{cpus} CPU cores (ceilings: one thread, one bulk call; the issue's definition); "
         f"load average {load0:.2f} at start; python {platform.python_version()}, "
         f"numpy {np.__version__}, opencv {cv2.__version__}, "
         f"torch {tv or '(rows skipped)'}"

@@ -762,9 +762,10 @@ class Batches:
         flag = _imread_flag(t.force_color, t.force_gray)
         c, h, w = plan.record_shape
         n = len(rows.offsets)
-        # CHW uint8 staging: each image is transposed while still in cache, so
-        # the block transform below reads contiguous rows
-        chw = _staging(n, c * h * w).reshape(n, c, h, w)
+        # Each image is copied as OpenCV returns it (HWC: a plain copy, which
+        # keeps the GIL for little), then the block is transposed to CHW and
+        # transformed by large numpy calls that release the GIL.
+        hwc = _staging(n, c * h * w).reshape(n, h, w, c)
         want = (h, w, c) if c > 1 else (h, w)
         file = index.file
         first = plan._first if start == 0 else None
@@ -772,17 +773,14 @@ class Batches:
             zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
         ):
             if r == 0 and first is not None:
-                chw[0] = first[0]  # decoded by next_plan already
+                hwc[0] = first[0].transpose(1, 2, 0)  # decoded by next_plan already
                 continue
             img = cv2.imdecode(file[off : off + length], flag)
             # the same bytes decoded to this shape before; anything else: the checked path
             if img is None or img.dtype != _U1 or img.shape != want:
                 return False
-            if c > 1:
-                chw[r] = img.transpose(2, 0, 1)
-            else:
-                chw[r, 0] = img
-        block.apply(chw, out)
+            hwc[r] = img.reshape(h, w, c)
+        block.apply(hwc.transpose(0, 3, 1, 2), out)
         return True
 
     def _fill_rows(
