@@ -46,7 +46,7 @@ class Extents(NamedTuple):
     """Per value, in key order: its file offset and its length in bytes."""
 
     offsets: I64
-    lengths: I64
+    lengths: npt.NDArray[np.uint32]
 
 
 class _Bad(Exception):
@@ -74,9 +74,11 @@ def _ragged(starts: I64, counts: I64, step: int) -> tuple[I64, I64]:
     return starts[owner] + step * j, owner
 
 
-def _nodes(file: npt.NDArray[np.uint8], pages: I64, psize: int, kind: int) -> tuple[I64, I64]:
+def _nodes(
+    file: npt.NDArray[np.uint8], pages: I64, psize: int, kind: int, limit: int
+) -> tuple[I64, I64]:
     """The node offsets of ``pages`` (all of page kind ``kind``), in order, and each
-    node's page start."""
+    node's page start; at most ``limit`` nodes (checked before allocating)."""
     size = file.size
     if pages.size == 0 or (pages < 2).any() or ((pages + 1) * psize > size).any():
         raise _Bad("a page number outside the file")
@@ -89,6 +91,8 @@ def _nodes(file: npt.NDArray[np.uint8], pages: I64, psize: int, kind: int) -> tu
     if ((lower < _PAGEHDRSZ) | (lower > upper) | (upper > psize) | (lower & 1 == 1)).any():
         raise _Bad("a page header out of range")
     counts = (lower - _PAGEHDRSZ) >> 1
+    if int(counts.sum()) > limit:
+        raise _Bad("more nodes than the file can hold")
     ptr_at, owner = _ragged(starts + _PAGEHDRSZ, counts, 2)
     ptrs = _u16(file, ptr_at)
     if ((ptrs < upper[owner]) | (ptrs + _NODESIZE > psize)).any():
@@ -131,21 +135,20 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
     if entries != n or n == 0 or not 1 <= depth <= _MAX_DEPTH:
         raise _Bad("entry count or depth differs")
     level = np.array([root], np.int64)
+    pages = size // psize
     for _ in range(depth - 1):  # branch levels: children in key order
-        nodes, _owner = _nodes(file, level, psize, _P_BRANCH)
+        nodes, _owner = _nodes(file, level, psize, _P_BRANCH, pages)
         lo = _u16(file, nodes)
         hi = _u16(file, nodes + 2)
         top = _u16(file, nodes + 4)
         level = lo | (hi << 16) | (top << 32)
     offsets = np.empty(n, np.int64)
-    lengths = np.empty(n, np.int64)
+    lengths = np.empty(n, np.uint32)  # LMDB stores a value's size in 32 bits
     done = 0
     key_lens = np.fromiter(map(len, keys), np.int64, n)
     for c in range(0, len(level), _LEAVES):
-        nodes, page = _nodes(file, level[c : c + _LEAVES], psize, _P_LEAF)
+        nodes, page = _nodes(file, level[c : c + _LEAVES], psize, _P_LEAF, n - done)
         m = len(nodes)
-        if done + m > n:
-            raise _Bad("more nodes than entries")
         flags = _u16(file, nodes + 4)
         ksize = _u16(file, nodes + 6)
         dsize = _u16(file, nodes) | (_u16(file, nodes + 2) << 16)
