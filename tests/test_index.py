@@ -18,6 +18,7 @@ import pytest
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import ArrayBatch, Batches
+from blobpipe._io._index import _OTHER
 from blobpipe._io._lmdbfile import value_extents
 from blobpipe._io._transform import Transform
 from tests._helpers import encoded_db, float_db, image, key, raw_db, write_lmdb
@@ -214,16 +215,24 @@ def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> N
     items = {key(i): blobpipe.encode_raw_datum(image(i), i) for i in range(20)}
     items[key(5)] = blobpipe.encode_encoded_datum(jpg.tobytes(), 5)
     items[key(9)] = blobpipe.encode_float_datum(image(9).astype(np.float32) / 3, 9)
-    items[key(12)] = blobpipe.encode_raw_datum(image(12, (3, 4, 4)), 12)  # another shape
     path = write_lmdb(tmp_path / "mixed", sorted(items.items()))
     for t in (Transform(), Transform(scale=0.5)):
-        kwargs: dict[str, Any] = {"transform": t, "mode": "epoch", "batch_size": 1}
-        with Batches(PlainSource(path), **kwargs) as plain:
-            expected = epochs(plain, 2)
-        with Batches(path, **kwargs) as b:
-            got = epochs(b, 2)
-        for e in range(2):
-            assert_same(got[e], expected[e])
+        for bs in (1, 4):
+            kwargs: dict[str, Any] = {"transform": t, "mode": "epoch", "batch_size": bs}
+            with Batches(PlainSource(path), **kwargs) as plain:
+                expected = epochs(plain, 3)
+            with Batches(path, **kwargs) as b:
+                got = epochs(b, 3)
+                index = b._index
+            for e in range(3):
+                assert_same(got[e], expected[e])
+            if bs == 4:
+                assert index is not None
+                assert index._kind[9] == _OTHER  # float data: not checked again
+                assert index._kind[5] < 0  # the JPEG, noted when decoded
+                assert (index._kind[[0, 1, 2, 3, 12, 19]] > 0).all()
+    items[key(12)] = blobpipe.encode_raw_datum(image(12, (3, 4, 4)), 12)  # another shape
+    path = write_lmdb(tmp_path / "mixed2", sorted(items.items()))
     for _ in range(2):  # the same error in a second Batches over the same file
         with Batches(path, 4, mode="epoch") as b:
             assert len(list(islice(iter(b), 3))) == 3

@@ -37,6 +37,8 @@ from ._lmdbfile import Extents
 
 __all__ = ["IndexedRows", "RecordIndex"]
 
+_OTHER = -32768  # below every -shape_id (at most 32767 shapes)
+
 
 class IndexedRows:
     """What the index knows about a range of rows that are all of one kind and shape."""
@@ -84,9 +86,11 @@ class RecordIndex:
 
     ``kind`` is 0 for a record not known yet, ``k > 0`` for a raw record of shape
     ``shapes[k - 1]``, ``-k < 0`` for an encoded record that decodes to shape
-    ``shapes[k - 1]``. A record's fields are written before its kind, so a
-    reader that sees a kind sees its fields (threads that learn the same row
-    write the same values).
+    ``shapes[k - 1]``, and ``_OTHER`` for one that is not a raw record of the
+    shape it was checked for (encoded, float data, another layout or shape:
+    not checked again; an encoded one is still noted when decoded). A record's
+    fields are written before its kind, so a reader that sees a kind sees its
+    fields (threads that learn the same row write the same values).
     """
 
     def __init__(self, file: npt.NDArray[np.uint8], extents: Extents) -> None:
@@ -117,7 +121,7 @@ class RecordIndex:
     def shape_of(self, index: int) -> tuple[int, int, int] | None:
         """The (C, H, W) the record at ``index`` yields, if known."""
         kind = int(self._kind[index])
-        return self._shapes[abs(kind) - 1] if kind else None
+        return self._shapes[abs(kind) - 1] if kind and kind != _OTHER else None
 
     def lookup(self, indices: Sequence[int], shape: tuple[int, int, int]) -> IndexedRows | None:
         """The rows ``indices`` if all are (or can now be) known, of one kind and of
@@ -152,15 +156,15 @@ class RecordIndex:
         lens = self._value_length[idx].astype(np.int64)
         file = self.file
         for length in np.unique(lens).tolist():
-            if length < hl + size + 2 or length > hl + size + 14:
-                continue
             sel = lens == length
             rows = idx[sel]
+            if length < hl + size + 2 or length > hl + size + 14:
+                self._kind[rows] = _OTHER
+                continue
             cols = np.concatenate([np.arange(hl), np.arange(hl + size, length)])
             block = file[offs[sel][:, np.newaxis] + cols]
             good, labels = _match_layout(block, header, 0)
-            if not good.any():
-                continue
+            self._kind[rows[~good]] = _OTHER
             rows = rows[good]
             self._offset[rows] = offs[sel][good] + hl
             self._label[rows] = labels[good]
