@@ -187,15 +187,21 @@ class RecordIndex:
         """
         sid = self._shape_id(shape)
         n = len(payload)
-        if not sid or not n or not len(value):
+        if not sid or not n or len(value) != self._value_length[index]:
             return
-        rel = int(np.frombuffer(payload, np.uint8).ctypes.data) - int(
-            np.frombuffer(value, np.uint8).ctypes.data
-        )
-        if rel < 0 or rel + n > len(value) or len(value) != self._value_length[index]:
+        image = payload.tobytes()
+        # The payload's place in the value: found among the value's first bytes
+        # (a Datum's data field comes first or after a few small fields), else
+        # from the two views' addresses; either way checked in full below.
+        rel = bytes(value[:64]).find(image[:16])
+        if rel < 0:
+            rel = int(np.frombuffer(payload, np.uint8).ctypes.data) - int(
+                np.frombuffer(value, np.uint8).ctypes.data
+            )
+        if rel < 0 or rel + n > len(value):
             return
         off = int(self._value_offset[index]) + rel
-        if self.file[off : off + n].tobytes() != payload.tobytes():
+        if self.file[off : off + n].tobytes() != image:
             return
         self._offset[index] = off
         self._length[index] = n
