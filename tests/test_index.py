@@ -22,6 +22,7 @@ from blobpipe._io._index import _OTHER
 from blobpipe._io._lmdbfile import value_extents
 from blobpipe._io._transform import Transform
 from tests._helpers import encoded_db, float_db, image, key, raw_db, write_lmdb
+from tests.test_batches import REF_CASES
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -185,6 +186,7 @@ def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind:
     for e in range(3):
         assert_same(got[e], expected[e])
     assert index is not None
+    assert b._index is None  # closing drops the index and its map of the file
     if config != "crop_mirror_train":  # random crops: per-row path, nothing to index
         hit = index.lookup(list(range(70)), (3, 10, 12))
         assert hit is not None and hit.encoded == (kind != "raw")
@@ -244,19 +246,7 @@ def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> N
 
 def test_caffe_references_through_the_index() -> None:
     """Epoch 2 (indexed) of each reference case equals Caffe's arrays."""
-    cases = {
-        "raw_color_b8": ("raw_color", {}),
-        "raw_color_b8_meanfile_scale": (
-            "raw_color",
-            {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
-        ),
-        "raw_color_b8_meanvalue_crop24": (
-            "raw_color",
-            {"crop_size": 24, "mean_value": (104, 117, 123)},
-        ),
-        "encoded_jpg_b8": ("encoded_jpg", {}),
-    }
-    for case, (db, kwargs) in cases.items():
+    for case, (db, kwargs) in REF_CASES.items():
         ref = CAFFE / "ref" / case
         n = len(list(ref.glob("data_b*.npy")))
         t = Transform(**kwargs)  # type: ignore[arg-type]

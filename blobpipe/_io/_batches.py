@@ -1020,6 +1020,8 @@ class Batches:
         """Close the reader if these Batches opened it. Idempotent."""
         if not self._closed:
             self._closed = True
+            with self._index_lock:  # the index's map of the file goes with it
+                self._index, self._index_tried = None, True
             if self._owned:
                 close = getattr(self._reader, "close", None)
                 if close is not None:
