@@ -766,8 +766,10 @@ class Batches:
         # keeps the GIL for little), then the block is transposed to CHW and
         # transformed by large numpy calls that release the GIL.
         hwc = _staging(n, c * h * w).reshape(n, h, w, c)
-        want = (h, w, c) if c > 1 else (h, w)
+        dst = hwc if c > 1 else hwc.reshape(n, h, w)  # OpenCV gives gray images as H×W
+        want = dst.shape[1:]
         file = index.file
+        imdecode = cv2.imdecode
         first = plan._first if start == 0 else None
         for r, (off, length) in enumerate(
             zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
@@ -775,11 +777,11 @@ class Batches:
             if r == 0 and first is not None:
                 hwc[0] = first[0].transpose(1, 2, 0)  # decoded by next_plan already
                 continue
-            img = cv2.imdecode(file[off : off + length], flag)
+            img = imdecode(file[off : off + length], flag)
             # the same bytes decoded to this shape before; anything else: the checked path
-            if img is None or img.dtype != _U1 or img.shape != want:
+            if img is None or img.shape != want or img.dtype != _U1:
                 return False
-            hwc[r] = img.reshape(h, w, c)
+            dst[r] = img
         block.apply(hwc.transpose(0, 3, 1, 2), out)
         return True
 
