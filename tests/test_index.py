@@ -271,3 +271,40 @@ def test_loader_threads_over_the_index(tmp_path: Path) -> None:
         for e in range(3):
             got = np.concatenate([batch.data.cpu_data().copy() for batch in loader])
             assert np.array_equal(got, expected[e]), e
+
+
+@pytest.mark.parametrize("ext", [".jpg", ".png"])
+@pytest.mark.parametrize("flags", [{}, {"force_color": True}, {"force_gray": True}])
+def test_gray_and_color_images_through_the_index(
+    tmp_path: Path, ext: str, flags: dict[str, bool]
+) -> None:
+    def encode(i: int) -> bytes:
+        img = image(i, (3, 9, 7))
+        pix = img[0] if i % 2 else np.ascontiguousarray(img.transpose(1, 2, 0))  # gray, color
+        ok, buf = cv2.imencode(ext, pix)
+        assert ok
+        return blobpipe.encode_encoded_datum(buf.tobytes(), i)
+
+    # gray and color images in separate halves, so batches of 4 share a shape
+    items = [(key(i), encode(2 * i + 1)) for i in range(12)]
+    items += [(key(100 + i), encode(2 * i)) for i in range(12)]
+    path = write_lmdb(tmp_path / "db", items)
+    kwargs: dict[str, Any] = {
+        "transform": Transform(scale=0.5, **flags),
+        "mode": "epoch",
+        "phase": "test",
+    }
+    with Batches(PlainSource(path), 4, **kwargs) as plain:
+        expected = epochs(plain, 3)
+    with Batches(path, 4, **kwargs) as b:
+        got = epochs(b, 3)
+        index = b._index
+    for e in range(3):
+        assert_same(got[e], expected[e])
+    assert index is not None
+    gray, color = (1, 9, 7), (3, 9, 7)
+    if flags:
+        gray = color = color if "force_color" in flags else gray
+    for rows, shape in ((range(12), gray), (range(12, 24), color)):
+        hit = index.lookup(list(rows), shape)  # every image noted, decoded as the flags say
+        assert hit is not None and hit.encoded
