@@ -308,3 +308,22 @@ def test_gray_and_color_images_through_the_index(
     for rows, shape in ((range(12), gray), (range(12, 24), color)):
         hit = index.lookup(list(rows), shape)  # every image noted, decoded as the flags say
         assert hit is not None and hit.encoded
+
+
+def test_extents_refuse_page_numbers_past_the_file(tmp_path: Path) -> None:
+    path = write_lmdb(tmp_path / "db", [(key(i), bytes(3000)) for i in range(400)])
+    with blobpipe.LmdbReader(path) as reader:
+        file = reader._mapped_file()
+        assert file is not None
+        keys = list(reader.keys())
+        assert value_extents(file, keys) is not None
+        bad = file.copy()
+        for meta in (0, 4096):
+            # the main database's root moved 2**52 pages on: past the file, and the
+            # same page modulo 2**64 once multiplied by the page size
+            root = int.from_bytes(bad[meta + 128 : meta + 136].tobytes(), "little")
+            if root == 2**64 - 1:
+                continue  # an older meta page of the empty database (no root)
+            moved = (root + 2**52).to_bytes(8, "little")
+            bad[meta + 128 : meta + 136] = np.frombuffer(moved, np.uint8)
+        assert value_extents(bad, keys) is None

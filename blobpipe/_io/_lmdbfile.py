@@ -80,7 +80,8 @@ def _nodes(
     """The node offsets of ``pages`` (all of page kind ``kind``), in order, and each
     node's page start; at most ``limit`` nodes (checked before allocating)."""
     size = file.size
-    if pages.size == 0 or (pages < 2).any() or ((pages + 1) * psize > size).any():
+    # compared before multiplying: a page number from the file may be near 2**48
+    if pages.size == 0 or (pages < 2).any() or (pages >= size // psize).any():
         raise _Bad("a page number outside the file")
     starts = pages * psize
     flags = _u16(file, starts + 10)
