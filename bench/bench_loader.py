@@ -30,7 +30,8 @@ Rows (raw LMDB):
   last="drop")`` iterated with ``async for`` (and ``for``, the portal form);
   uint8 is ``Transform(dtype="uint8")`` (raw pixels, no scale). A pass is one
   epoch of a Loader that stays open, as in training, after a first epoch that
-  is not timed; the "incl. open+close" rows time a first epoch per pass (open,
+  is not timed; the ``prefetch`` batches it may have filled between passes are
+  not counted; the "incl. open+close" rows time a first epoch per pass (open,
   index the file, meet every record once, close);
 * ``torch DataLoader``: the common recipe (a ``Dataset`` opening its LMDB
   environment lazily in each worker, ``txn.get`` + ``Datum.FromString`` +
@@ -340,7 +341,7 @@ def blobpipe_async(path: Path, workers: int, dtype: str = "float32") -> Pass:
     return lambda: anyio.run(epoch)
 
 
-async def _async_epoch(loader: blobpipe.Loader) -> tuple[int, np.ndarray]:
+async def _async_epoch(loader: blobpipe.Loader, head_start: int = 0) -> tuple[int, np.ndarray]:
     rows = 0
     first = None
     async for batch in loader:
@@ -349,7 +350,13 @@ async def _async_epoch(loader: blobpipe.Loader) -> tuple[int, np.ndarray]:
             first = data.copy()
         rows += len(batch)
     assert first is not None
-    return rows, first
+    return rows - min(head_start, rows // BATCH // 2) * BATCH, first
+
+
+def _head_start(loader: blobpipe.Loader) -> int:
+    """Batches a Loader kept open may have filled between two passes, outside the
+    timed window (it prefetches the next epoch's first batches): not counted."""
+    return loader.prefetch
 
 
 _SESSIONS: list[_WarmAsync] = []
@@ -357,8 +364,9 @@ _SESSIONS: list[_WarmAsync] = []
 
 class _WarmAsync:
     """A Loader kept open in an event loop on a background thread, as in training:
-    each pass iterates one epoch with ``async for`` there (the loader prefetches
-    the next epoch's first batches between passes, as it does between epochs)."""
+    each pass iterates one epoch with ``async for`` there. Between passes the
+    loader prefetches the next epoch's first batches, as it does between
+    epochs; those ``prefetch`` batches are not counted (see ``_head_start``)."""
 
     def __init__(self, path: Path, workers: int, dtype: str) -> None:
         self._requests: queue.SimpleQueue[concurrent.futures.Future[Any] | None] = (
@@ -376,7 +384,7 @@ class _WarmAsync:
                 if request is None:
                     return
                 try:
-                    request.set_result(await _async_epoch(loader))
+                    request.set_result(await _async_epoch(loader, _head_start(loader)))
                 except BaseException as exc:
                     request.set_exception(exc)
                     raise
@@ -425,7 +433,7 @@ def blobpipe_sync(path: Path, workers: int, dtype: str = "float32") -> Pass:
                 first = data.copy()
             rows += len(batch)
         assert first is not None
-        return rows, first
+        return rows - min(_head_start(loader), rows // BATCH // 2) * BATCH, first
 
     run()  # the first epoch, untimed, as for blobpipe_warm
     return run
