@@ -761,28 +761,27 @@ class Batches:
         t = self._transform
         flag = _imread_flag(t.force_color, t.force_gray)
         c, h, w = plan.record_shape
-        n = len(rows.offsets)
-        # Each image is copied as OpenCV returns it (HWC: a plain copy, which
-        # keeps the GIL for little), then the block is transposed to CHW and
-        # transformed by large numpy calls that release the GIL.
-        hwc = _staging(n, c * h * w).reshape(n, h, w, c)
-        dst = hwc if c > 1 else hwc.reshape(n, h, w)  # OpenCV gives gray images as H×W
-        want = dst.shape[1:]
+        # Each image is laid out and widened into its output row while it is
+        # still in cache (what a plain decode loop does, and ~9% faster here
+        # than a block-wide transposed pass), then the block gets the mean and
+        # the scale in place: load() + finish(), the checked path's operations.
+        want = (h, w, c) if c > 1 else (h, w)
         file = index.file
         imdecode = cv2.imdecode
+        load_row = block.load_row
         first = plan._first if start == 0 else None
         for r, (off, length) in enumerate(
             zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
         ):
             if r == 0 and first is not None:
-                hwc[0] = first[0].transpose(1, 2, 0)  # decoded by next_plan already
+                load_row(first[0], out[0])  # decoded by next_plan already
                 continue
             img = imdecode(file[off : off + length], flag)
             # the same bytes decoded to this shape before; anything else: the checked path
             if img is None or img.shape != want or img.dtype != _U1:
                 return False
-            dst[r] = img
-        block.apply(hwc.transpose(0, 3, 1, 2), out)
+            load_row(img.transpose(2, 0, 1) if c > 1 else img[np.newaxis], out[r])
+        block.finish(out)
         return True
 
     def _fill_rows(
@@ -1117,6 +1116,14 @@ class _Block:
             np.copyto(out, src)
         else:
             out[rows] = src
+
+    def load_row(self, chw: npt.NDArray[np.uint8], out_row: np.ndarray) -> None:
+        """:meth:`load` for one uncropped ``(C, H, W)`` record into one output row."""
+        if self.crop:
+            chw = chw[:, self._hs, self._ws]
+        if self.nhwc:
+            chw = chw.transpose(1, 2, 0)
+        np.copyto(out_row, chw)
 
     def finish(self, out: np.ndarray) -> None:
         """Subtract the mean and scale ``out`` in place (nothing for uint8 output)."""
