@@ -768,3 +768,38 @@ def test_fill_mixed_layouts_into_a_strided_uint8_output(tmp_path: Path) -> None:
         it.fill(plan, data, label)
     assert all(np.array_equal(data[i], image(i, (3, 10, 12))) for i in range(4))
     assert label.tolist() == [0, 0, 2, 0]  # an absent label is 0, as in protobuf
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        Transform(),
+        Transform(scale=0.5),
+        Transform(mean_value=(10, 20, 30), scale=0.25),
+        Transform(crop_size=4),
+        Transform(layout="NHWC"),
+        Transform(dtype="uint8"),
+    ],
+    ids=["plain", "scale", "mean_scale", "crop", "nhwc", "uint8"],
+)
+def test_raw_records_in_a_batch_led_by_an_encoded_one(tmp_path: Path, transform: Transform) -> None:
+    """A batch whose first record is encoded may hold raw records of the same shape:
+    each row equals the record transformed on its own (batch_size=1)."""
+    items = []
+    for i in range(8):
+        if i % 3 == 0:
+            items.append(
+                (f"{i:08d}".encode(), encoded_datum(image(i).transpose(1, 2, 0), ".png", i))
+            )
+        else:
+            items.append((f"{i:08d}".encode(), raw_datum(image(i), i)))
+    db = write_lmdb(tmp_path / "mixed", items)
+    with Batches(db, 1, transform=transform, phase="test", mode="epoch") as b:
+        one = [x for e in range(2) for x in islice(iter(b), 8)]
+    with Batches(db, 4, transform=transform, phase="test", mode="epoch") as b:
+        four = [x for e in range(2) for x in islice(iter(b), 2)]  # two epochs
+    rows = np.concatenate([x.data for x in four])
+    assert np.array_equal(rows, np.concatenate([x.data for x in one]))
+    assert np.array_equal(
+        np.concatenate([x.label for x in four]), np.concatenate([x.label for x in one])
+    )

@@ -841,21 +841,20 @@ class Batches:
                 self._finish_block(block, plan, data_out, start, stop, params_out)
                 return
         n = stop - start
+        out = data_out[start:stop]
         # the output block itself can be the staging area only when contiguous
-        direct = block.direct and not encoded and data_out[start:stop].flags.c_contiguous
-        staging = data_out[start:stop] if direct else _staging(n, size)
+        direct = block.direct and not encoded and out.flags.c_contiguous
+        staging = out if direct else _staging(n, size)
         flat = staging.reshape(n, size)
+        pixels = staging.reshape(n, c, h, w)
         slow: list[int] = []
         t = self._transform
         if encoded:
-            # Decoded one by one (OpenCV releases the GIL) into an HWC staging block
-            # (a plain copy of OpenCV's array), then transposed and transformed as a
-            # block by a few large numpy calls.
-            hwc = staging.reshape(n, h, w, c)
-            pixels = hwc.transpose(0, 3, 1, 2)
+            # Decoded one by one (OpenCV releases the GIL); every row, decoded or
+            # raw, is laid out and widened straight into its output row while in
+            # cache (load_row), and the block gets the mean and scale at the end.
             rest: Sequence[int] = range(n)
         else:
-            pixels = staging.reshape(n, c, h, w)
             # Records laid out as convert_imageset writes them are copied all at once.
             rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
         for r in rest:
@@ -883,7 +882,7 @@ class Batches:
                     slow.append(i)
                     continue
                 if encoded:
-                    hwc[r] = chw.transpose(1, 2, 0)  # OpenCV's own HWC layout: a plain copy
+                    block.load_row(chw, out[r])
                 else:
                     pixels[r] = chw
                 label_out[i] = label
@@ -905,10 +904,15 @@ class Batches:
             ):
                 slow.append(i)
                 continue
-            flat[r] = np.frombuffer(data, _U1)
+            if encoded:
+                block.load_row(np.frombuffer(data, _U1).reshape(c, h, w), out[r])
+            else:
+                flat[r] = np.frombuffer(data, _U1)
             label_out[i] = p.label
-        if not direct:
-            block.apply(pixels, data_out[start:stop])
+        if encoded:
+            block.finish(out)
+        elif not direct:
+            block.apply(pixels, out)
         self._finish_block(block, plan, data_out, start, stop, params_out)
         if slow:
             self._fill_each(plan, data_out, label_out, slow, params_out, get)
