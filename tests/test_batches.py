@@ -782,12 +782,15 @@ def test_fill_mixed_layouts_into_a_strided_uint8_output(tmp_path: Path) -> None:
     ],
     ids=["plain", "scale", "mean_scale", "crop", "nhwc", "uint8"],
 )
-def test_raw_records_in_a_batch_led_by_an_encoded_one(tmp_path: Path, transform: Transform) -> None:
-    """A batch whose first record is encoded may hold raw records of the same shape:
-    each row equals the record transformed on its own (batch_size=1)."""
+@pytest.mark.parametrize("lead", [0, 1])
+def test_raw_and_encoded_records_in_one_batch(
+    tmp_path: Path, transform: Transform, lead: int
+) -> None:
+    """A batch may mix encoded and raw records of one shape, led by either: each row
+    equals the record transformed on its own (batch_size=1)."""
     items = []
     for i in range(8):
-        if i % 3 == 0:
+        if i % 3 == lead:
             items.append(
                 (f"{i:08d}".encode(), encoded_datum(image(i).transpose(1, 2, 0), ".png", i))
             )
