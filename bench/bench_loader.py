@@ -242,28 +242,40 @@ def plain_loop(path: Path, n: int) -> Pass:
     return run
 
 
+def _opencv_batches(env: Any, n: int, threads: int, k: int) -> np.ndarray | None:
+    """The OpenCV loop over batches ``k, k + threads, ...`` of the first ``n`` records:
+    a fresh Datum per record, ``cv2.imdecode`` with Caffe's flag, into a float32
+    batch scaled once per batch. Returns the first batch it made."""
+    data = np.empty((BATCH, *SHAPE), np.float32)
+    label = np.empty(BATCH, np.float32)
+    first = None
+    with env.begin() as txn:
+        cursor = txn.cursor()
+        cursor.first()
+        for b in range(n // BATCH):
+            if b % threads != k:
+                for _ in range(BATCH):
+                    cursor.next()
+                continue
+            for i in range(BATCH):
+                d = caffe_pb2.Datum.FromString(cursor.value())
+                img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_UNCHANGED)
+                np.copyto(data[i], img.transpose(2, 0, 1))
+                label[i] = d.label
+                cursor.next()
+            data *= SCALE32
+            if first is None:
+                first = data.copy()
+    return first
+
+
 def opencv_loop(path: Path, n: int) -> Pass:
-    """Single thread: fresh Datum, cv2.imdecode (Caffe's flag), into a float32 batch."""
+    """Single thread (the caller's): the OpenCV loop over every batch."""
 
     def run() -> tuple[int, np.ndarray]:
-        data = np.empty((BATCH, *SHAPE), np.float32)
-        label = np.empty(BATCH, np.float32)
-        first = None
         env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
         try:
-            with env.begin() as txn:
-                cursor = txn.cursor()
-                cursor.first()
-                for _ in range(n // BATCH):
-                    for i in range(BATCH):
-                        d = caffe_pb2.Datum.FromString(cursor.value())
-                        img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_UNCHANGED)
-                        np.copyto(data[i], img.transpose(2, 0, 1))
-                        label[i] = d.label
-                        cursor.next()
-                    data *= SCALE32
-                    if first is None:
-                        first = data.copy()
+            first = _opencv_batches(env, n, 1, 0)
         finally:
             env.close()
         assert first is not None
@@ -273,36 +285,23 @@ def opencv_loop(path: Path, n: int) -> Pass:
 
 
 def decode_bound(path: Path, n: int, threads: int = 2) -> Pass:
-    """What the machine allows for JPEG: the OpenCV loop's per-record work (fresh Datum,
-    imdecode, into a float32 batch) on ``threads`` threads at once, each on its own
-    batches, with nothing else: no batch order, no hand-over, no consumer."""
-
-    def part(env: Any, k: int) -> np.ndarray | None:
-        data = np.empty((BATCH, *SHAPE), np.float32)
-        first = None
-        with env.begin() as txn:
-            cursor = txn.cursor()
-            cursor.first()
-            for b in range(n // BATCH):
-                if b % threads != k:
-                    for _ in range(BATCH):
-                        cursor.next()
-                    continue
-                for i in range(BATCH):
-                    d = caffe_pb2.Datum.FromString(cursor.value())
-                    img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_UNCHANGED)
-                    np.copyto(data[i], img.transpose(2, 0, 1))
-                    cursor.next()
-                data *= SCALE32
-                if first is None:
-                    first = data.copy()
-        return first
+    """What the machine allows for JPEG: the OpenCV loop on ``threads`` threads at
+    once, each on its own batches, with nothing else: no batch order, no hand-over,
+    no consumer."""
 
     def run() -> tuple[int, np.ndarray]:
         env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
         try:
             with ThreadPoolExecutor(threads) as pool:
-                firsts = list(pool.map(part, [env] * threads, range(threads)))
+                firsts = list(
+                    pool.map(
+                        _opencv_batches,
+                        [env] * threads,
+                        [n] * threads,
+                        [threads] * threads,
+                        range(threads),
+                    )
+                )
         finally:
             env.close()
         assert firsts[0] is not None
