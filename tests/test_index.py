@@ -327,3 +327,15 @@ def test_extents_refuse_page_numbers_past_the_file(tmp_path: Path) -> None:
             moved = (root + 2**52).to_bytes(8, "little")
             bad[meta + 128 : meta + 136] = np.frombuffer(moved, np.uint8)
         assert value_extents(bad, keys) is None
+
+
+def test_no_index_when_the_path_holds_another_file_now(tmp_path: Path) -> None:
+    path = raw_db(tmp_path / "db", 20)
+    with blobpipe.LmdbReader(path) as reader:
+        replacement = raw_db(tmp_path / "other", 20)
+        (path / "data.mdb").rename(tmp_path / "old.mdb")  # LMDB keeps the old file open
+        (replacement / "data.mdb").rename(path / "data.mdb")
+        assert reader._mapped_file() is None
+        with Batches(reader, 4, mode="epoch") as b:
+            assert len(list(b)) == 5  # read through LMDB, from the file it opened
+            assert b._index is None

@@ -112,11 +112,15 @@ class _SharedEnv:
         self.refs = 0
 
 
-def _map_file(path: str) -> npt.NDArray[np.uint8] | None:
+def _map_file(path: str, file_id: _FileId) -> npt.NDArray[np.uint8] | None:
     """The data file mapped read-only as a numpy array (our own mapping of the pages
-    LMDB maps: valid while any array made from it lives); None when it cannot be."""
+    LMDB maps: valid while any array made from it lives); None when it cannot be, or
+    when ``path`` is no longer the file LMDB opened (``file_id``)."""
     try:
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != file_id:
+                return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError, OverflowError):
         return None
@@ -446,7 +450,7 @@ class LmdbReader:
         if mapped is False:
             with shared.map_lock:
                 if shared.mapped is False:
-                    shared.mapped = _map_file(shared.data_file)
+                    shared.mapped = _map_file(shared.data_file, shared.file_id)
                 mapped = shared.mapped
         return mapped if isinstance(mapped, np.ndarray) else None
 
