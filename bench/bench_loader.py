@@ -30,9 +30,12 @@ Rows (raw LMDB):
   last="drop")`` iterated with ``async for`` (and ``for``, the portal form);
   uint8 is ``Transform(dtype="uint8")`` (raw pixels, no scale). A pass is one
   epoch of a Loader that stays open, as in training, after a first epoch that
-  is not timed; the ``prefetch`` batches it may have filled between passes are
-  not counted; the "incl. open+close" rows time a first epoch per pass (open,
-  index the file, meet every record once, close);
+  is not timed; after each pass the benchmark waits, untimed, until the
+  Loader's fillers have filled its slots with the next epoch's first batches
+  and stopped (so no row's prefetch runs into the next row), and those
+  ``prefetch`` batches are not counted in the next pass; the "incl.
+  open+close" rows time a first epoch per pass (open, index the file, meet
+  every record once, close);
 * ``torch DataLoader``: the common recipe (a ``Dataset`` opening its LMDB
   environment lazily in each worker, ``txn.get`` + ``Datum.FromString`` +
   ``astype(float32) * scale`` per record, default collate), ``num_workers`` 0
@@ -358,6 +361,29 @@ def _head_start(loader: blobpipe.Loader) -> int:
     return loader.prefetch
 
 
+def _wait_idle(loader: blobpipe.Loader, timeout: float = 5.0) -> None:
+    """Wait (untimed) until the Loader's fillers have filled every slot and stopped,
+    so that no row's prefetch for its next epoch runs during the next row. Reads the
+    loader's private ready set: benchmark code only."""
+    deadline = time.perf_counter() + timeout
+    while len(loader._ready) < loader.prefetch and time.perf_counter() < deadline:
+        time.sleep(0.0005)
+
+
+class _KeptOpen:
+    """A pass over a Loader kept open, and how to let it settle after the pass."""
+
+    def __init__(self, run: Callable[[], tuple[int, np.ndarray]], loader: blobpipe.Loader):
+        self._run = run
+        self._loader = loader
+
+    def __call__(self) -> tuple[int, np.ndarray]:
+        return self._run()
+
+    def settle(self) -> None:
+        _wait_idle(self._loader)
+
+
 _SESSIONS: list[_WarmAsync] = []
 
 
@@ -402,9 +428,11 @@ class _WarmAsync:
 def blobpipe_warm(path: Path, workers: int, dtype: str = "float32") -> Pass:
     """One pass = one epoch of ``async for`` on a Loader that stays open; its first
     epoch runs here, untimed (the "incl. open+close" rows time first epochs)."""
-    run = _WarmAsync(path, workers, dtype).run
-    run()
-    return run
+    session = _WarmAsync(path, workers, dtype)
+    kept = _KeptOpen(session.run, session._loader)
+    kept()
+    kept.settle()
+    return kept
 
 
 def close_sessions() -> None:
@@ -434,8 +462,10 @@ def blobpipe_sync(path: Path, workers: int, dtype: str = "float32") -> Pass:
         assert first is not None
         return rows - min(_head_start(loader), rows // BATCH // 2) * BATCH, first
 
-    run()  # the first epoch, untimed, as for blobpipe_warm
-    return run
+    kept = _KeptOpen(run, loader)
+    kept()  # the first epoch, untimed, as for blobpipe_warm
+    kept.settle()
+    return kept
 
 
 # -- PyTorch -------------------------------------------------------------------------------------
@@ -720,6 +750,9 @@ def _run_once(row: Row, rep: int, firsts: dict[str, np.ndarray]) -> None:
     row.rates.append(count / dt)
     if rep == 0:
         firsts[row.key] = first
+    settle = getattr(row.run, "settle", None)
+    if settle is not None:
+        settle()  # untimed: the loader's prefetch ends before the next row starts
 
 
 def ratio(rows: list[Row], row: Row) -> float | None:
