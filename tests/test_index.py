@@ -6,6 +6,7 @@ and Datum parsing, as in a source without a file) gives, and Caffe's arrays.
 
 from __future__ import annotations
 
+import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import cv2
 import lmdb
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import blobpipe
 from blobpipe._errors import DataError
@@ -339,3 +342,43 @@ def test_no_index_when_the_path_holds_another_file_now(tmp_path: Path) -> None:
         with Batches(reader, 4, mode="epoch") as b:
             assert len(list(b)) == 5  # read through LMDB, from the file it opened
             assert b._index is None
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(min_size=1, max_size=300),  # key
+            st.integers(0, 20_000),  # value size: inline and overflow values
+            st.booleans(),  # deleted in a later transaction
+        ),
+        min_size=1,
+        max_size=120,
+        unique_by=lambda t: t[0],
+    ),
+    st.integers(0, 2**32 - 1),
+)
+def test_extents_of_random_databases(
+    tmp_path: Path, items: list[tuple[bytes, int, bool]], seed: int
+) -> None:
+    """Random keys and value sizes, written over several transactions with deletes and
+    rewrites: every value's extent holds exactly LMDB's bytes."""
+    rng = np.random.default_rng(seed)
+    path = Path(tempfile.mkdtemp(dir=tmp_path))  # one database per example
+    env = lmdb.open(str(path), map_size=1 << 28)
+    for lo in range(0, len(items), 40):  # several commits: pages are freed and reused
+        with env.begin(write=True) as txn:
+            for k, n, _ in items[lo : lo + 40]:
+                txn.put(k, rng.bytes(n))
+    with env.begin(write=True) as txn:
+        for k, n, deleted in items:
+            if deleted:
+                txn.delete(k)
+            elif n % 3 == 0:
+                txn.put(k, rng.bytes(n // 2 + 1))  # rewritten, another size
+    env.close()
+    if all(deleted for *_, deleted in items):
+        return  # an empty database: nothing to read
+    check_extents(path)
