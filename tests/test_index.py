@@ -6,6 +6,8 @@ and Datum parsing, as in a source without a file) gives, and Caffe's arrays.
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from itertools import islice
 from pathlib import Path
@@ -382,3 +384,30 @@ def test_extents_of_random_databases(
     if all(deleted for *_, deleted in items):
         return  # an empty database: nothing to read
     check_extents(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.parametrize("kind", ["raw", "jpg"])
+def test_index_in_a_forked_child(tmp_path: Path, kind: str) -> None:
+    """Batches indexed in the parent keep reading right in a fork child (the map is
+    inherited; the child's reader reopens its own environment)."""
+    path = raw_db(tmp_path / "db", 40) if kind == "raw" else encoded_db(tmp_path / "db", 40, ".jpg")
+    with Batches(path, 8, transform=Transform(scale=0.5), mode="epoch") as b:
+        first = epochs(b, 2)  # learned; the second epoch came from the index
+        assert b._index is not None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                again = epochs(b, 1)[0]
+                same = all(
+                    np.array_equal(x.data, y.data) and np.array_equal(x.label, y.label)
+                    for x, y in zip(again, first[1], strict=True)
+                )
+                code = 0 if same and len(again) == len(first[1]) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
