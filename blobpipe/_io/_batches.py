@@ -246,6 +246,11 @@ class Batches:
 
     Not thread-safe for planning: one consumer calls :meth:`next_plan`; any
     number of threads may call :meth:`fill`.
+
+    Reading an LMDB, :meth:`fill` maps its data file read-only and learns where
+    each record lies the first time a batch reads it (``_index.py``); later
+    batches of known records are read from the map with no LMDB lookup and no
+    parse. The database must not be written while it is open.
     """
 
     def __init__(
