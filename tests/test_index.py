@@ -7,7 +7,6 @@ and Datum parsing, as in a source without a file) gives, and Caffe's arrays.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from itertools import islice
 from pathlib import Path
@@ -28,6 +27,7 @@ from blobpipe._io._lmdbfile import value_extents
 from blobpipe._io._transform import Transform
 from tests._helpers import encoded_db, float_db, image, key, raw_db, write_lmdb
 from tests.test_batches import REF_CASES
+from tests.test_lmdb import _child
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -146,6 +146,19 @@ def epochs(b: Batches, n: int) -> list[list[ArrayBatch]]:
     return out
 
 
+def indexed_equals_checked(path: Path, batch_size: int, n: int, **kwargs: Any) -> Any:
+    """``n`` epochs from the file (indexed) equal those of the checked path; the index."""
+    with Batches(PlainSource(path), batch_size, **kwargs) as plain:
+        expected = epochs(plain, n)
+    with Batches(path, batch_size, **kwargs) as b:
+        got = epochs(b, n)
+        index = b._index
+    assert b._index is None  # closing drops the index and its map of the file
+    for e in range(n):
+        assert_same(got[e], expected[e])
+    return index
+
+
 def assert_same(a: list[ArrayBatch], b: list[ArrayBatch]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
@@ -183,15 +196,8 @@ def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind:
     else:
         path = encoded_db(tmp_path / "db", 70, "." + kind)
     kwargs = {"mode": "epoch", "phase": "test", **CONFIGS[config]}
-    with Batches(PlainSource(path), 16, **kwargs) as plain:
-        expected = epochs(plain, 3)
-    with Batches(path, 16, **kwargs) as b:
-        got = epochs(b, 3)
-        index = b._index
-    for e in range(3):
-        assert_same(got[e], expected[e])
+    index = indexed_equals_checked(path, 16, 3, **kwargs)
     assert index is not None
-    assert b._index is None  # closing drops the index and its map of the file
     if config != "crop_mirror_train":  # random crops: per-row path, nothing to index
         hit = index.lookup(list(range(70)), (3, 10, 12))
         assert hit is not None and hit.encoded == (kind != "raw")
@@ -225,14 +231,7 @@ def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> N
     path = write_lmdb(tmp_path / "mixed", sorted(items.items()))
     for t in (Transform(), Transform(scale=0.5)):
         for bs in (1, 4):
-            kwargs: dict[str, Any] = {"transform": t, "mode": "epoch", "batch_size": bs}
-            with Batches(PlainSource(path), **kwargs) as plain:
-                expected = epochs(plain, 3)
-            with Batches(path, **kwargs) as b:
-                got = epochs(b, 3)
-                index = b._index
-            for e in range(3):
-                assert_same(got[e], expected[e])
+            index = indexed_equals_checked(path, bs, 3, transform=t, mode="epoch")
             if bs == 4:
                 assert index is not None
                 assert index._kind[9] == _OTHER  # float data: not checked again
@@ -299,13 +298,7 @@ def test_gray_and_color_images_through_the_index(
         "mode": "epoch",
         "phase": "test",
     }
-    with Batches(PlainSource(path), 4, **kwargs) as plain:
-        expected = epochs(plain, 3)
-    with Batches(path, 4, **kwargs) as b:
-        got = epochs(b, 3)
-        index = b._index
-    for e in range(3):
-        assert_same(got[e], expected[e])
+    index = indexed_equals_checked(path, 4, 3, **kwargs)
     assert index is not None
     gray, color = (1, 9, 7), (3, 9, 7)
     if flags:
@@ -395,19 +388,12 @@ def test_index_in_a_forked_child(tmp_path: Path, kind: str) -> None:
     with Batches(path, 8, transform=Transform(scale=0.5), mode="epoch") as b:
         first = epochs(b, 2)  # learned; the second epoch came from the index
         assert b._index is not None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                again = epochs(b, 1)[0]
-                same = all(
-                    np.array_equal(x.data, y.data) and np.array_equal(x.label, y.label)
-                    for x, y in zip(again, first[1], strict=True)
-                )
-                code = 0 if same and len(again) == len(first[1]) else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+        def child() -> bool:
+            again = epochs(b, 1)[0]
+            return len(again) == len(first[1]) and all(
+                np.array_equal(x.data, y.data) and np.array_equal(x.label, y.label)
+                for x, y in zip(again, first[1], strict=True)
+            )
+
+        assert _child(child) == 0
