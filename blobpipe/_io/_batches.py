@@ -57,13 +57,13 @@ import numpy.typing as npt
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
 from ._datum import (
     _imread_flag,
-    _opencv,
     copy_raw,
     datum_view,
     gather_raw,
     parse_datum,
     raw_block,
 )
+from ._image import _opencv, decode_jpeg
 from ._index import IndexedRows, RecordIndex
 from ._lmdb import LmdbReader
 from ._lmdbfile import value_extents
@@ -775,13 +775,20 @@ class Batches:
         imdecode = cv2.imdecode
         load_row = block.load_row
         first = plan._first if start == 0 else None
+        # JPEGs go to libjpeg-turbo straight where that gives OpenCV's pixels
+        # (_image.decode_jpeg), into one buffer of the known size: no allocation
+        # per image, none sized by the file's bytes.
+        buffer = np.empty(want, _U1)
         for r, (off, length) in enumerate(
             zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
         ):
             if r == 0 and first is not None:
                 load_row(first[0], out[0])  # decoded by next_plan already
                 continue
-            img = imdecode(file[off : off + length], flag)
+            data = file[off : off + length]
+            img = decode_jpeg(data.tobytes(), flag, buffer)
+            if img is None:
+                img = imdecode(data, flag)
             # the same bytes decoded to this shape before; anything else: the checked path
             if img is None or img.shape != want or img.dtype != _U1:
                 return False

@@ -49,16 +49,16 @@ The writers produce the bytes Caffe's tools write: :func:`encode_raw_datum` and
 from __future__ import annotations
 
 import operator
-import os
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeAlias, cast
+from typing import NamedTuple, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ProtoError, ShapeError
+from ._image import DEFAULT_MAX_PIXELS, _opencv, decode_jpeg, jpeg_frame
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -78,8 +78,6 @@ __all__ = [
 
 BytesLike: TypeAlias = bytes | bytearray | memoryview
 
-#: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
-DEFAULT_MAX_PIXELS = 1 << 26
 
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
@@ -407,65 +405,29 @@ def _imread_flag(force_color: bool, force_gray: bool) -> int:
     return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
 
 
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-
-
 def _image_dims(b: memoryview) -> tuple[int, int] | None:
     """(width, height) from a PNG or JPEG header, None for other or unreadable data."""
+    header = _image_header(b)
+    return None if header is None else header[:2]
+
+
+def _image_header(b: memoryview) -> tuple[int, int, int] | None:
+    """(width, height, JPEG components) from a PNG or JPEG header (components 0 for a
+    PNG), None for other or unreadable data."""
     n = len(b)
     head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
     if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
         width, height = _BE32X2.unpack_from(head, 16)
-        return width, height
+        return width, height, 0
     if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
-        dims = _jpeg_dims(head)
-        if dims is None and n > len(head):
-            dims = _jpeg_dims(bytes(b))  # a long header (EXIF, ICC profile, ...)
-        return dims
+        frame = jpeg_frame(head)
+        if frame is None and n > len(head):
+            frame = jpeg_frame(bytes(b))  # a long header (EXIF, ICC profile, ...)
+        return None if frame is None else (frame.width, frame.height, frame.components)
     return None
 
 
-_BE16 = struct.Struct(">H")
 _BE32X2 = struct.Struct(">II")
-
-
-def _jpeg_dims(b: bytes) -> tuple[int, int] | None:
-    n = len(b)
-    i = 2
-    while i + 4 <= n:
-        if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
-            i += 1
-            continue
-        marker = b[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
-            i += 2
-            continue
-        if marker in _JPEG_SOF:
-            if i + 9 > n:
-                return None
-            return _BE16.unpack_from(b, i + 7)[0], _BE16.unpack_from(b, i + 5)[0]
-        i += 2 + _BE16.unpack_from(b, i + 2)[0]
-    return None
-
-
-_cv2: Any = None  # OpenCV, once the first encoded record needed it
-
-
-def _opencv() -> Any:
-    """OpenCV, imported on first use (never at import of blobpipe)."""
-    global _cv2
-    if _cv2 is None:
-        # Formats whose header we cannot read are bounded by OpenCV's own limit,
-        # which it reads on its first decode: at most DEFAULT_MAX_PIXELS unless
-        # the environment sets another.
-        os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
-        import cv2  # OpenCV loads on the first encoded record, not at import
-
-        _cv2 = cv2
-    return _cv2
 
 
 def _decode_image(
@@ -482,16 +444,19 @@ def _decode_image(
             path=path,
             key=key,
         )
-    dims = _image_dims(data)
-    if dims is not None and dims[0] * dims[1] > max_pixels:
+    header = _image_header(data)
+    if header is not None and header[0] * header[1] > max_pixels:
         raise DataError(
-            f"the encoded image announces {dims[0]}×{dims[1]} pixels, more than "
+            f"the encoded image announces {header[0]}×{header[1]} pixels, more than "
             f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
             path=path,
             key=key,
         )
+    if header is not None and header[2]:  # a JPEG: libjpeg-turbo straight, where exact
+        fast = decode_jpeg(bytes(data), flag)
+        if fast is not None:
+            return fast[np.newaxis] if fast.ndim == 2 else fast.transpose(2, 0, 1)
     cv2 = _opencv()
-
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
     except cv2.error as exc:

@@ -1,0 +1,288 @@
+"""Decoding encoded images: OpenCV, and libjpeg-turbo straight where it gives OpenCV's pixels.
+
+Caffe decodes encoded Datums with ``cv::imdecode``; blobpipe's reference is the
+installed OpenCV's ``cv2.imdecode``, and every array blobpipe returns equals it.
+
+For JPEGs, ``cv2.imdecode`` spends a third of its time around libjpeg-turbo
+rather than in it (OpenCV 5: ~38 µs for a 64×64 image on the benchmark machine).
+`simplejpeg <https://gitlab.com/jfolz/simplejpeg>`_ calls libjpeg-turbo's
+TurboJPEG API directly (~25 µs, GIL released) with the same method OpenCV asks
+libjpeg for (accurate integer IDCT, fancy upsampling, libjpeg's colour
+conversion), so the pixels are the same bits. :func:`decode_jpeg` uses it
+
+* only where the result is OpenCV's by construction: JPEG bytes (SOI marker)
+  decoded to 3-channel BGR or to gray from a 1- or 3-component image. Never for
+  4-component (CMYK, YCCK) images, which OpenCV converts itself, never for other
+  formats, and never where EXIF orientation may apply (``IMREAD_COLOR`` and
+  ``IMREAD_GRAYSCALE`` rotate by it): bytes that contain ``b"Exif"`` go to OpenCV;
+* only after checking, once per process, that the two agree bit for bit on a
+  built-in set of JPEGs (every chroma subsampling OpenCV writes, progressive,
+  restart markers, gray, odd sizes), and on the first :data:`SAMPLE` images the
+  process decodes with it. On any difference blobpipe warns once
+  (``RuntimeWarning``) and uses OpenCV alone from then on: an OpenCV built on
+  IJG libjpeg 9, whose upsampling differs, lands there;
+* with OpenCV deciding everything simplejpeg refuses or warns about (corrupt,
+  truncated, 12-bit, unsupported images): their errors and partial images are
+  OpenCV's.
+
+``BLOBPIPE_JPEG_DECODER=opencv`` turns it off; without simplejpeg installed,
+OpenCV decodes everything.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._errors import BlobpipeError
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "SAMPLE",
+    "JpegFrame",
+    "decode_jpeg",
+    "jpeg_channels",
+    "jpeg_frame",
+]
+
+#: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
+DEFAULT_MAX_PIXELS = 1 << 26
+
+#: Images checked against OpenCV at the start of each process.
+SAMPLE = 64
+
+_ENV = "BLOBPIPE_JPEG_DECODER"
+_SOI = b"\xff\xd8"
+_COLORSPACE = {3: "BGR", 1: "GRAY"}
+
+_cv2: Any = None  # OpenCV, once the first encoded record needed it
+
+
+def _opencv() -> Any:
+    """OpenCV, imported on first use (never at import of blobpipe)."""
+    global _cv2
+    if _cv2 is None:
+        # Formats whose header we cannot read are bounded by OpenCV's own limit,
+        # which it reads on its first decode: at most DEFAULT_MAX_PIXELS unless
+        # the environment sets another.
+        os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
+        import cv2  # OpenCV loads on the first encoded record, not at import
+
+        _cv2 = cv2
+    return _cv2
+
+
+class JpegFrame(NamedTuple):
+    """A JPEG's first frame header (SOFn)."""
+
+    marker: int  # 0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...
+    precision: int  # bits per sample
+    width: int
+    height: int
+    components: int
+
+
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_BE16 = struct.Struct(">H")
+
+
+def jpeg_frame(b: bytes) -> JpegFrame | None:
+    """The first frame header of JPEG bytes ``b`` (after the SOI), None if there is none."""
+    n = len(b)
+    i = 2
+    while i + 4 <= n:
+        if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
+            i += 1
+            continue
+        marker = b[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
+            i += 2
+            continue
+        if marker in _SOF_MARKERS:
+            if i + 10 > n:
+                return None
+            height, width = _BE16.unpack_from(b, i + 5)[0], _BE16.unpack_from(b, i + 7)[0]
+            return JpegFrame(marker, b[i + 4], width, height, b[i + 9])
+        i += 2 + _BE16.unpack_from(b, i + 2)[0]
+    return None
+
+
+# Huffman-coded 8-bit frames: baseline, extended sequential, progressive. The
+# self-test covers baseline and progressive; extended differs from baseline only
+# in allowing more tables. Arithmetic, lossless and hierarchical frames go to OpenCV.
+_FAST_MARKERS = frozenset((0xC0, 0xC1, 0xC2))
+
+
+def jpeg_channels(flag: int, frame: JpegFrame) -> int:
+    """Channels ``cv2.imdecode(jpeg, flag)`` returns for a JPEG with this frame, where
+    :func:`decode_jpeg` decodes it; 0 where it leaves it to OpenCV (4-component CMYK
+    or YCCK images, which OpenCV converts itself, and frames other than 8-bit
+    Huffman-coded baseline, extended or progressive)."""
+    if frame.components not in (1, 3) or frame.precision != 8:
+        return 0
+    if frame.marker not in _FAST_MARKERS:
+        return 0
+    if flag == 1:  # IMREAD_COLOR
+        return 3
+    if flag == 0:  # IMREAD_GRAYSCALE
+        return 1
+    return frame.components if flag == -1 else 0  # IMREAD_UNCHANGED keeps them
+
+
+class _Fast:
+    """The process's simplejpeg state: started on first use, checked, maybe turned off."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = False
+        self.decode: Callable[..., np.ndarray] | None = None
+        self.sampled = 0
+
+    def get(self) -> Callable[..., np.ndarray] | None:
+        if not self.started:
+            with self.lock:
+                if not self.started:
+                    self.decode = _start()
+                    self.started = True
+        return self.decode
+
+    def turn_off(self, why: str) -> None:
+        with self.lock:
+            if self.decode is None:
+                return
+            self.decode = None
+        warnings.warn(
+            f"simplejpeg's JPEG decoding differs from this OpenCV's ({why}); blobpipe "
+            f"decodes JPEGs with OpenCV alone from now on (slower, same pixels as "
+            f"Caffe's cv::imdecode). Set {_ENV}=opencv to skip the check.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_fast = _Fast()
+
+
+def _reset() -> None:
+    """Start over on next use (tests: after changing the environment or the modules)."""
+    global _fast
+    _fast = _Fast()
+
+
+def _start() -> Callable[..., np.ndarray] | None:
+    choice = os.environ.get(_ENV, "auto").strip().lower()
+    if choice not in ("auto", "opencv", ""):
+        raise BlobpipeError(
+            f"{_ENV}={os.environ[_ENV]!r} is not a JPEG decoder choice: set 'auto' "
+            "(simplejpeg where it gives OpenCV's pixels, the default) or 'opencv'"
+        )
+    if choice == "opencv":
+        return None
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    decode: Callable[..., np.ndarray] = simplejpeg.decode_jpeg
+    why = _self_test(decode)
+    if why is not None:
+        warnings.warn(
+            f"simplejpeg's JPEG decoding differs from this OpenCV's ({why}); blobpipe "
+            "decodes JPEGs with OpenCV alone (slower, same pixels as Caffe's cv::imdecode)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    return decode
+
+
+def _test_images() -> list[tuple[str, bytes]]:
+    """JPEGs covering what decoders may do differently, written by this OpenCV."""
+    cv2 = _opencv()
+    y, x = np.mgrid[0:29, 0:37]  # odd sizes: partial MCUs at the right and bottom edges
+    bgr = np.stack([(x * 7 + y * 3) % 256, (x * x + y * 5) % 256, (y * y + x) % 256], -1)
+    noise = np.random.default_rng(7).integers(0, 48, bgr.shape)
+    bgr = np.clip(bgr + noise, 0, 255).astype(np.uint8)
+    gray = cv2.cvtColor(bgr, cv2.COLOR_BGR2GRAY)
+    images = []
+    for sampling in ("411", "420", "422", "440", "444"):
+        factor = getattr(cv2, "IMWRITE_JPEG_SAMPLING_FACTOR_" + sampling)
+        for progressive, restart, quality in ((0, 0, 95), (1, 0, 75), (0, 3, 50)):
+            params = [
+                cv2.IMWRITE_JPEG_QUALITY, quality,
+                cv2.IMWRITE_JPEG_SAMPLING_FACTOR, factor,
+                cv2.IMWRITE_JPEG_PROGRESSIVE, progressive,
+                cv2.IMWRITE_JPEG_RST_INTERVAL, restart,
+            ]  # fmt: skip
+            _, enc = cv2.imencode(".jpg", bgr, params)
+            images.append((f"{sampling} progressive={progressive} q{quality}", enc.tobytes()))
+    for progressive in (0, 1):
+        _, enc = cv2.imencode(".jpg", gray, [cv2.IMWRITE_JPEG_PROGRESSIVE, progressive])
+        images.append((f"gray progressive={progressive}", enc.tobytes()))
+    return images
+
+
+def _self_test(decode: Callable[..., np.ndarray]) -> str | None:
+    """None when simplejpeg and OpenCV agree on :func:`_test_images`, else what differs."""
+    cv2 = _opencv()
+    for name, data in _test_images():
+        frame = jpeg_frame(data)
+        for flag in (1, 0, -1):
+            channels = 0 if frame is None else jpeg_channels(flag, frame)
+            if not channels:
+                return f"a test JPEG ({name}) has a frame it does not take: {frame}"
+            want = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+            try:
+                got = decode(data, colorspace=_COLORSPACE[channels])
+            except Exception as exc:  # any failure to decode a plain JPEG disqualifies it
+                return f"it failed on a test JPEG ({name}): {exc}"
+            if channels == 1:
+                got = got.reshape(got.shape[:2])
+            if want is None or want.shape != got.shape or not np.array_equal(want, got):
+                return f"a test JPEG ({name}, imdecode flag {flag}) decodes differently"
+    return None
+
+
+def decode_jpeg(data: bytes, flag: int, out: np.ndarray | None = None) -> np.ndarray | None:
+    """``cv2.imdecode(data, flag)`` through libjpeg-turbo's TurboJPEG API, or None.
+
+    Returns an ``(H, W, 3)`` BGR array, or ``(H, W)`` gray, as OpenCV would.
+    ``out``, when given, is a uint8 buffer the image is decoded into (the result
+    is a view of it); a larger image is not decoded. None means: not a JPEG, or
+    one this decoder leaves to OpenCV (:func:`jpeg_channels`, EXIF), or
+    simplejpeg is off or failed; decode with OpenCV then.
+    """
+    decode = _fast.get()
+    if decode is None or not data.startswith(_SOI):
+        return None
+    frame = jpeg_frame(data)
+    channels = 0 if frame is None else jpeg_channels(flag, frame)
+    if not channels:
+        return None
+    if flag != -1 and data.find(b"Exif") >= 0:
+        return None  # OpenCV would apply an EXIF orientation
+    try:
+        img = decode(data, colorspace=_COLORSPACE[channels], buffer=out)
+    except Exception:  # corrupt, truncated, unsupported, too large: OpenCV decides
+        return None
+    if channels == 1:
+        img = img.reshape(img.shape[:2])
+    fast = _fast
+    if fast.sampled < SAMPLE:
+        with fast.lock:
+            check = fast.sampled < SAMPLE
+            fast.sampled += check
+        if check:
+            want = _opencv().imdecode(np.frombuffer(data, np.uint8), flag)
+            if want is None or want.shape != img.shape or not np.array_equal(want, img):
+                fast.turn_off(f"an image of {len(data)} bytes decodes differently")
+                return None
+    return img
