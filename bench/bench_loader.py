@@ -47,11 +47,15 @@ Rows (raw LMDB):
   otherwise land on the rows after them.
 
 Rows (JPEG LMDB): a single-thread OpenCV loop (fresh Datum, ``cv2.imdecode``
-with Caffe's flag, into a preallocated float32 batch, scaled per batch), the
-same loop run on two threads at once over alternate batches (what two cores
-of this machine allow at that moment: no loader can beat it), blobpipe with
-``workers`` 1 and 2, and blobpipe's first epoch (open+close per pass: every
-JPEG goes through LMDB and the Datum checks once).
+with Caffe's flag, into a preallocated float32 batch, scaled per batch: the
+baseline of the JPEG target), the same loop run on two threads at once over
+alternate batches (what two cores of this machine allow with OpenCV at that
+moment), the same two with simplejpeg's ``decode_jpeg`` (libjpeg-turbo's
+TurboJPEG API, which blobpipe uses where it gives OpenCV's pixels: the bound
+for blobpipe), blobpipe with ``workers`` 1 and 2, blobpipe's first epoch
+(open+close per pass: every JPEG goes through LMDB and the Datum checks once),
+and blobpipe with JPEG decoding left to OpenCV alone (as with
+``BLOBPIPE_JPEG_DECODER=opencv``).
 
 Every contender's first batch is checked equal to the baseline's.
 """
@@ -80,12 +84,14 @@ import anyio
 import cv2
 import lmdb
 import numpy as np
+import simplejpeg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import baseline_copy, cached_db
 
 import blobpipe
+from blobpipe._io import _image
 from blobpipe._proto import caffe_pb2
 
 BATCH = 64
@@ -245,10 +251,22 @@ def plain_loop(path: Path, n: int) -> Pass:
     return run
 
 
-def _opencv_batches(env: Any, n: int, threads: int, k: int) -> np.ndarray | None:
-    """The OpenCV loop over batches ``k, k + threads, ...`` of the first ``n`` records:
-    a fresh Datum per record, ``cv2.imdecode`` with Caffe's flag, into a float32
-    batch scaled once per batch. Returns the first batch it made."""
+def _cv_decode(buf: bytes) -> np.ndarray:
+    img: np.ndarray = cv2.imdecode(np.frombuffer(buf, np.uint8), cv2.IMREAD_UNCHANGED)
+    return img
+
+
+def _sj_decode(buf: bytes) -> np.ndarray:
+    img: np.ndarray = simplejpeg.decode_jpeg(buf, colorspace="BGR")
+    return img
+
+
+def _decode_batches(
+    env: Any, n: int, threads: int, k: int, decode: Callable[[bytes], np.ndarray]
+) -> np.ndarray | None:
+    """The decode loop over batches ``k, k + threads, ...`` of the first ``n`` records:
+    a fresh Datum per record, ``decode`` (OpenCV's ``imdecode`` with Caffe's flag, or
+    simplejpeg) into a float32 batch scaled once per batch. Returns the first batch."""
     data = np.empty((BATCH, *SHAPE), np.float32)
     label = np.empty(BATCH, np.float32)
     first = None
@@ -262,8 +280,7 @@ def _opencv_batches(env: Any, n: int, threads: int, k: int) -> np.ndarray | None
                 continue
             for i in range(BATCH):
                 d = caffe_pb2.Datum.FromString(cursor.value())
-                img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_UNCHANGED)
-                np.copyto(data[i], img.transpose(2, 0, 1))
+                np.copyto(data[i], decode(d.data).transpose(2, 0, 1))
                 label[i] = d.label
                 cursor.next()
             data *= SCALE32
@@ -272,45 +289,66 @@ def _opencv_batches(env: Any, n: int, threads: int, k: int) -> np.ndarray | None
     return first
 
 
-def opencv_loop(path: Path, n: int) -> Pass:
-    """Single thread (the caller's): the OpenCV loop over every batch."""
+def decode_loop(
+    path: Path, n: int, threads: int = 1, decode: Callable[[bytes], np.ndarray] = _cv_decode
+) -> Pass:
+    """The decode loop on ``threads`` threads at once, each on its own batches, with
+    nothing else: no batch order, no hand-over, no consumer. One thread (the
+    caller's) with OpenCV is the JPEG baseline; two are what two cores allow."""
 
     def run() -> tuple[int, np.ndarray]:
         env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
         try:
-            first = _opencv_batches(env, n, 1, 0)
-        finally:
-            env.close()
-        assert first is not None
-        return n // BATCH * BATCH, first
-
-    return run
-
-
-def decode_bound(path: Path, n: int, threads: int = 2) -> Pass:
-    """What the machine allows for JPEG: the OpenCV loop on ``threads`` threads at
-    once, each on its own batches, with nothing else: no batch order, no hand-over,
-    no consumer."""
-
-    def run() -> tuple[int, np.ndarray]:
-        env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
-        try:
-            with ThreadPoolExecutor(threads) as pool:
-                firsts = list(
-                    pool.map(
-                        _opencv_batches,
-                        [env] * threads,
-                        [n] * threads,
-                        [threads] * threads,
-                        range(threads),
+            if threads == 1:
+                firsts = [_decode_batches(env, n, 1, 0, decode)]
+            else:
+                with ThreadPoolExecutor(threads) as pool:
+                    firsts = list(
+                        pool.map(
+                            _decode_batches,
+                            [env] * threads,
+                            [n] * threads,
+                            [threads] * threads,
+                            range(threads),
+                            [decode] * threads,
+                        )
                     )
-                )
         finally:
             env.close()
         assert firsts[0] is not None
         return n // BATCH * BATCH, firsts[0]
 
     return run
+
+
+class _OpenCVOnly:
+    """A pass with blobpipe's JPEG decoding left to OpenCV alone (what
+    ``BLOBPIPE_JPEG_DECODER=opencv`` does), for the row that shows what the
+    libjpeg-turbo path adds; the other rows' loaders are idle meanwhile."""
+
+    def __init__(self, make: Callable[[], Pass]) -> None:
+        off = _image._Fast()
+        off.started = True  # started, with no fast decoder: OpenCV decodes
+        self._off = off
+        with self:
+            self._run = make()
+
+    def __enter__(self) -> None:
+        self._saved = _image._fast
+        _image._fast = self._off
+
+    def __exit__(self, *exc: object) -> None:
+        _image._fast = self._saved
+
+    def __call__(self) -> tuple[int, np.ndarray]:
+        with self:
+            return self._run()
+
+    def settle(self) -> None:
+        settle = getattr(self._run, "settle", None)
+        if settle is not None:
+            with self:
+                settle()
 
 
 # -- blobpipe ----------------------------------------------------------------
@@ -652,19 +690,33 @@ def build_rows(
                 last=True,
             )
         )
-    rows.append(
-        Row("cv", "OpenCV imdecode loop (1 thread)", "jpeg", opencv_loop(jpeg_copy, n_jpeg))
-    )
-    rows.append(
+    rows += [
+        Row("cv", "OpenCV imdecode loop (1 thread)", "jpeg", decode_loop(jpeg_copy, n_jpeg)),
         Row(
             "cv_x2",
-            "the same loop on 2 threads at once (this machine's bound for JPEG)",
+            "the same loop on 2 threads at once (what 2 cores allow with OpenCV)",
             "jpeg",
-            decode_bound(jpeg_copy, n_jpeg, 2),
+            decode_loop(jpeg_copy, n_jpeg, 2),
             baseline="cv",
             check="cv",
-        )
-    )
+        ),
+        Row(
+            "sj",
+            "the same loop with simplejpeg (libjpeg-turbo; blobpipe's JPEG decoder), 1 thread",
+            "jpeg",
+            decode_loop(jpeg_copy, n_jpeg, 1, _sj_decode),
+            baseline="cv",
+            check="cv",
+        ),
+        Row(
+            "sj_x2",
+            "the simplejpeg loop on 2 threads at once (what 2 cores allow with it)",
+            "jpeg",
+            decode_loop(jpeg_copy, n_jpeg, 2, _sj_decode),
+            baseline="cv",
+            check="cv",
+        ),
+    ]
     rows.append(
         Row(
             f"bp_jpeg_cold_w{main_w}",
@@ -688,6 +740,16 @@ def build_rows(
                 check="cv",
             )
         )
+    rows.append(
+        Row(
+            f"bp_jpeg_cv_w{main_w}",
+            f"blobpipe JPEG float32, async, workers={main_w}, OpenCV decoding only",
+            "jpeg",
+            _OpenCVOnly(lambda: blobpipe_warm(jpeg, main_w)),
+            baseline="cv",
+            check="cv",
+        )
+    )
     return rows
 
 

@@ -110,14 +110,15 @@ def test_launch_runs_in_stream_order() -> None:
     assert seen == [[3, 3, 3, 3]]  # ran after the copy it depends on
 
 
-def test_import_loads_neither_cupy_nor_opencv() -> None:
+def test_import_loads_neither_cupy_nor_an_image_decoder() -> None:
     import subprocess
     import sys
 
     code = (
         "import sys, blobpipe; "
         "assert 'cupy' not in sys.modules, 'cupy imported'; "
-        "assert 'cv2' not in sys.modules, 'cv2 imported'"
+        "assert 'cv2' not in sys.modules, 'cv2 imported'; "
+        "assert 'simplejpeg' not in sys.modules, 'simplejpeg imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
