@@ -63,7 +63,7 @@ from ._datum import (
     parse_datum,
     raw_block,
 )
-from ._image import _opencv, decode_jpeg
+from ._image import COLORSPACE, _opencv, fast_decoder
 from ._index import IndexedRows, RecordIndex
 from ._lmdb import LmdbReader
 from ._lmdbfile import value_extents
@@ -770,29 +770,44 @@ class Batches:
         # still in cache (what a plain decode loop does, and ~9% faster here
         # than a block-wide transposed pass), then the block gets the mean and
         # the scale in place: load() + finish(), the checked path's operations.
-        want = (h, w, c) if c > 1 else (h, w)
         file = index.file
         imdecode = cv2.imdecode
         load_row = block.load_row
         first = plan._first if start == 0 else None
-        # JPEGs go to libjpeg-turbo straight where that gives OpenCV's pixels
-        # (_image.decode_jpeg), into one buffer of the known size: no allocation
-        # per image, none sized by the file's bytes.
-        buffer = np.empty(want, _U1)
-        for r, (off, length) in enumerate(
-            zip(rows.offsets.tolist(), rows.lengths.tolist(), strict=True)
+        # JPEGs the checked path found simplejpeg may decode (noted per record in
+        # the index: rows.fast) go to it straight, into one buffer of the known
+        # size (no allocation sized by the file's bytes); the rest, and any it
+        # refuses, to OpenCV. Python per image is kept to a minimum: two decoder
+        # threads wait on each other's GIL-held work, which costs more than the
+        # decoder saves (measured: a checked wrapper per image made two
+        # workers slower than OpenCV).
+        decode = fast_decoder()
+        colorspace = COLORSPACE.get(c, "")
+        buffer = np.empty((h, w, c), _U1)
+        fast = rows.fast.tolist() if decode is not None else [0] * len(rows.fast)
+        for r, (off, length, channels) in enumerate(
+            zip(rows.offsets.tolist(), rows.lengths.tolist(), fast, strict=True)
         ):
             if r == 0 and first is not None:
                 load_row(first[0], out[0])  # decoded by next_plan already
                 continue
             data = file[off : off + length]
-            img = decode_jpeg(data.tobytes(), flag, buffer)
+            img = None
+            if channels and decode is not None:
+                try:
+                    img = decode(data, colorspace=colorspace, buffer=buffer)  # (h, w, c)
+                except Exception:  # OpenCV decides
+                    img = None
             if img is None:
                 img = imdecode(data, flag)
+                if img is None or img.dtype != _U1:
+                    return False
+                if img.ndim == 2:
+                    img = img[..., np.newaxis]
             # the same bytes decoded to this shape before; anything else: the checked path
-            if img is None or img.shape != want or img.dtype != _U1:
+            if img.shape != (h, w, c):
                 return False
-            load_row(img.transpose(2, 0, 1) if c > 1 else img[np.newaxis], out[r])
+            load_row(img.transpose(2, 0, 1), out[r])
         block.finish(out)
         return True
 
@@ -861,6 +876,7 @@ class Batches:
         pixels = staging.reshape(n, c, h, w)
         slow: list[int] = []
         t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
         if encoded:
             # Decoded one by one (OpenCV releases the GIL); every row, decoded or
             # raw, is laid out and widened straight into its output row while in
@@ -904,7 +920,9 @@ class Batches:
                     and isinstance(value, memoryview)
                     and p.data is not None
                 ):
-                    index.learn_encoded(plan.indices[i], value, p.data, label, plan.record_shape)
+                    index.learn_encoded(
+                        plan.indices[i], value, p.data, label, plan.record_shape, flag
+                    )
                 continue
             data = p.data
             if (

@@ -43,10 +43,13 @@ import numpy as np
 from .._errors import BlobpipeError
 
 __all__ = [
+    "COLORSPACE",
     "DEFAULT_MAX_PIXELS",
     "SAMPLE",
     "JpegFrame",
     "decode_jpeg",
+    "fast_channels",
+    "fast_decoder",
     "jpeg_channels",
     "jpeg_frame",
 ]
@@ -59,7 +62,8 @@ SAMPLE = 64
 
 _ENV = "BLOBPIPE_JPEG_DECODER"
 _SOI = b"\xff\xd8"
-_COLORSPACE = {3: "BGR", 1: "GRAY"}
+#: simplejpeg colorspace for each output channel count
+COLORSPACE = {3: "BGR", 1: "GRAY"}
 
 _cv2: Any = None  # OpenCV, once the first encoded record needed it
 
@@ -241,7 +245,7 @@ def _self_test(decode: Callable[..., np.ndarray]) -> str | None:
                 return f"a test JPEG ({name}) has a frame it does not take: {frame}"
             want = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
             try:
-                got = decode(data, colorspace=_COLORSPACE[channels])
+                got = decode(data, colorspace=COLORSPACE[channels])
             except Exception as exc:  # any failure to decode a plain JPEG disqualifies it
                 return f"it failed on a test JPEG ({name}): {exc}"
             if channels == 1:
@@ -251,26 +255,48 @@ def _self_test(decode: Callable[..., np.ndarray]) -> str | None:
     return None
 
 
+def fast_channels(data: bytes, flag: int) -> int:
+    """What :func:`decode_jpeg` asks simplejpeg for with these bytes and flag: 3
+    (BGR) or 1 (gray) channels, or 0 where it leaves them to OpenCV (not a JPEG, a
+    frame it does not take, or, for flags 0 and 1, bytes that mention EXIF, whose
+    orientation OpenCV would apply)."""
+    if not data.startswith(_SOI):
+        return 0
+    frame = jpeg_frame(data)
+    channels = 0 if frame is None else jpeg_channels(flag, frame)
+    if channels and flag != -1 and data.find(b"Exif") >= 0:
+        return 0
+    return channels
+
+
+def fast_decoder() -> Callable[..., np.ndarray] | None:
+    """simplejpeg's ``decode_jpeg`` while it is on for this process, else None.
+
+    For callers that decide per image with :func:`fast_channels` beforehand (the
+    record index notes it once per record) and call it as
+    ``decode(data, colorspace=COLORSPACE[channels])``; they must decode with
+    OpenCV on any exception. :func:`decode_jpeg` is the checked form.
+    """
+    return _fast.get()
+
+
 def decode_jpeg(data: bytes, flag: int, out: np.ndarray | None = None) -> np.ndarray | None:
     """``cv2.imdecode(data, flag)`` through libjpeg-turbo's TurboJPEG API, or None.
 
     Returns an ``(H, W, 3)`` BGR array, or ``(H, W)`` gray, as OpenCV would.
     ``out``, when given, is a uint8 buffer the image is decoded into (the result
     is a view of it); a larger image is not decoded. None means: not a JPEG, or
-    one this decoder leaves to OpenCV (:func:`jpeg_channels`, EXIF), or
-    simplejpeg is off or failed; decode with OpenCV then.
+    one this decoder leaves to OpenCV (:func:`fast_channels`), or simplejpeg is
+    off or failed; decode with OpenCV then.
     """
     decode = _fast.get()
-    if decode is None or not data.startswith(_SOI):
+    if decode is None:
         return None
-    frame = jpeg_frame(data)
-    channels = 0 if frame is None else jpeg_channels(flag, frame)
+    channels = fast_channels(data, flag)
     if not channels:
         return None
-    if flag != -1 and data.find(b"Exif") >= 0:
-        return None  # OpenCV would apply an EXIF orientation
     try:
-        img = decode(data, colorspace=_COLORSPACE[channels], buffer=out)
+        img = decode(data, colorspace=COLORSPACE[channels], buffer=out)
     except Exception:  # corrupt, truncated, unsupported, too large: OpenCV decides
         return None
     if channels == 1:

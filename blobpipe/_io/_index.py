@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._datum import _match_layout, _raw_header
+from ._image import fast_channels
 from ._lmdbfile import Extents
 
 __all__ = ["IndexedRows", "RecordIndex"]
@@ -43,7 +44,7 @@ _OTHER = -32768  # below every -shape_id (at most 32767 shapes)
 class IndexedRows:
     """What the index knows about a range of rows that are all of one kind and shape."""
 
-    __slots__ = ("encoded", "labels", "lengths", "offsets")
+    __slots__ = ("encoded", "fast", "labels", "lengths", "offsets")
 
     def __init__(
         self,
@@ -51,11 +52,13 @@ class IndexedRows:
         offsets: npt.NDArray[np.int64],
         lengths: npt.NDArray[np.uint32],
         labels: npt.NDArray[np.float32],
+        fast: npt.NDArray[np.uint8],
     ) -> None:
         self.encoded = encoded
         self.offsets = offsets  # file offset of each row's payload (raw pixels / image bytes)
         self.lengths = lengths  # payload bytes (encoded rows)
         self.labels = labels
+        self.fast = fast  # encoded rows: channels simplejpeg decodes them to, 0: OpenCV
 
     def runs(self) -> list[tuple[int, int, int]]:
         """Maximal ``(first, stop, stride)`` row runs whose offsets step by one stride."""
@@ -102,6 +105,7 @@ class RecordIndex:
         self._offset = np.zeros(n, np.int64)
         self._length = np.zeros(n, np.uint32)
         self._label = np.zeros(n, np.float32)
+        self._fast = np.zeros(n, np.uint8)
         self._shapes: list[tuple[int, int, int]] = []
         self._shape_ids: dict[tuple[int, int, int], int] = {}
         self._lock = threading.Lock()
@@ -141,7 +145,9 @@ class RecordIndex:
             encoded = True
         else:
             return None
-        return IndexedRows(encoded, self._offset[idx], self._length[idx], self._label[idx])
+        return IndexedRows(
+            encoded, self._offset[idx], self._length[idx], self._label[idx], self._fast[idx]
+        )
 
     def _classify_raw(
         self, idx: npt.NDArray[np.intp], shape: tuple[int, int, int], sid: int
@@ -177,9 +183,12 @@ class RecordIndex:
         payload: memoryview,
         label: int,
         shape: tuple[int, int, int],
+        flag: int,
     ) -> None:
         """Note an encoded record: ``value`` is its LMDB view, ``payload`` (a slice of
-        it) the image bytes, which decoded to ``shape``.
+        it) the image bytes, which decoded to ``shape`` with imdecode ``flag``
+        (the same for every record of this index), and whether simplejpeg may
+        decode it (:func:`~._image.fast_channels`).
 
         The payload's place in the file is the value's (from the B-tree) plus its
         place in the value; the file's bytes there are compared with the payload,
@@ -206,4 +215,5 @@ class RecordIndex:
         self._offset[index] = off
         self._length[index] = n
         self._label[index] = label
+        self._fast[index] = fast_channels(image, flag)
         self._kind[index] = -sid
