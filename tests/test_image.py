@@ -281,3 +281,36 @@ def test_without_simplejpeg_opencv_decodes(fresh: None, monkeypatch: pytest.Monk
     assert decode_jpeg(data, 1) is None
     chw, _ = blobpipe.decode_datum(blobpipe.encode_encoded_datum(data, 0))
     assert np.array_equal(chw, opencv(data, -1).transpose(2, 0, 1))
+
+
+@pytest.mark.parametrize("flags", [{}, {"force_color": True}])
+def test_the_index_notes_which_records_go_to_simplejpeg(
+    tmp_path: Path, fresh: None, monkeypatch: pytest.MonkeyPatch, flags: dict[str, bool]
+) -> None:
+    cmyk = (DATA / "jpeg" / "cmyk.jpg").read_bytes()  # 9×7
+    pix = np.ascontiguousarray(image(5, (3, 7, 9)).transpose(1, 2, 0))
+    jpeg = cv2.imencode(".jpg", pix)[1].tobytes()
+    kinds = {
+        "jpeg": (jpeg, 3),
+        "exif": (with_exif_orientation(jpeg, 1), 3 if not flags else 0),
+        "cmyk": (cmyk, 0),
+        "png": (cv2.imencode(".png", pix)[1].tobytes(), 0),
+    }
+    names = [name for name in kinds for _ in range(4)]
+    items = [
+        (key(i), blobpipe.encode_encoded_datum(kinds[name][0], i)) for i, name in enumerate(names)
+    ]
+    path = write_lmdb(tmp_path / "db", items)
+    kwargs: dict[str, Any] = {"transform": Transform(**flags), "mode": "epoch", "phase": "test"}
+    with Batches(path, 4, **kwargs) as b:
+        got = epochs(b, 3)
+        index = b._index
+        assert index is not None
+        noted = index._fast.tolist()
+    assert noted == [kinds[name][1] for name in names]
+    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "opencv")
+    _image._reset()
+    with Batches(path, 4, **kwargs) as b:
+        want = epochs(b, 3)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)

@@ -771,8 +771,8 @@ class Batches:
         first = plan._first if start == 0 else None
         # Every image is decoded into a per-thread staging block (HWC, as the
         # decoders write), then the block is transformed at once. JPEGs the
-        # checked path found simplejpeg may decode (noted per record in the
-        # index: rows.fast) go to it straight, into their row of the block (no
+        # index found simplejpeg may decode (noted per record on its first
+        # indexed read) go to it straight, into their row of the block (no
         # allocation sized by the file's bytes); the rest, and any it refuses,
         # to OpenCV. Python per image is kept to a minimum and the block is
         # converted in one GIL-free call: with two workers, each release and
@@ -785,7 +785,7 @@ class Batches:
         stage = _staging(n, h * w * c).reshape(n, h, w, c)
         decode = fast_decoder()
         colorspace = COLORSPACE.get(c, "")
-        fast = rows.fast.tolist() if decode is not None else [0] * n
+        fast = index.fast_channels(rows, flag) if decode is not None else [0] * n
         for r, (off, length, channels) in enumerate(
             zip(rows.offsets.tolist(), rows.lengths.tolist(), fast, strict=True)
         ):
@@ -872,7 +872,6 @@ class Batches:
         pixels = staging.reshape(n, c, h, w)
         slow: list[int] = []
         t = self._transform
-        flag = _imread_flag(t.force_color, t.force_gray)
         if encoded:
             # Decoded one by one (OpenCV releases the GIL); every row, decoded or
             # raw, is laid out and widened straight into its output row while in
@@ -916,9 +915,7 @@ class Batches:
                     and isinstance(value, memoryview)
                     and p.data is not None
                 ):
-                    index.learn_encoded(
-                        plan.indices[i], value, p.data, label, plan.record_shape, flag
-                    )
+                    index.learn_encoded(plan.indices[i], value, p.data, label, plan.record_shape)
                 continue
             data = p.data
             if (

@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ProtoError, ShapeError
-from ._image import DEFAULT_MAX_PIXELS, _opencv, decode_jpeg, jpeg_frame
+from ._image import DEFAULT_MAX_PIXELS, JpegFrame, _opencv, decode_jpeg, jpeg_frame
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -405,29 +405,29 @@ def _imread_flag(force_color: bool, force_gray: bool) -> int:
     return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
 
 
+_BE32X2 = struct.Struct(">II")
+
+
 def _image_dims(b: memoryview) -> tuple[int, int] | None:
     """(width, height) from a PNG or JPEG header, None for other or unreadable data."""
     header = _image_header(b)
     return None if header is None else header[:2]
 
 
-def _image_header(b: memoryview) -> tuple[int, int, int] | None:
-    """(width, height, JPEG components) from a PNG or JPEG header (components 0 for a
-    PNG), None for other or unreadable data."""
+def _image_header(b: memoryview) -> tuple[int, int, JpegFrame | None] | None:
+    """(width, height, the JPEG frame header or None for a PNG) from a PNG or JPEG
+    header, None for other or unreadable data."""
     n = len(b)
     head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
     if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
         width, height = _BE32X2.unpack_from(head, 16)
-        return width, height, 0
+        return width, height, None
     if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
         frame = jpeg_frame(head)
         if frame is None and n > len(head):
             frame = jpeg_frame(bytes(b))  # a long header (EXIF, ICC profile, ...)
-        return None if frame is None else (frame.width, frame.height, frame.components)
+        return None if frame is None else (frame.width, frame.height, frame)
     return None
-
-
-_BE32X2 = struct.Struct(">II")
 
 
 def _decode_image(
@@ -452,8 +452,8 @@ def _decode_image(
             path=path,
             key=key,
         )
-    if header is not None and header[2]:  # a JPEG: libjpeg-turbo straight, where exact
-        fast = decode_jpeg(bytes(data), flag)
+    if header is not None and header[2] is not None:  # libjpeg-turbo straight, where exact
+        fast = decode_jpeg(data, flag, frame=header[2])
         if fast is not None:
             return fast[np.newaxis] if fast.ndim == 2 else fast.transpose(2, 0, 1)
     cv2 = _opencv()

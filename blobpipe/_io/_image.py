@@ -27,6 +27,12 @@ conversion), so the pixels are the same bits. :func:`decode_jpeg` uses it
 
 ``BLOBPIPE_JPEG_DECODER=opencv`` turns it off; without simplejpeg installed,
 OpenCV decodes everything.
+
+The first read of a record goes through :func:`decode_jpeg` (the checks above,
+per image). The record index (``_index.py``) then notes per record what
+:func:`fast_channels` said, and later epochs call the decoder from
+:func:`fast_decoder` directly, with no per-image wrapper: with two worker
+threads, Python work per image is what they wait on each other for.
 """
 
 from __future__ import annotations
@@ -255,15 +261,19 @@ def _self_test(decode: Callable[..., np.ndarray]) -> str | None:
     return None
 
 
-def fast_channels(data: bytes, flag: int) -> int:
+def fast_channels(data: bytes, flag: int, frame: JpegFrame | None = None) -> int:
     """What :func:`decode_jpeg` asks simplejpeg for with these bytes and flag: 3
     (BGR) or 1 (gray) channels, or 0 where it leaves them to OpenCV (not a JPEG, a
     frame it does not take, or, for flags 0 and 1, bytes that mention EXIF, whose
-    orientation OpenCV would apply)."""
-    if not data.startswith(_SOI):
-        return 0
-    frame = jpeg_frame(data)
-    channels = 0 if frame is None else jpeg_channels(flag, frame)
+    orientation OpenCV would apply). ``frame``: the bytes' frame header, when the
+    caller has read it already."""
+    if frame is None:
+        if not data.startswith(_SOI):
+            return 0
+        frame = jpeg_frame(data)
+        if frame is None:
+            return 0
+    channels = jpeg_channels(flag, frame)
     if channels and flag != -1 and data.find(b"Exif") >= 0:
         return 0
     return channels
@@ -280,19 +290,28 @@ def fast_decoder() -> Callable[..., np.ndarray] | None:
     return _fast.get()
 
 
-def decode_jpeg(data: bytes, flag: int, out: np.ndarray | None = None) -> np.ndarray | None:
+def decode_jpeg(
+    data: bytes | memoryview,
+    flag: int,
+    out: np.ndarray | None = None,
+    frame: JpegFrame | None = None,
+) -> np.ndarray | None:
     """``cv2.imdecode(data, flag)`` through libjpeg-turbo's TurboJPEG API, or None.
 
     Returns an ``(H, W, 3)`` BGR array, or ``(H, W)`` gray, as OpenCV would.
     ``out``, when given, is a uint8 buffer the image is decoded into (the result
-    is a view of it); a larger image is not decoded. None means: not a JPEG, or
-    one this decoder leaves to OpenCV (:func:`fast_channels`), or simplejpeg is
-    off or failed; decode with OpenCV then.
+    is a view of it); a larger image is not decoded. ``frame``: the bytes' frame
+    header (:func:`jpeg_frame`), when the caller has read it already. None
+    means: not a JPEG, or one this decoder leaves to OpenCV
+    (:func:`fast_channels`), or simplejpeg is off or failed; decode with OpenCV.
     """
     decode = _fast.get()
     if decode is None:
         return None
-    channels = fast_channels(data, flag)
+    if frame is not None and flag == -1:
+        channels = jpeg_channels(flag, frame)  # no EXIF question: nothing to search
+    else:
+        channels = fast_channels(data if isinstance(data, bytes) else bytes(data), flag, frame)
     if not channels:
         return None
     try:

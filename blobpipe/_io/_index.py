@@ -11,15 +11,17 @@ time a batch reads it:
   calls (the layout check of :func:`~blobpipe._io._datum.gather_raw`), which
   also yields the labels;
 * encoded records are noted after the checked path decoded them (payload
-  offset, label, decoded shape).
+  offset, label, decoded shape); on its first indexed read, whether simplejpeg
+  may decode the bytes (:func:`~blobpipe._io._image.fast_channels`).
 
 From then on a batch of known records costs no LMDB lookup and no parse: raw
 records lying one after another at a constant stride (``convert_imageset``'s
 order, read in key order) are transformed straight from one strided view of the
 mapping, in one numpy call that releases the GIL; encoded images go straight
-from the mapping to OpenCV. Rows not known (another layout, float data, a
-record that failed) take the checked path, which raises the usual errors. The
-arrays hold 30 bytes per record (38 MB for ImageNet's 1.28M records). The
+from the mapping to the decoder (simplejpeg or OpenCV). Rows not known (another
+layout, float data, a record that failed) take the checked path, which raises
+the usual errors. The arrays hold 31 bytes per record (40 MB for ImageNet's
+1.28M records). The
 database must not change while it is open (the same condition as for LMDB's
 own map opened with ``lock=False``).
 """
@@ -39,12 +41,13 @@ from ._lmdbfile import Extents
 __all__ = ["IndexedRows", "RecordIndex"]
 
 _OTHER = -32768  # below every -shape_id (at most 32767 shapes)
+_FAST_UNKNOWN = 255
 
 
 class IndexedRows:
     """What the index knows about a range of rows that are all of one kind and shape."""
 
-    __slots__ = ("encoded", "fast", "labels", "lengths", "offsets")
+    __slots__ = ("encoded", "fast", "indices", "labels", "lengths", "offsets")
 
     def __init__(
         self,
@@ -53,12 +56,15 @@ class IndexedRows:
         lengths: npt.NDArray[np.uint32],
         labels: npt.NDArray[np.float32],
         fast: npt.NDArray[np.uint8],
+        indices: npt.NDArray[np.intp],
     ) -> None:
         self.encoded = encoded
+        self.indices = indices  # the rows' records
         self.offsets = offsets  # file offset of each row's payload (raw pixels / image bytes)
         self.lengths = lengths  # payload bytes (encoded rows)
         self.labels = labels
-        self.fast = fast  # encoded rows: channels simplejpeg decodes them to, 0: OpenCV
+        # encoded rows: channels simplejpeg decodes them to, 0: OpenCV, 255: not known yet
+        self.fast = fast
 
     def runs(self) -> list[tuple[int, int, int]]:
         """Maximal ``(first, stop, stride)`` row runs whose offsets step by one stride."""
@@ -105,7 +111,7 @@ class RecordIndex:
         self._offset = np.zeros(n, np.int64)
         self._length = np.zeros(n, np.uint32)
         self._label = np.zeros(n, np.float32)
-        self._fast = np.zeros(n, np.uint8)
+        self._fast = np.full(n, _FAST_UNKNOWN, np.uint8)
         self._shapes: list[tuple[int, int, int]] = []
         self._shape_ids: dict[tuple[int, int, int], int] = {}
         self._lock = threading.Lock()
@@ -146,8 +152,26 @@ class RecordIndex:
         else:
             return None
         return IndexedRows(
-            encoded, self._offset[idx], self._length[idx], self._label[idx], self._fast[idx]
+            encoded, self._offset[idx], self._length[idx], self._label[idx], self._fast[idx], idx
         )
+
+    def fast_channels(self, rows: IndexedRows, flag: int) -> list[int]:
+        """Per encoded row, the channels simplejpeg decodes it to with imdecode
+        ``flag`` (the same for every record of this index), 0 where OpenCV does
+        (:func:`~._image.fast_channels`); worked out once per record, on its first
+        indexed read rather than on the checked path's, where Python time per
+        image is what two workers wait on each other for."""
+        fast = rows.fast
+        unknown = np.flatnonzero(fast == _FAST_UNKNOWN)
+        if len(unknown):
+            fast = fast.copy()
+            file = self.file
+            for r in unknown.tolist():
+                off = int(rows.offsets[r])
+                fast[r] = fast_channels(file[off : off + int(rows.lengths[r])].tobytes(), flag)
+            self._fast[rows.indices[unknown]] = fast[unknown]
+        channels: list[int] = fast.tolist()
+        return channels
 
     def _classify_raw(
         self, idx: npt.NDArray[np.intp], shape: tuple[int, int, int], sid: int
@@ -183,12 +207,9 @@ class RecordIndex:
         payload: memoryview,
         label: int,
         shape: tuple[int, int, int],
-        flag: int,
     ) -> None:
         """Note an encoded record: ``value`` is its LMDB view, ``payload`` (a slice of
-        it) the image bytes, which decoded to ``shape`` with imdecode ``flag``
-        (the same for every record of this index), and whether simplejpeg may
-        decode it (:func:`~._image.fast_channels`).
+        it) the image bytes, which decoded to ``shape``.
 
         The payload's place in the file is the value's (from the B-tree) plus its
         place in the value; the file's bytes there are compared with the payload,
@@ -215,5 +236,4 @@ class RecordIndex:
         self._offset[index] = off
         self._length[index] = n
         self._label[index] = label
-        self._fast[index] = fast_channels(image, flag)
         self._kind[index] = -sid
