@@ -39,6 +39,18 @@ so shards are disjoint and together cover every record.
 
 Randomness of a record (crop offset, mirror) depends only on
 ``(seed, epoch, global index)`` — not on the order, the shard or the thread.
+
+Which JPEG decoder
+------------------
+Both give OpenCV's pixels (``_image.py``); what differs is how they share the
+GIL between worker threads. The checked paths (LMDB lookup, Datum checks, per
+record Python) decode with OpenCV, which releases the GIL once per image:
+while one thread decodes, the other runs its Python. simplejpeg releases it
+twice (header, then pixels); after the short first release the thread must
+wait for the other's Python before it can go on, and two workers measured
+0.69–1.44× a plain loop on first epochs (OpenCV: 1.39–1.47×). The indexed path
+has little Python per image, so it calls simplejpeg, which is ~1.5× faster per
+image there (``_decode_indexed``).
 """
 
 from __future__ import annotations
@@ -56,9 +68,10 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
 from ._datum import (
+    DEFAULT_MAX_PIXELS,
     _imread_flag,
+    _view,
     copy_raw,
-    datum_view,
     gather_raw,
     parse_datum,
     raw_block,
@@ -631,9 +644,9 @@ class Batches:
     ) -> tuple[np.ndarray, int]:
         t = self._transform
         buf = (get or self._reader.get)(key)
-        chw, label = datum_view(
-            buf, force_color=t.force_color, force_gray=t.force_gray, key=key, path=self._path
-        )
+        # OpenCV decodes on the checked paths ("Which JPEG decoder" above)
+        flag = _imread_flag(t.force_color, t.force_gray)
+        chw, label = _view(buf, flag, DEFAULT_MAX_PIXELS, key, self._path, fast_jpeg=False)
         return chw, int(label)
 
     # -- filling -----------------------------------------------------------------------------
@@ -783,9 +796,9 @@ class Batches:
         # faster than row by row).
         n = len(rows.offsets)
         stage = _staging(n, h * w * c).reshape(n, h, w, c)
-        decode = fast_decoder()
+        fast = index.fast_channels(rows, flag) if fast_decoder() is not None else [0] * n
+        decode = fast_decoder()  # after the verdicts: sampling them may turn it off
         colorspace = COLORSPACE.get(c, "")
-        fast = index.fast_channels(rows, flag) if decode is not None else [0] * n
         for r, (off, length, channels) in enumerate(
             zip(rows.offsets.tolist(), rows.lengths.tolist(), fast, strict=True)
         ):
@@ -872,6 +885,7 @@ class Batches:
         pixels = staging.reshape(n, c, h, w)
         slow: list[int] = []
         t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
         if encoded:
             # Decoded one by one (OpenCV releases the GIL); every row, decoded or
             # raw, is laid out and widened straight into its output row while in
@@ -890,13 +904,7 @@ class Batches:
                 if i == 0 and plan._first is not None:
                     chw, label = plan._first  # decoded by next_plan already
                 elif p.encoded:
-                    chw, label = datum_view(
-                        p,
-                        force_color=t.force_color,
-                        force_gray=t.force_gray,
-                        key=keys[r],
-                        path=path,
-                    )
+                    chw, label = _view(p, flag, DEFAULT_MAX_PIXELS, keys[r], path, fast_jpeg=False)
             except Exception:  # the per-row path reads it again and names the error
                 slow.append(i)
                 continue

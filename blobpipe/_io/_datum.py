@@ -436,8 +436,10 @@ def _decode_image(
     max_pixels: int,
     key: bytes | str | None,
     path: object,
+    fast_jpeg: bool = True,
 ) -> npt.NDArray[np.uint8]:
-    """Decode an encoded Datum's image; returns a fresh (C, H, W) view of OpenCV's HWC array."""
+    """Decode an encoded Datum's image; returns a fresh (C, H, W) view of an HWC array
+    with OpenCV's pixels (``fast_jpeg``: through simplejpeg where that is exact)."""
     if data is None or not len(data):
         raise DataError(
             "the record says encoded: true but holds no image bytes in data; " + _REBUILD,
@@ -452,7 +454,7 @@ def _decode_image(
             path=path,
             key=key,
         )
-    if header is not None and header[2] is not None:  # libjpeg-turbo straight, where exact
+    if fast_jpeg and header is not None and header[2] is not None:  # libjpeg-turbo, if exact
         fast = decode_jpeg(data, flag, frame=header[2])
         if fast is not None:
             return fast[np.newaxis] if fast.ndim == 2 else fast.transpose(2, 0, 1)
@@ -565,12 +567,23 @@ def datum_view(
             is not 8-bit, or announces more than ``max_pixels`` pixels.
         ProtoError: both ``force_color`` and ``force_gray`` are set.
     """
-    if force_color and force_gray:
-        _imread_flag(force_color, force_gray)  # raises
+    flag = _imread_flag(force_color, force_gray)  # raises for both
+    return _view(datum, flag, max_pixels, key, path)
+
+
+def _view(
+    datum: BytesLike | ParsedDatum,
+    flag: int,
+    max_pixels: int,
+    key: bytes | str | None,
+    path: object,
+    fast_jpeg: bool = True,
+) -> tuple[npt.NDArray[np.uint8] | npt.NDArray[np.float32], int]:
+    """:func:`datum_view` with the imdecode flag; ``fast_jpeg=False`` decodes JPEGs
+    with OpenCV alone (see ``Batches``: its worker threads)."""
     p = datum if isinstance(datum, ParsedDatum) else parse_datum(datum, key=key, path=path)
     if p.encoded:
-        flag = _imread_flag(force_color, force_gray)
-        return _decode_image(p.data, flag, max_pixels, key, path), p.label
+        return _decode_image(p.data, flag, max_pixels, key, path, fast_jpeg), p.label
     c, h, w, label, _, data, floats = p
     if data is not None and floats is None and c > 0 and h > 0 and w > 0 and len(data) == c * h * w:
         return np.ndarray((c, h, w), _U1, data), label  # the common case: a view

@@ -28,11 +28,13 @@ conversion), so the pixels are the same bits. :func:`decode_jpeg` uses it
 ``BLOBPIPE_JPEG_DECODER=opencv`` turns it off; without simplejpeg installed,
 OpenCV decodes everything.
 
-The first read of a record goes through :func:`decode_jpeg` (the checks above,
-per image). The record index (``_index.py``) then notes per record what
-:func:`fast_channels` said, and later epochs call the decoder from
-:func:`fast_decoder` directly, with no per-image wrapper: with two worker
-threads, Python work per image is what they wait on each other for.
+:func:`decode_jpeg` is the checked form, for single images (``decode_datum``,
+``datum_view``). ``Batches`` decodes with OpenCV on its checked paths and, once
+the record index (``_index.py``) knows a record, asks :func:`fast_channels`
+once per record (and :func:`check_sample` while sampling), then calls the
+decoder from :func:`fast_decoder` directly, with no per-image wrapper: with
+two worker threads, Python work per image is what they wait on each other for
+(see "Which JPEG decoder" in ``_batches.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "SAMPLE",
     "JpegFrame",
+    "check_sample",
     "decode_jpeg",
     "fast_channels",
     "fast_decoder",
@@ -320,14 +323,37 @@ def decode_jpeg(
         return None
     if channels == 1:
         img = img.reshape(img.shape[:2])
+    return img if _sampled(data, flag, img) else None
+
+
+def _sampled(data: bytes | memoryview, flag: int, img: np.ndarray) -> bool:
+    """Whether simplejpeg's ``img`` of ``data`` may be used: yes, unless it is one of
+    the process's first :data:`SAMPLE` images and OpenCV decodes it differently
+    (then simplejpeg is turned off for the process)."""
     fast = _fast
-    if fast.sampled < SAMPLE:
-        with fast.lock:
-            check = fast.sampled < SAMPLE
-            fast.sampled += check
-        if check:
-            want = _opencv().imdecode(np.frombuffer(data, np.uint8), flag)
-            if want is None or want.shape != img.shape or not np.array_equal(want, img):
-                fast.turn_off(f"an image of {len(data)} bytes decodes differently")
-                return None
-    return img
+    if fast.sampled >= SAMPLE:
+        return True
+    with fast.lock:
+        check = fast.sampled < SAMPLE
+        fast.sampled += check
+    if not check:
+        return True
+    want = _opencv().imdecode(np.frombuffer(data, np.uint8), flag)
+    if want is None or want.shape != img.shape or not np.array_equal(want, img):
+        fast.turn_off(f"an image of {len(data)} bytes decodes differently")
+        return False
+    return True
+
+
+def check_sample(data: bytes, flag: int, channels: int) -> None:
+    """For callers of :func:`fast_decoder`: while the process's first :data:`SAMPLE`
+    images are being compared with OpenCV, decode ``data`` both ways (turning
+    simplejpeg off if they differ). ``channels``: :func:`fast_channels`."""
+    decode = _fast.get()
+    if decode is None or not channels or _fast.sampled >= SAMPLE:
+        return
+    try:
+        img = decode(data, colorspace=COLORSPACE[channels])
+    except Exception:  # refused: this image goes to OpenCV anyway
+        return
+    _sampled(data, flag, img.reshape(img.shape[:2]) if channels == 1 else img)

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._datum import _match_layout, _raw_header
-from ._image import fast_channels
+from ._image import check_sample, fast_channels
 from ._lmdbfile import Extents
 
 __all__ = ["IndexedRows", "RecordIndex"]
@@ -168,7 +168,9 @@ class RecordIndex:
             file = self.file
             for r in unknown.tolist():
                 off = int(rows.offsets[r])
-                fast[r] = fast_channels(file[off : off + int(rows.lengths[r])].tobytes(), flag)
+                data = file[off : off + int(rows.lengths[r])].tobytes()
+                fast[r] = verdict = fast_channels(data, flag)
+                check_sample(data, flag, verdict)  # the process's first images
             self._fast[rows.indices[unknown]] = fast[unknown]
         channels: list[int] = fast.tolist()
         return channels
