@@ -198,9 +198,9 @@ def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind:
     kwargs = {"mode": "epoch", "phase": "test", **CONFIGS[config]}
     index = indexed_equals_checked(path, 16, 3, **kwargs)
     assert index is not None
-    if config != "crop_mirror_train":  # random crops: per-row path, nothing to index
-        hit = index.lookup(list(range(70)), (3, 10, 12))
-        assert hit is not None and hit.encoded == (kind != "raw")
+    # every record noted, random crops (TRAIN: row by row) included
+    hit = index.lookup(list(range(70)), (3, 10, 12))
+    assert hit is not None and hit.encoded == (kind != "raw")
 
 
 def test_known_batches_do_not_touch_lmdb(tmp_path: Path) -> None:
@@ -220,6 +220,35 @@ def test_known_batches_do_not_touch_lmdb(tmp_path: Path) -> None:
             reader.get = refuse
             again = epochs(b, 1)[0]
         assert_same(again, first)
+
+
+@pytest.mark.parametrize("kind", ["raw", "jpg"])
+def test_random_crops_come_from_the_index_too(tmp_path: Path, kind: str) -> None:
+    """TRAIN with random crops and flips goes row by row: from the file map after the
+    first epoch, with each row's own crop and flip, equal to the checked path's."""
+    path = raw_db(tmp_path / "db", 40) if kind == "raw" else encoded_db(tmp_path / "db", 40, ".jpg")
+    kwargs: dict[str, Any] = {
+        "transform": Transform(crop_size=6, mirror=True, scale=0.5),
+        "phase": "train",
+        "mode": "epoch",
+        "order": "shuffle",
+        "seed": 3,
+    }
+    with Batches(PlainSource(path), 8, **kwargs) as plain:
+        expected = epochs(plain, 2)
+    with Batches(path, 8, **kwargs) as b:
+        first = epochs(b, 1)[0]
+        reader: Any = b._reader
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError("LMDB read")
+
+        reader.transaction = refuse
+        reader.get = refuse
+        second = epochs(b, 1)[0]
+    assert_same(first, expected[0])
+    assert_same(second, expected[1])
+    assert not all(np.array_equal(x.data, y.data) for x, y in zip(first, second, strict=True))
 
 
 def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> None:

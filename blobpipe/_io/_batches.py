@@ -618,7 +618,7 @@ class Batches:
         if known is not None:
             record_shape = known  # read and checked before: fill() reads it from the index
         else:
-            first = self._read(keys[0])
+            first = self._read(keys[0], learn=indices[0])
             record_shape = cast(tuple[int, int, int], tuple(first[0].shape))
         try:
             # validates the record against the transform and caches what fill needs
@@ -640,13 +640,31 @@ class Batches:
         )
 
     def _read(
-        self, key: bytes, get: Callable[[bytes], bytes | memoryview] | None = None
+        self,
+        key: bytes,
+        get: Callable[[bytes], bytes | memoryview] | None = None,
+        learn: int | None = None,
     ) -> tuple[np.ndarray, int]:
+        """Record ``key``'s ``(C, H, W)`` pixels and label, checked; an encoded one
+        is noted in the record index as record ``learn``."""
         t = self._transform
         buf = (get or self._reader.get)(key)
         # OpenCV decodes on the checked paths ("Which JPEG decoder" above)
         flag = _imread_flag(t.force_color, t.force_gray)
-        chw, label = _view(buf, flag, DEFAULT_MAX_PIXELS, key, self._path, fast_jpeg=False)
+        p = parse_datum(buf, key=key, path=self._path)
+        chw, label = _view(p, flag, DEFAULT_MAX_PIXELS, key, self._path, fast_jpeg=False)
+        index = self._record_index() if learn is not None else None
+        if (
+            index is not None
+            and learn is not None
+            and p.encoded
+            and p.data is not None
+            and chw.dtype == _U1
+        ):
+            # a copy (bytes) works too: the payload is found in the value's first
+            # bytes and compared with the file's in full
+            c, h, w = chw.shape
+            index.learn_encoded(learn, memoryview(buf), p.data, int(label), (c, h, w))
         return chw, int(label)
 
     # -- filling -----------------------------------------------------------------------------
@@ -749,32 +767,71 @@ class Batches:
         index = self._record_index()
         if index is None:
             return False
-        block = self._block(plan.record_shape, stop - start)
-        if block is None:
-            return False
         rows = index.lookup(plan.indices[start:stop], plan.record_shape)
         if rows is None:
             return False
+        block = self._block(plan.record_shape, stop - start)
+        if block is None:  # random crops (TRAIN), or a single row: record by record
+            if not self._fill_indexed_each(index, rows, plan, data_out, start, params_out):
+                return False
+            label_out[start:stop] = rows.labels
+            return True
         out = data_out[start:stop]
         if rows.encoded:
-            if not self._decode_indexed(index, rows, plan, block, out, start):
+            stage = self._decode_indexed(index, rows, plan, start)
+            if stage is None:
                 return False
+            block.apply(stage.transpose(0, 3, 1, 2), out)
         else:
             _apply_raw_runs(index.file, rows, plan.record_shape, block, out)
         label_out[start:stop] = rows.labels
         self._finish_block(block, plan, data_out, start, stop, params_out)
         return True
 
-    def _decode_indexed(
+    def _fill_indexed_each(
         self,
         index: RecordIndex,
         rows: IndexedRows,
         plan: BatchPlan,
-        block: _Block,
-        out: np.ndarray,
+        data_out: np.ndarray,
         start: int,
+        params_out: npt.NDArray[np.int32] | None,
     ) -> bool:
-        """Decode indexed encoded rows straight from the file map, then transform the block."""
+        """Indexed rows transformed one by one, as ``_fill_each`` does (each row's
+        own crop and flip), from the file map instead of LMDB and the Datum."""
+        t = self._transform
+        phase = self._phase
+        shape = plan.record_shape
+        info = t._shape_info(shape, phase)
+        if info.out_shape != plan.data_shape[1:]:
+            return False  # the checked path names the problem
+        if rows.encoded:
+            stage = self._decode_indexed(index, rows, plan, start)
+            if stage is None:
+                return False
+            chws: Sequence[np.ndarray] = stage.transpose(0, 3, 1, 2)
+        else:
+            file = index.file
+            chws = [np.ndarray(shape, _U1, buffer=file, offset=o) for o in rows.offsets.tolist()]
+        fixed = info.fixed
+        mean = info.mean
+        words = plan.words
+        apply = t._apply_fast
+        for r, chw in enumerate(chws):
+            row = start + r
+            params = (
+                fixed if fixed is not None else t.record_params(shape, phase=phase, word=words[row])
+            )
+            apply(chw, data_out[row], params, mean)
+            if params_out is not None:
+                params_out[row] = (params.h_off, params.w_off, params.mirror)
+        return True
+
+    def _decode_indexed(
+        self, index: RecordIndex, rows: IndexedRows, plan: BatchPlan, start: int
+    ) -> npt.NDArray[np.uint8] | None:
+        """Indexed encoded rows decoded straight from the file map into a per-thread
+        ``(rows, H, W, C)`` staging block; None if one does not decode as noted."""
         cv2 = _opencv()
         t = self._transform
         flag = _imread_flag(t.force_color, t.force_gray)
@@ -783,7 +840,7 @@ class Batches:
         imdecode = cv2.imdecode
         first = plan._first if start == 0 else None
         # Every image is decoded into a per-thread staging block (HWC, as the
-        # decoders write), then the block is transformed at once. JPEGs the
+        # decoders write), which the caller transforms at once. JPEGs the
         # index found simplejpeg may decode (noted per record on its first
         # indexed read) go to it straight, into their row of the block (no
         # allocation sized by the file's bytes); the rest, and any it refuses,
@@ -815,10 +872,9 @@ class Batches:
             img = imdecode(data, flag)
             # the same bytes decoded to this shape before; anything else: the checked path
             if img is None or img.dtype != _U1 or img.size != h * w * c or img.shape[:2] != (h, w):
-                return False
+                return None
             stage[r] = img.reshape(h, w, c)
-        block.apply(stage.transpose(0, 3, 1, 2), out)
-        return True
+        return stage
 
     def _fill_rows(
         self,
@@ -988,7 +1044,7 @@ class Batches:
             if row == 0 and plan._first is not None:
                 chw, label = plan._first
             else:
-                chw, label = self._read(key, get)
+                chw, label = self._read(key, get, plan.indices[row])
             try:
                 info = t._shape_info(chw.shape, phase)
                 if info.out_shape != expected:
