@@ -431,11 +431,13 @@ class _WarmAsync:
     loader prefetches the next epoch's first batches, as it does between
     epochs; those ``prefetch`` batches are not counted (see ``_head_start``)."""
 
-    def __init__(self, path: Path, workers: int, dtype: str) -> None:
+    def __init__(
+        self, path: Path, workers: int, dtype: str, loader: blobpipe.Loader | None = None
+    ) -> None:
         self._requests: queue.SimpleQueue[concurrent.futures.Future[Any] | None] = (
             queue.SimpleQueue()
         )
-        self._loader = _loader(path, workers, dtype)
+        self._loader = _loader(path, workers, dtype) if loader is None else loader
         self._thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True)
         self._thread.start()
         _SESSIONS.append(self)

@@ -254,3 +254,34 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
     assert doc["pinned_peak_gbps"] > 0
     assert len(doc["loader_throughput"]) == 2
     assert doc["training"][0]["wall_s"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_bench_train_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_train.py"),
+            "--quick",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for label in (
+        "plain loop, TRAIN recipe (raw)",
+        "blobpipe, TRAIN recipe (raw), async, workers=2",
+        "plain loop, TRAIN recipe (JPEG)",
+        "blobpipe, TRAIN recipe (JPEG), async, workers=2, incl. open+close",
+    ):
+        assert label in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["crop"] == 56
+    assert len(doc["rows"]) == 6 and all(row["median"] > 0 for row in doc["rows"])

@@ -426,3 +426,88 @@ def test_index_in_a_forked_child(tmp_path: Path, kind: str) -> None:
             )
 
         assert _child(child) == 0
+
+
+def _mean_file(path: Path, shape: tuple[int, int, int]) -> Path:
+    from blobpipe._proto import caffe_pb2
+
+    mean = np.random.default_rng(9).uniform(0, 255, shape).astype(np.float32)
+    proto = caffe_pb2.BlobProto(num=1, channels=shape[0], height=shape[1], width=shape[2])
+    proto.data.extend(mean.reshape(-1).tolist())
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+TRAIN_CROPS: dict[str, dict[str, Any]] = {
+    "mean_file": {"crop_size": 7, "mirror": True, "scale": 0.017, "mean": True},
+    "mean_value_nhwc": {
+        "crop_size": 9,
+        "mirror": True,
+        "mean_value": (1, 2.5, 3),
+        "layout": "NHWC",
+    },
+    "uint8": {"crop_size": 5, "mirror": True, "dtype": "uint8"},
+    "no_mirror": {"crop_size": 10, "scale": 0.5},
+    "full_crop": {"crop_size": 10, "mirror": True},  # the crop is the whole height
+}
+
+
+@pytest.mark.parametrize("config", sorted(TRAIN_CROPS))
+@pytest.mark.parametrize("kind", ["raw", "jpg"])
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_train_crops_from_the_index_equal_the_checked_path(
+    tmp_path: Path, config: str, kind: str, batch_size: int
+) -> None:
+    """The whole-range crop gather (TRAIN crops, single rows) equals ``_apply_fast`` row
+    by row: pixels, labels and the params a device transform receives."""
+    path = raw_db(tmp_path / "db", 23) if kind == "raw" else encoded_db(tmp_path / "db", 23, ".jpg")
+    kw = dict(TRAIN_CROPS[config])
+    if kw.pop("mean", False):
+        kw["mean_file"] = _mean_file(tmp_path / "mean.binaryproto", (3, 10, 12))
+    kwargs: dict[str, Any] = {
+        "transform": Transform(**kw),
+        "phase": "train",
+        "mode": "epoch",
+        "order": "shuffle",
+        "seed": 11,
+    }
+    index = indexed_equals_checked(path, batch_size, 3, **kwargs)
+    assert index is not None
+    hit = index.lookup(list(range(23)), (3, 10, 12))
+    assert hit is not None and hit.encoded == (kind == "jpg")
+
+    def params_of(source: Any) -> list[np.ndarray]:
+        out = []
+        with Batches(source, batch_size, **kwargs) as b:
+            for _ in range(2):  # the second epoch comes from the index
+                while (plan := b.next_plan()) is not None:
+                    data = np.empty(plan.data_shape, plan.dtype)
+                    params = np.empty((len(plan), 3), np.int32)
+                    b.fill(plan, data, np.empty(len(plan), np.float32), params_out=params)
+                    out.append(params)
+        return out
+
+    got, want = params_of(path), params_of(PlainSource(path))
+    assert len(got) == len(want)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    words=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20),
+    h=st.integers(1, 40),
+    w=st.integers(1, 40),
+    crop=st.integers(0, 40),
+    mirror=st.booleans(),
+    phase=st.sampled_from(["train", "test"]),
+)
+def test_record_params_block_equals_record_params(
+    words: list[int], h: int, w: int, crop: int, mirror: bool, phase: Any
+) -> None:
+    if crop > min(h, w):
+        crop = min(h, w)
+    t = Transform(crop_size=crop, mirror=mirror)
+    h_off, w_off, flip = t._record_params_block((3, h, w), phase, np.array(words, np.uint64))
+    for i, word in enumerate(words):
+        p = t.record_params((3, h, w), phase=phase, word=word)
+        assert (int(h_off[i]), int(w_off[i]), bool(flip[i])) == (p.h_off, p.w_off, p.mirror)

@@ -392,6 +392,26 @@ class Transform:
                 w_off = (w - crop) // 2
         return RecordParams(h_off, w_off, self._mirror and bool(word & 1))
 
+    def _record_params_block(
+        self, record_shape: tuple[int, int, int], phase: Phase, words: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+        """:meth:`record_params` for many records of one shape at once: arrays of
+        ``h_off``, ``w_off`` and ``mirror`` (the same formulas, in uint64; the
+        caller has checked the crop fits)."""
+        _, h, w = record_shape
+        crop = self._crop
+        n = len(words)
+        if crop and phase == "train":
+            h_off = ((words >> 1) & 0x7FFFFFFF) % (h - crop + 1)
+            w_off = (words >> 32) % (w - crop + 1)
+        elif crop:
+            h_off = np.full(n, (h - crop) // 2, np.uint64)
+            w_off = np.full(n, (w - crop) // 2, np.uint64)
+        else:
+            h_off = w_off = np.zeros(n, np.uint64)
+        mirror = (words & 1).astype(np.bool_) if self._mirror else np.zeros(n, np.bool_)
+        return h_off.astype(np.intp), w_off.astype(np.intp), mirror
+
     # -- the hot path -------------------------------------------------------------------------
 
     def apply_into(
