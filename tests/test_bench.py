@@ -13,25 +13,18 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def run_quick(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``bench/script --quick`` with its LMDB cache under ``tmp_path``; must exit 0."""
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--data-dir", str(tmp_path / "data")]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=80, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 @pytest.mark.timeout(90)
 def test_bench_loader_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "bench_loader.py"),
-            "--quick",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_quick("bench_loader.py", tmp_path, "--json", str(out))
     text = proc.stdout
     assert "| row | img/s (median) | ratio | to | target | result |" in text
     for label in (
@@ -52,21 +45,7 @@ def test_bench_loader_quick(tmp_path: Path) -> None:
         1.5
     ) == 1
     # a second run reuses the cached LMDBs
-    again = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "bench_loader.py"),
-            "--quick",
-            "--no-torch",
-            "--data-dir",
-            str(tmp_path / "data"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        check=False,
-    )
-    assert again.returncode == 0, again.stderr[-4000:]
+    again = run_quick("bench_loader.py", tmp_path, "--no-torch")
     assert "(cached)" in again.stdout
     assert "skipped: --no-torch" in again.stdout
 
@@ -259,22 +238,7 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_bench_train_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "bench_train.py"),
-            "--quick",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_quick("bench_train.py", tmp_path, "--json", str(out))
     for label in (
         "plain loop, TRAIN recipe (raw)",
         "blobpipe, TRAIN recipe (raw), async, workers=2",

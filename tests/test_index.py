@@ -203,6 +203,17 @@ def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind:
     assert hit is not None and hit.encoded == (kind != "raw")
 
 
+def refuse_lmdb(b: Batches) -> None:
+    """Make every LMDB read of ``b`` fail the test."""
+    reader: Any = b._reader
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("LMDB read")
+
+    reader.transaction = refuse
+    reader.get = refuse
+
+
 def test_known_batches_do_not_touch_lmdb(tmp_path: Path) -> None:
     """After the first epoch, batches come from the file map only."""
     for path, t in [
@@ -211,13 +222,7 @@ def test_known_batches_do_not_touch_lmdb(tmp_path: Path) -> None:
     ]:
         with Batches(path, 8, transform=t, mode="epoch") as b:
             first = epochs(b, 1)[0]
-            reader: Any = b._reader
-
-            def refuse(*args: object, **kwargs: object) -> None:
-                raise AssertionError("LMDB read")
-
-            reader.transaction = refuse
-            reader.get = refuse
+            refuse_lmdb(b)
             again = epochs(b, 1)[0]
         assert_same(again, first)
 
@@ -238,13 +243,7 @@ def test_random_crops_come_from_the_index_too(tmp_path: Path, kind: str) -> None
         expected = epochs(plain, 2)
     with Batches(path, 8, **kwargs) as b:
         first = epochs(b, 1)[0]
-        reader: Any = b._reader
-
-        def refuse(*args: object, **kwargs: object) -> None:
-            raise AssertionError("LMDB read")
-
-        reader.transaction = refuse
-        reader.get = refuse
+        refuse_lmdb(b)
         second = epochs(b, 1)[0]
     assert_same(first, expected[0])
     assert_same(second, expected[1])
