@@ -805,6 +805,18 @@ def measure(rows: list[Row], repeats: int) -> list[float]:
     return headroom
 
 
+def measure_all(rows: list[Row], repeats: int) -> tuple[float, list[float], float]:
+    """:func:`measure`, then close the kept-open loaders: (load average at the start,
+    the headroom per round, seconds taken)."""
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        headroom = measure(rows, repeats)
+    finally:
+        close_sessions()
+    return load0, headroom, time.perf_counter() - t0
+
+
 def _run_once(row: Row, rep: int, firsts: dict[str, np.ndarray]) -> None:
     if row.run is None:
         return
@@ -901,13 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline_copy(raw),
         baseline_copy(jpeg),
     )
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    try:
-        headroom = measure(rows, args.repeats)
-    finally:
-        close_sessions()
-    elapsed = time.perf_counter() - t0
+    load0, headroom, elapsed = measure_all(rows, args.repeats)
 
     cpus = os.cpu_count() or 1
     print(

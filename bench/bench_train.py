@@ -32,7 +32,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,9 +54,8 @@ from bench_loader import (
     _async_epoch,
     _KeptOpen,
     _WarmAsync,
-    close_sessions,
     markdown,
-    measure,
+    measure_all,
 )
 
 import blobpipe
@@ -198,13 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(
         raw, jpeg, args.records, args.jpeg_records, baseline_copy(raw), baseline_copy(jpeg)
     )
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    try:
-        headroom = measure(rows, args.repeats)
-    finally:
-        close_sessions()
-    elapsed = time.perf_counter() - t0
+    load0, headroom, elapsed = measure_all(rows, args.repeats)
     print(
         f"TRAIN recipe: {'×'.join(map(str, SHAPE))} uint8 Datums, random {CROP}×{CROP} crop, "
         f"mirror, shuffle, scale 1/256, batch {BATCH}, device cpu; median of {args.repeats} "
