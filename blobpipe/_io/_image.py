@@ -294,17 +294,13 @@ def fast_decoder() -> Callable[..., np.ndarray] | None:
 
 
 def decode_jpeg(
-    data: bytes | memoryview,
-    flag: int,
-    out: np.ndarray | None = None,
-    frame: JpegFrame | None = None,
+    data: bytes | memoryview, flag: int, frame: JpegFrame | None = None
 ) -> np.ndarray | None:
     """``cv2.imdecode(data, flag)`` through libjpeg-turbo's TurboJPEG API, or None.
 
-    Returns an ``(H, W, 3)`` BGR array, or ``(H, W)`` gray, as OpenCV would.
-    ``out``, when given, is a uint8 buffer the image is decoded into (the result
-    is a view of it); a larger image is not decoded. ``frame``: the bytes' frame
-    header (:func:`jpeg_frame`), when the caller has read it already. None
+    Returns a new ``(H, W, 3)`` BGR array, or ``(H, W)`` gray, as OpenCV would.
+    ``frame``: the bytes' frame header (:func:`jpeg_frame`), when the caller has
+    read it already (and checked its size: simplejpeg allocates what it says). None
     means: not a JPEG, or one this decoder leaves to OpenCV
     (:func:`fast_channels`), or simplejpeg is off or failed; decode with OpenCV.
     """
@@ -318,7 +314,7 @@ def decode_jpeg(
     if not channels:
         return None
     try:
-        img = decode(data, colorspace=COLORSPACE[channels], buffer=out)
+        img = decode(data, colorspace=COLORSPACE[channels])
     except Exception:  # corrupt, truncated, unsupported, too large: OpenCV decides
         return None
     if channels == 1:
