@@ -510,3 +510,40 @@ def test_record_params_block_equals_record_params(
     for i, word in enumerate(words):
         p = t.record_params((3, h, w), phase=phase, word=word)
         assert (int(h_off[i]), int(w_off[i]), bool(flip[i])) == (p.h_off, p.w_off, p.mirror)
+
+
+@pytest.mark.parametrize("ext", [".jpg", ".png"])
+def test_train_crops_over_images_of_several_sizes(tmp_path: Path, ext: str) -> None:
+    """Encoded images of different sizes, cropped to one (TRAIN): after the first
+    epoch every batch comes from the file map, one pass per size, equal to the
+    checked path (pixels, labels, crop params)."""
+    sizes = [(10, 12), (12, 10), (14, 16), (9, 9)]
+
+    def encode(i: int) -> bytes:
+        h, w = sizes[i % len(sizes)]
+        pix = np.ascontiguousarray(image(i, (3, h, w)).transpose(1, 2, 0))
+        ok, buf = cv2.imencode(ext, pix)
+        assert ok
+        return blobpipe.encode_encoded_datum(buf.tobytes(), i)
+
+    path = write_lmdb(tmp_path / "db", [(key(i), encode(i)) for i in range(30)])
+    kwargs: dict[str, Any] = {
+        "transform": Transform(crop_size=8, mirror=True, mean_value=(3, 2, 1), scale=0.5),
+        "phase": "train",
+        "mode": "epoch",
+        "order": "shuffle",
+        "seed": 5,
+    }
+    with Batches(PlainSource(path), 7, **kwargs) as plain:
+        expected = epochs(plain, 3)
+    with Batches(path, 7, **kwargs) as b:
+        got = epochs(b, 1)
+        refuse_lmdb(b)
+        got += epochs(b, 2)
+        index = b._index
+        assert index is not None
+        groups = index.lookup_shapes(range(30))
+    for e in range(3):
+        assert_same(got[e], expected[e])
+    assert groups is not None
+    assert sorted(shape for shape, _, _ in groups) == sorted((3, h, w) for h, w in sizes)

@@ -768,18 +768,28 @@ class Batches:
         index = self._record_index()
         if index is None:
             return False
-        rows = index.lookup(plan.indices[start:stop], plan.record_shape)
+        indices = plan.indices[start:stop]
+        rows = index.lookup(indices, plan.record_shape)
+        block = self._block(plan.record_shape, stop - start)
+        if block is None:  # random crops (TRAIN), or a single row: each row its own crop
+            groups = index.lookup_shapes(indices) if rows is None else None
+            if rows is not None:
+                groups = [(plan.record_shape, np.arange(stop - start), rows)]
+            if groups is None:
+                return False
+            for shape, positions, group in groups:  # images of several sizes: one pass each
+                at = positions + start
+                if not self._fill_indexed_each(index, group, shape, at, plan, data_out, params_out):
+                    return False
+                label_out[at] = group.labels
+            return True
         if rows is None:
             return False
-        block = self._block(plan.record_shape, stop - start)
-        if block is None:  # random crops (TRAIN), or a single row: record by record
-            if not self._fill_indexed_each(index, rows, plan, data_out, start, params_out):
-                return False
-            label_out[start:stop] = rows.labels
-            return True
         out = data_out[start:stop]
         if rows.encoded:
-            stage = self._decode_indexed(index, rows, plan, start)
+            stage = self._decode_indexed(
+                index, rows, plan.record_shape, self._first_of(plan, start)
+            )
             if stage is None:
                 return False
             block.apply(stage.transpose(0, 3, 1, 2), out)
@@ -789,33 +799,39 @@ class Batches:
         self._finish_block(block, plan, data_out, start, stop, params_out)
         return True
 
+    @staticmethod
+    def _first_of(plan: BatchPlan, row: int) -> np.ndarray | None:
+        """Row ``row``'s pixels if next_plan decoded them already (row 0), else None."""
+        return plan._first[0] if row == 0 and plan._first is not None else None
+
     def _fill_indexed_each(
         self,
         index: RecordIndex,
         rows: IndexedRows,
+        shape: tuple[int, int, int],
+        at: npt.NDArray[np.intp],
         plan: BatchPlan,
         data_out: np.ndarray,
-        start: int,
         params_out: npt.NDArray[np.int32] | None,
     ) -> bool:
-        """Indexed rows with a crop and flip of their own (TRAIN with a crop, or a
-        single row), from the file map: ``_apply_fast``'s operations on the whole
-        range at once. Each row's crop is gathered by one numpy call for all rows
-        (a sliding-window view indexed by the rows' offsets), so two workers do
-        not wait on each other's GIL for every row's small copies."""
+        """Indexed rows of ``shape`` with a crop and flip of their own (TRAIN with a
+        crop, or a single row), from the file map into rows ``at`` of ``data_out``:
+        ``_apply_fast``'s operations on all of them at once. Their crops are
+        gathered by one numpy call (a sliding-window view indexed by the rows'
+        offsets), so two workers do not wait on each other's GIL for every row's
+        small copies."""
         t = self._transform
         phase = self._phase
-        shape = plan.record_shape
         info = t._shape_info(shape, phase)
         if info.out_shape != plan.data_shape[1:]:
             return False  # the checked path names the problem
         c, h, w = shape
-        n = len(rows.offsets)
+        n = len(at)
         ch, cw = (t.crop_size, t.crop_size) if t.crop_size else (h, w)
-        words = np.fromiter(plan.words[start : start + n], np.uint64, n)
+        words = np.fromiter((plan.words[i] for i in at.tolist()), np.uint64, n)
         h_off, w_off, mirror = t._record_params_block(shape, phase, words)
         if rows.encoded:
-            stage = self._decode_indexed(index, rows, plan, start)
+            stage = self._decode_indexed(index, rows, shape, self._first_of(plan, int(at[0])))
             if stage is None:
                 return False
             images: np.ndarray = stage.transpose(0, 3, 1, 2)
@@ -840,7 +856,14 @@ class Batches:
         if t.layout == "NHWC":
             block = block.transpose(0, 2, 3, 1)
             mean = None if mean is None else mean.transpose(0, 2, 3, 1)
-        out = data_out[start : start + n]
+        # rows of another size between these: transform aside, then scatter
+        first, last = int(at[0]), int(at[-1])
+        contiguous = last - first + 1 == n
+        out = (
+            data_out[first : last + 1]
+            if contiguous
+            else np.empty((n, *data_out.shape[1:]), data_out.dtype)
+        )
         scale = t.scale
         if out.dtype == _U1:
             np.copyto(out, block)
@@ -852,24 +875,30 @@ class Batches:
                 np.subtract(out, mean, out=out)
             if scale != 1:
                 np.multiply(out, scale, out=out)
+        if not contiguous:
+            data_out[at] = out
         if params_out is not None:
-            params_out[start : start + n, 0] = h_off
-            params_out[start : start + n, 1] = w_off
-            params_out[start : start + n, 2] = mirror
+            params_out[at, 0] = h_off
+            params_out[at, 1] = w_off
+            params_out[at, 2] = mirror
         return True
 
     def _decode_indexed(
-        self, index: RecordIndex, rows: IndexedRows, plan: BatchPlan, start: int
+        self,
+        index: RecordIndex,
+        rows: IndexedRows,
+        shape: tuple[int, int, int],
+        first: np.ndarray | None,
     ) -> npt.NDArray[np.uint8] | None:
-        """Indexed encoded rows decoded straight from the file map into a per-thread
-        ``(rows, H, W, C)`` staging block; None if one does not decode as noted."""
+        """Indexed encoded rows of ``shape`` decoded straight from the file map into a
+        per-thread ``(rows, H, W, C)`` staging block; None if one does not decode as
+        noted. ``first``: the first row's ``(C, H, W)`` pixels, if decoded already."""
         cv2 = _opencv()
         t = self._transform
         flag = _imread_flag(t.force_color, t.force_gray)
-        c, h, w = plan.record_shape
+        c, h, w = shape
         file = index.file
         imdecode = cv2.imdecode
-        first = plan._first if start == 0 else None
         # Every image is decoded into a per-thread staging block (HWC, as the
         # decoders write), which the caller transforms at once. JPEGs the
         # index found simplejpeg may decode (noted per record on its first
@@ -891,7 +920,7 @@ class Batches:
             zip(rows.offsets.tolist(), rows.lengths.tolist(), fast, strict=True)
         ):
             if r == 0 and first is not None:
-                stage[0] = first[0].transpose(1, 2, 0)  # decoded by next_plan already
+                stage[0] = first.transpose(1, 2, 0)  # decoded by next_plan already
                 continue
             data = file[off : off + length]
             if channels and decode is not None:

@@ -155,6 +155,34 @@ class RecordIndex:
             encoded, self._offset[idx], self._length[idx], self._label[idx], self._fast[idx], idx
         )
 
+    def lookup_shapes(
+        self, indices: Sequence[int]
+    ) -> list[tuple[tuple[int, int, int], npt.NDArray[np.intp], IndexedRows]] | None:
+        """The rows ``indices`` grouped by shape: ``(shape, positions in indices,
+        rows)`` per shape, if every row is known and all are encoded or all raw;
+        else None. (Images of several sizes cropped to one size: TRAIN crops.)"""
+        idx = np.fromiter(indices, np.intp, len(indices))
+        kinds = self._kind[idx]
+        if ((kinds == 0) | (kinds == _OTHER)).any():
+            return None
+        encoded = kinds < 0
+        if encoded.any() and not encoded.all():
+            return None
+        groups = []
+        for kind in np.unique(kinds).tolist():
+            positions = np.flatnonzero(kinds == kind)
+            sub = idx[positions]
+            rows = IndexedRows(
+                kind < 0,
+                self._offset[sub],
+                self._length[sub],
+                self._label[sub],
+                self._fast[sub],
+                sub,
+            )
+            groups.append((self._shapes[abs(kind) - 1], positions, rows))
+        return groups
+
     def fast_channels(self, rows: IndexedRows, flag: int) -> list[int]:
         """Per encoded row, the channels simplejpeg decodes it to with imdecode
         ``flag`` (the same for every record of this index), 0 where OpenCV does
