@@ -772,14 +772,19 @@ class Batches:
         rows = index.lookup(indices, plan.record_shape)
         block = self._block(plan.record_shape, stop - start)
         if block is None:  # random crops (TRAIN), or a single row: each row its own crop
-            groups = index.lookup_shapes(indices) if rows is None else None
+            each = self._fill_indexed_each
             if rows is not None:
-                groups = [(plan.record_shape, np.arange(stop - start), rows)]
+                rng = slice(start, stop)
+                if not each(index, rows, plan.record_shape, rng, plan, data_out, params_out):
+                    return False
+                label_out[rng] = rows.labels
+                return True
+            groups = index.lookup_shapes(indices)
             if groups is None:
                 return False
             for shape, positions, group in groups:  # images of several sizes: one pass each
                 at = positions + start
-                if not self._fill_indexed_each(index, group, shape, at, plan, data_out, params_out):
+                if not each(index, group, shape, at, plan, data_out, params_out):
                     return False
                 label_out[at] = group.labels
             return True
@@ -809,13 +814,14 @@ class Batches:
         index: RecordIndex,
         rows: IndexedRows,
         shape: tuple[int, int, int],
-        at: npt.NDArray[np.intp],
+        at: slice | npt.NDArray[np.intp],
         plan: BatchPlan,
         data_out: np.ndarray,
         params_out: npt.NDArray[np.int32] | None,
     ) -> bool:
         """Indexed rows of ``shape`` with a crop and flip of their own (TRAIN with a
-        crop, or a single row), from the file map into rows ``at`` of ``data_out``:
+        crop, or a single row), from the file map into rows ``at`` (a slice, or
+        positions in increasing order) of ``data_out``:
         ``_apply_fast``'s operations on all of them at once. Their crops are
         gathered by one numpy call (a sliding-window view indexed by the rows'
         offsets), so two workers do not wait on each other's GIL for every row's
@@ -826,12 +832,17 @@ class Batches:
         if info.out_shape != plan.data_shape[1:]:
             return False  # the checked path names the problem
         c, h, w = shape
-        n = len(at)
+        n = len(rows.offsets)
         ch, cw = (t.crop_size, t.crop_size) if t.crop_size else (h, w)
-        words = np.fromiter((plan.words[i] for i in at.tolist()), np.uint64, n)
+        if isinstance(at, slice):
+            first = at.start
+            words = np.fromiter(plan.words[at], np.uint64, n)
+        else:  # rows of another size lie between these
+            first = int(at[0])
+            words = np.array([plan.words[i] for i in at.tolist()], np.uint64)
         h_off, w_off, mirror = t._record_params_block(shape, phase, words)
         if rows.encoded:
-            stage = self._decode_indexed(index, rows, shape, self._first_of(plan, int(at[0])))
+            stage = self._decode_indexed(index, rows, shape, self._first_of(plan, first))
             if stage is None:
                 return False
             images: np.ndarray = stage.transpose(0, 3, 1, 2)
@@ -857,11 +868,9 @@ class Batches:
             block = block.transpose(0, 2, 3, 1)
             mean = None if mean is None else mean.transpose(0, 2, 3, 1)
         # rows of another size between these: transform aside, then scatter
-        first, last = int(at[0]), int(at[-1])
-        contiguous = last - first + 1 == n
         out = (
-            data_out[first : last + 1]
-            if contiguous
+            data_out[at]
+            if isinstance(at, slice)
             else np.empty((n, *data_out.shape[1:]), data_out.dtype)
         )
         scale = t.scale
@@ -875,7 +884,7 @@ class Batches:
                 np.subtract(out, mean, out=out)
             if scale != 1:
                 np.multiply(out, scale, out=out)
-        if not contiguous:
+        if not isinstance(at, slice):
             data_out[at] = out
         if params_out is not None:
             params_out[at, 0] = h_off
