@@ -806,3 +806,53 @@ def test_raw_and_encoded_records_in_one_batch(
     assert np.array_equal(
         np.concatenate([x.label for x in four]), np.concatenate([x.label for x in one])
     )
+
+
+@pytest.mark.parametrize("phase", ["test", "train"])
+def test_encoded_first_reads_equal_caffe_record_by_record(tmp_path: Path, phase: Any) -> None:
+    """A batch led by an encoded record, first read (every row checked, decoded in one
+    run, transformed as a block): each row equals Caffe's per-record arithmetic on
+    OpenCV's pixels; a raw row and a PNG among JPEGs take the per-row path."""
+    import blobpipe
+
+    items = []
+    for i in range(12):
+        pix = image(i, (10, 12, 3))
+        if i == 4:
+            value = raw_datum(pix.transpose(2, 0, 1), i)
+        else:
+            value = encoded_datum(pix, ".png" if i == 7 else ".jpg", i)
+        items.append((f"{i:02d}".encode(), value))
+    db = write_lmdb(tmp_path / "mixed", items)
+    t = Transform(mean_value=(5, 10, 15), scale=0.25, mirror=True)
+    with Batches(db, 6, transform=t, phase=phase, seed=3, mode="epoch") as b:
+        got = list(islice(iter(b), 2))
+    values = dict(items)
+    for batch in got:
+        for row, key in enumerate(batch.keys):
+            chw, label = blobpipe.decode_datum(values[key])
+            want = t(chw, phase=phase, seed=3, epoch=0, index=int(key))
+            assert np.array_equal(batch.data[row], want), key
+            assert batch.label[row] == label
+
+
+@pytest.mark.parametrize("bad", ["truncated", "huge"])
+def test_a_bad_image_fails_its_encoded_batch_naming_the_key(tmp_path: Path, bad: str) -> None:
+    items = [
+        (f"{i:02d}".encode(), encoded_datum(image(i, (10, 12, 3)), ".jpg", i)) for i in range(8)
+    ]
+    jpeg = cv2.imencode(".jpg", image(5, (10, 12, 3)))[1].tobytes()
+    if bad == "truncated":
+        broken = jpeg[:30]
+    else:  # the frame header announces 60000×60000 pixels
+        at = jpeg.index(b"\xff\xc0")
+        broken = jpeg[: at + 5] + (60000).to_bytes(2, "big") * 2 + jpeg[at + 9 :]
+    items[5] = (b"05", caffe_pb2.Datum(data=broken, encoded=True, label=5).SerializeToString())
+    db = write_lmdb(tmp_path / "bad", items)
+    message = "cannot decode" if bad == "truncated" else "announces 60000×60000 pixels"
+    with Batches(db, 4, phase="test") as b:
+        it = iter(b)
+        first = next(it)
+        with pytest.raises(DataError, match=rf"{message}.*record key b'05'"):
+            next(it)
+    assert first.label.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -43,14 +43,16 @@ Randomness of a record (crop offset, mirror) depends only on
 Which JPEG decoder
 ------------------
 Both give OpenCV's pixels (``_image.py``); what differs is how they share the
-GIL between worker threads. The checked paths (LMDB lookup, Datum checks, per
-record Python) decode with OpenCV, which releases the GIL once per image:
-while one thread decodes, the other runs its Python. simplejpeg releases it
-twice (header, then pixels); after the short first release the thread must
-wait for the other's Python before it can go on, and two workers measured
-0.69–1.44× a plain loop on first epochs (OpenCV: 1.37–1.47×). The indexed path
-has little Python per image, so it calls simplejpeg, which is ~1.5× faster per
-image there (``_decode_indexed``).
+GIL between worker threads. simplejpeg releases it twice per image (header,
+then pixels), OpenCV once; after the short first release a thread must wait
+for the other's Python before it can go on. Where images are decoded one after
+another with little Python between them — known records (``_decode_indexed``)
+and first reads of a batch led by an encoded record, checked first and then
+decoded in one run (``_fill_encoded``) — simplejpeg is used, ~1.5× faster per
+image. Where each record's checks sit between two decodes (the per-row path:
+random crops on first reads, rows that failed the block path) OpenCV decodes:
+there simplejpeg with two workers measured 0.69–1.44× a plain loop on first
+epochs, OpenCV 1.37–1.47×.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ from numpy.lib.stride_tricks import as_strided, sliding_window_view
 from .._errors import BlobpipeError, DataError, ShapeError, StateError
 from ._datum import (
     DEFAULT_MAX_PIXELS,
+    ParsedDatum,
+    _image_header,
     _imread_flag,
     _view,
     copy_raw,
@@ -77,7 +81,15 @@ from ._datum import (
     parse_datum,
     raw_block,
 )
-from ._image import COLORSPACE, _opencv, fast_decoder
+from ._image import (
+    COLORSPACE,
+    JpegFrame,
+    _opencv,
+    decode_jpeg,
+    fast_decoder,
+    jpeg_channels,
+    jpeg_sampling,
+)
 from ._index import IndexedRows, RecordIndex
 from ._lmdb import LmdbReader
 from ._lmdbfile import value_extents
@@ -1003,22 +1015,20 @@ class Batches:
                 return
         n = stop - start
         out = data_out[start:stop]
+        if encoded:
+            self._fill_encoded(plan, values, block, data_out, label_out, start, params_out, get)
+            return
         # the output block itself can be the staging area only when contiguous
-        direct = block.direct and not encoded and out.flags.c_contiguous
+        direct = block.direct and out.flags.c_contiguous
         staging = out if direct else _staging(n, size)
         flat = staging.reshape(n, size)
         pixels = staging.reshape(n, c, h, w)
         slow: list[int] = []
         t = self._transform
         flag = _imread_flag(t.force_color, t.force_gray)
-        if encoded:
-            # Decoded one by one (OpenCV releases the GIL); every row, decoded or
-            # raw, is laid out and widened straight into its output row while in
-            # cache (load_row), and the block gets the mean and scale at the end.
-            rest: Sequence[int] = range(n)
-        else:
-            # Records laid out as convert_imageset writes them are copied all at once.
-            rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
+        # Records laid out as convert_imageset writes them are copied all at once;
+        # the rest (an encoded record among raw ones, say) one by one.
+        rest = gather_raw(values, plan.record_shape, flat, label_out[start:stop])
         for r in rest:
             i = start + r
             value = values[r]
@@ -1037,10 +1047,7 @@ class Batches:
                 if chw.dtype != _U1 or chw.shape != plan.record_shape:
                     slow.append(i)
                     continue
-                if encoded:
-                    block.load_row(chw, out[r])
-                else:
-                    pixels[r] = chw
+                pixels[r] = chw
                 label_out[i] = label
                 if (
                     p.encoded
@@ -1060,18 +1067,106 @@ class Batches:
             ):
                 slow.append(i)
                 continue
-            if encoded:
-                block.load_row(np.frombuffer(data, _U1).reshape(c, h, w), out[r])
-            else:
-                flat[r] = np.frombuffer(data, _U1)
+            flat[r] = np.frombuffer(data, _U1)
             label_out[i] = p.label
-        if encoded:
-            block.finish(out)
-        elif not direct:
+        if not direct:
             block.apply(pixels, out)
         self._finish_block(block, plan, data_out, start, stop, params_out)
         if slow:
             self._fill_each(plan, data_out, label_out, slow, params_out, get)
+
+    def _fill_encoded(
+        self,
+        plan: BatchPlan,
+        values: Sequence[bytes | memoryview | None],
+        block: _Block,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int,
+        params_out: npt.NDArray[np.int32] | None,
+        get: Callable[[bytes], bytes | memoryview],
+    ) -> None:
+        """The block path for a batch led by an encoded record, first read: check
+        every row (Datum, image header, size guard), then decode them one after
+        another into a staging block, then transform it at once. Decoding in one
+        run keeps the Python between two decodes short (see "Which JPEG decoder"),
+        so simplejpeg can be used here too. Rows that fail any step, and raw rows,
+        go through the per-row path, which raises their errors in row order."""
+        c, h, w = plan.record_shape
+        n = len(values)
+        keys = plan.keys[start : start + n]
+        path = self._path
+        t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
+        stage = _staging(n, h * w * c).reshape(n, h, w, c)
+        slow: list[int] = []
+        # (row, image bytes, channels simplejpeg decodes them to (0: OpenCV), JPEG frame)
+        todo: list[tuple[int, memoryview, int, JpegFrame | None]] = []
+        parsed: list[tuple[int, ParsedDatum]] = []
+        for r, value in enumerate(values):
+            i = start + r
+            if i == 0 and plan._first is not None:
+                stage[0] = plan._first[0].transpose(1, 2, 0)  # decoded by next_plan already
+                label_out[0] = plan._first[1]
+                continue
+            try:
+                if value is None:
+                    raise LookupError
+                p = parse_datum(value, key=keys[r], path=path)
+            except Exception:  # the per-row path reads it again and names the error
+                slow.append(i)
+                continue
+            data = p.data
+            if not p.encoded or data is None:
+                slow.append(i)  # a raw record, or no image bytes
+                continue
+            header = _image_header(data)
+            if header is None or header[0] * header[1] > DEFAULT_MAX_PIXELS:
+                slow.append(i)  # unreadable header, or too large: named there
+                continue
+            frame = header[2]
+            channels = 0
+            if frame is not None:
+                channels = jpeg_channels(flag, frame)
+                if channels and flag != -1 and bytes(data).find(b"Exif") >= 0:
+                    channels = 0
+            todo.append((r, data, channels, frame))
+            parsed.append((r, p))
+            label_out[i] = p.label
+        decode = fast_decoder()
+        sampling = jpeg_sampling()  # the process's first images: compared with OpenCV's
+        colorspace = COLORSPACE.get(c, "")
+        imdecode = _opencv().imdecode
+        for r, data, channels, frame in todo:
+            if channels and decode is not None:
+                if sampling:
+                    img = decode_jpeg(data, flag, frame)
+                    if img is not None and img.size == h * w * c and img.shape[:2] == (h, w):
+                        stage[r] = img.reshape(h, w, c)
+                        continue
+                else:
+                    try:
+                        if decode(data, colorspace=colorspace, buffer=stage[r]).shape == (h, w, c):
+                            continue
+                    except Exception:  # OpenCV decides
+                        pass
+            img = imdecode(np.frombuffer(data, _U1), flag)
+            if img is None or img.dtype != _U1 or img.size != h * w * c or img.shape[:2] != (h, w):
+                slow.append(start + r)
+                continue
+            stage[r] = img.reshape(h, w, c)
+        stop = start + n
+        block.apply(stage.transpose(0, 3, 1, 2), data_out[start:stop])
+        self._finish_block(block, plan, data_out, start, stop, params_out)
+        index = self._index
+        if index is not None:
+            failed = set(slow)
+            for r, p in parsed:
+                value = values[r]
+                if start + r not in failed and isinstance(value, memoryview) and p.data is not None:
+                    index.learn_encoded(plan.indices[start + r], value, p.data, p.label, (c, h, w))
+        if slow:  # rewritten row by row, with their own flips and params
+            self._fill_each(plan, data_out, label_out, sorted(slow), params_out, get)
 
     @staticmethod
     def _finish_block(
@@ -1276,14 +1371,6 @@ class _Block:
             np.copyto(out, src)
         else:
             out[rows] = src
-
-    def load_row(self, chw: npt.NDArray[np.uint8], out_row: np.ndarray) -> None:
-        """:meth:`load` for one uncropped ``(C, H, W)`` record into one output row."""
-        if self.crop:
-            chw = chw[:, self._hs, self._ws]
-        if self.nhwc:
-            chw = chw.transpose(1, 2, 0)
-        np.copyto(out_row, chw)
 
     def finish(self, out: np.ndarray) -> None:
         """Subtract the mean and scale ``out`` in place (nothing for uint8 output)."""

@@ -29,12 +29,13 @@ conversion), so the pixels are the same bits. :func:`decode_jpeg` uses it
 OpenCV decodes everything.
 
 :func:`decode_jpeg` is the checked form, for single images (``decode_datum``,
-``datum_view``). ``Batches`` decodes with OpenCV on its checked paths and, once
-the record index (``_index.py``) knows a record, asks :func:`fast_channels`
-once per record (and :func:`check_sample` while sampling), then calls the
-decoder from :func:`fast_decoder` directly, with no per-image wrapper: with
-two worker threads, Python work per image is what they wait on each other for
-(see "Which JPEG decoder" in ``_batches.py``).
+``datum_view``) and while the process is sampling (:func:`jpeg_sampling`).
+``Batches`` calls the decoder from :func:`fast_decoder` directly where it
+decodes images one after another (known records: the record index asks
+:func:`fast_channels` once per record, and :func:`check_sample` while
+sampling; first reads: after checking every row), with no per-image wrapper:
+with two worker threads, Python work per image is what they wait on each other
+for. Its per-row path keeps OpenCV (see "Which JPEG decoder" in ``_batches.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = [
     "fast_decoder",
     "jpeg_channels",
     "jpeg_frame",
+    "jpeg_sampling",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -280,6 +282,13 @@ def fast_channels(data: bytes, flag: int, frame: JpegFrame | None = None) -> int
     if channels and flag != -1 and data.find(b"Exif") >= 0:
         return 0
     return channels
+
+
+def jpeg_sampling() -> bool:
+    """Whether the process is still comparing simplejpeg's images with OpenCV's
+    (its first :data:`SAMPLE`): callers of :func:`fast_decoder` use
+    :func:`decode_jpeg` meanwhile, or OpenCV."""
+    return _fast.sampled < SAMPLE
 
 
 def fast_decoder() -> Callable[..., np.ndarray] | None:
