@@ -1120,11 +1120,11 @@ class Batches:
             if not p.encoded or data is None:
                 slow.append(i)  # a raw record, or no image bytes
                 continue
-            header = _image_header(data)
-            if header is None or header[0] * header[1] > DEFAULT_MAX_PIXELS:
-                slow.append(i)  # unreadable header, or too large: named there
+            header = _image_header(data)  # None: another format, OpenCV's own size limit
+            if header is not None and header[0] * header[1] > DEFAULT_MAX_PIXELS:
+                slow.append(i)  # too large: named there
                 continue
-            frame = header[2]
+            frame = None if header is None else header[2]
             channels = 0
             if frame is not None:
                 channels = jpeg_channels(flag, frame)
@@ -1150,7 +1150,10 @@ class Batches:
                             continue
                     except Exception:  # OpenCV decides
                         pass
-            img = imdecode(np.frombuffer(data, _U1), flag)
+            try:
+                img = imdecode(np.frombuffer(data, _U1), flag)
+            except Exception:  # cv2.error: the per-row path names it
+                img = None
             if img is None or img.dtype != _U1 or img.size != h * w * c or img.shape[:2] != (h, w):
                 slow.append(start + r)
                 continue
