@@ -856,3 +856,21 @@ def test_a_bad_image_fails_its_encoded_batch_naming_the_key(tmp_path: Path, bad:
         with pytest.raises(DataError, match=rf"{message}.*record key b'05'"):
             next(it)
     assert first.label.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_an_image_opencv_refuses_fails_its_encoded_batch_naming_the_key(tmp_path: Path) -> None:
+    """A format blobpipe cannot size (BMP) whose header claims more pixels than OpenCV
+    allows: OpenCV raises, and the batch fails with a DataError naming the record."""
+
+    def bmp(i: int) -> bytes:
+        return cv2.imencode(".bmp", image(i, (10, 12, 3)))[1].tobytes()
+
+    huge = bytearray(bmp(2))
+    huge[18:26] = (20000).to_bytes(4, "little") * 2  # BITMAPINFOHEADER width, height
+    items = [
+        (f"{i:02d}".encode(), encoded_datum(image(i, (10, 12, 3)), ".bmp", i)) for i in range(4)
+    ]
+    items[2] = (b"02", caffe_pb2.Datum(data=bytes(huge), encoded=True, label=2).SerializeToString())
+    db = write_lmdb(tmp_path / "bmp", items)
+    with Batches(db, 4, phase="test") as b, pytest.raises(DataError, match=r"record key b'02'"):
+        next(iter(b))
