@@ -860,7 +860,7 @@ def test_a_bad_image_fails_its_encoded_batch_naming_the_key(tmp_path: Path, bad:
 
 def test_an_image_opencv_refuses_fails_its_encoded_batch_naming_the_key(tmp_path: Path) -> None:
     """A format blobpipe cannot size (BMP) whose header claims more pixels than OpenCV
-    allows: OpenCV raises, and the batch fails with a DataError naming the record."""
+    allows: OpenCV refuses it, and the batch fails with a DataError naming the record."""
 
     def bmp(i: int) -> bytes:
         return cv2.imencode(".bmp", image(i, (10, 12, 3)))[1].tobytes()
