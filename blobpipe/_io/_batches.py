@@ -833,26 +833,10 @@ class Batches:
     ) -> bool:
         """Indexed rows of ``shape`` with a crop and flip of their own (TRAIN with a
         crop, or a single row), from the file map into rows ``at`` (a slice, or
-        positions in increasing order) of ``data_out``:
-        ``_apply_fast``'s operations on all of them at once. Their crops are
-        gathered by one numpy call (a sliding-window view indexed by the rows'
-        offsets), so two workers do not wait on each other's GIL for every row's
-        small copies."""
-        t = self._transform
-        phase = self._phase
-        info = t._shape_info(shape, phase)
-        if info.out_shape != plan.data_shape[1:]:
-            return False  # the checked path names the problem
+        positions in increasing order) of ``data_out`` (see :meth:`_crop_rows`)."""
         c, h, w = shape
         n = len(rows.offsets)
-        ch, cw = (t.crop_size, t.crop_size) if t.crop_size else (h, w)
-        if isinstance(at, slice):
-            first = at.start
-            words = np.fromiter(plan.words[at], np.uint64, n)
-        else:  # rows of another size lie between these
-            first = int(at[0])
-            words = np.array([plan.words[i] for i in at.tolist()], np.uint64)
-        h_off, w_off, mirror = t._record_params_block(shape, phase, words)
+        first = at.start if isinstance(at, slice) else int(at[0])
         if rows.encoded:
             stage = self._decode_indexed(index, rows, shape, self._first_of(plan, first))
             if stage is None:
@@ -867,6 +851,40 @@ class Batches:
                 file, (len(file) - c * h * w + 1, c, h, w), (1, h * w, w, 1), writeable=False
             )
             which = rows.offsets
+        return self._crop_rows(images, which, shape, at, plan, data_out, params_out)
+
+    def _crop_rows(
+        self,
+        images: np.ndarray,
+        which: np.ndarray,
+        shape: tuple[int, int, int],
+        at: slice | npt.NDArray[np.intp],
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> bool:
+        """``_apply_fast``'s operations, each row with its own crop and flip, for the
+        uint8 ``(C, H, W)`` images ``images[which]`` into rows ``at`` of ``data_out``,
+        all at once: the crops are gathered by one numpy call (a sliding-window view
+        indexed by ``which``), so two workers do not wait on each other's GIL for
+        every row's small copies. False (nothing written) if the rows' output shape
+        is not the batch's: the per-row path names the problem."""
+        t = self._transform
+        phase = self._phase
+        try:
+            info = t._shape_info(shape, phase)
+        except BlobpipeError:  # e.g. a crop larger than the image
+            return False
+        if info.out_shape != plan.data_shape[1:]:
+            return False
+        _, h, w = shape
+        n = len(which)
+        ch, cw = (t.crop_size, t.crop_size) if t.crop_size else (h, w)
+        if isinstance(at, slice):
+            words = np.fromiter(plan.words[at], np.uint64, n)
+        else:  # rows of another size lie between these
+            words = np.array([plan.words[i] for i in at.tolist()], np.uint64)
+        h_off, w_off, mirror = t._record_params_block(shape, phase, words)
         block = sliding_window_view(images, (ch, cw), axis=(2, 3))[which, :, h_off, w_off]
         mean = info.mean
         if mean is not None:  # the mean at each crop's uncropped position
