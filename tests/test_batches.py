@@ -836,11 +836,14 @@ def test_encoded_first_reads_equal_caffe_record_by_record(tmp_path: Path, phase:
             assert batch.label[row] == label
 
 
+def encoded_items(n: int, ext: str = ".jpg") -> list[tuple[bytes, bytes]]:
+    """``n`` encoded 10×12 color Datums keyed ``00``, ``01``, ... with label = index."""
+    return [(f"{i:02d}".encode(), encoded_datum(image(i, (10, 12, 3)), ext, i)) for i in range(n)]
+
+
 @pytest.mark.parametrize("bad", ["truncated", "huge"])
 def test_a_bad_image_fails_its_encoded_batch_naming_the_key(tmp_path: Path, bad: str) -> None:
-    items = [
-        (f"{i:02d}".encode(), encoded_datum(image(i, (10, 12, 3)), ".jpg", i)) for i in range(8)
-    ]
+    items = encoded_items(8)
     jpeg = cv2.imencode(".jpg", image(5, (10, 12, 3)))[1].tobytes()
     if bad == "truncated":
         broken = jpeg[:30]
@@ -867,10 +870,74 @@ def test_an_image_opencv_refuses_fails_its_encoded_batch_naming_the_key(tmp_path
 
     huge = bytearray(bmp(2))
     huge[18:26] = (20000).to_bytes(4, "little") * 2  # BITMAPINFOHEADER width, height
-    items = [
-        (f"{i:02d}".encode(), encoded_datum(image(i, (10, 12, 3)), ".bmp", i)) for i in range(4)
-    ]
+    items = encoded_items(4, ".bmp")
     items[2] = (b"02", caffe_pb2.Datum(data=bytes(huge), encoded=True, label=2).SerializeToString())
     db = write_lmdb(tmp_path / "bmp", items)
     with Batches(db, 4, phase="test") as b, pytest.raises(DataError, match=r"record key b'02'"):
+        next(iter(b))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_encoded_first_reads_with_train_crops_equal_caffe_record_by_record(
+    tmp_path: Path, workers: int
+) -> None:
+    """TRAIN crops on first reads of an encoded batch (rows checked, decoded in one run,
+    cropped per image size in one gather each): every row equals Caffe's per-record
+    arithmetic; a raw row, a PNG and images of three sizes share the batches."""
+    import blobpipe
+
+    sizes = [(10, 12), (12, 14), (9, 9)]
+    items = []
+    for i in range(15):
+        h, w = sizes[i % 3]
+        pix = image(i, (h, w, 3))
+        if i == 4:
+            value = raw_datum(pix.transpose(2, 0, 1), i)
+        else:
+            value = encoded_datum(pix, ".png" if i == 7 else ".jpg", i)
+        items.append((f"{i:02d}".encode(), value))
+    db = write_lmdb(tmp_path / "crops", items)
+    t = Transform(crop_size=8, mirror=True, mean_value=(5, 10, 15), scale=0.25)
+    kwargs: dict[str, Any] = {"transform": t, "phase": "train", "seed": 4, "mode": "epoch"}
+    with Batches(db, 5, **kwargs) as b:
+        got: list[tuple[tuple[bytes, ...], np.ndarray, np.ndarray]] = []
+        if workers == 1:
+            got = [(x.keys, x.data, x.label) for x in islice(iter(b), 3)]
+        else:  # the rows of each batch split over threads, as a loader may
+            while (plan := b.next_plan()) is not None:
+                data = np.empty(plan.data_shape, plan.dtype)
+                label = np.empty(len(plan), np.float32)
+                cuts = [(0, 2), (2, 4), (4, len(plan))]
+                threads = [
+                    threading.Thread(target=b.fill, args=(plan, data, label, lo, hi))
+                    for lo, hi in cuts
+                ]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                got.append((plan.keys, data, label))
+    values = dict(items)
+    assert sum(len(keys) for keys, _, _ in got) == 15
+    for keys, data, labels in got:
+        for row, key in enumerate(keys):
+            chw, label = blobpipe.decode_datum(values[key])
+            want = t(chw, phase="train", seed=4, epoch=0, index=int(key))
+            assert np.array_equal(data[row], want), key
+            assert labels[row] == label
+
+
+@pytest.mark.parametrize("odd", ["smaller_than_crop", "gray_among_color"])
+def test_train_crops_name_the_record_that_does_not_fit(tmp_path: Path, odd: str) -> None:
+    items = encoded_items(6)
+    if odd == "smaller_than_crop":
+        bad = encoded_datum(image(3, (5, 5, 3)), ".jpg", 3)
+        message = r"crop_size 8 is larger than the record.*record key b'03'"
+    else:
+        bad = encoded_datum(image(3, (10, 12, 1))[..., 0], ".png", 3)
+        message = r"record b'03' has shape \(1, 10, 12\)"
+    items[3] = (b"03", bad)
+    db = write_lmdb(tmp_path / "odd", items)
+    t = Transform(crop_size=8, mirror=True)
+    with Batches(db, 6, transform=t, phase="train") as b, pytest.raises(DataError, match=message):
         next(iter(b))

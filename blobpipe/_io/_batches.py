@@ -989,8 +989,12 @@ class Batches:
         # ``get`` raises a named error for a missing record; ``raw_get`` is the
         # unchecked lookup (None when missing) for the block path's loop.
         block = self._block(plan.record_shape, stop - start)
-        if block is None:
-            self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
+        if block is None:  # each row its own crop (TRAIN), or a single row
+            if stop - start > 1 and _encoded(_try_get(raw_get, plan.keys[start])):
+                values = [_try_get(raw_get, k) for k in plan.keys[start:stop]]
+                self._fill_encoded_each(plan, values, data_out, label_out, start, params_out, get)
+            else:
+                self._fill_each(plan, data_out, label_out, range(start, stop), params_out, get)
             return
         # Block path: gather the raw uint8 payloads of rows that match the
         # batch's record shape into a staging block (one memcpy each, under the
@@ -1093,38 +1097,32 @@ class Batches:
         if slow:
             self._fill_each(plan, data_out, label_out, slow, params_out, get)
 
-    def _fill_encoded(
+    def _check_encoded(
         self,
         plan: BatchPlan,
         values: Sequence[bytes | memoryview | None],
-        block: _Block,
-        data_out: np.ndarray,
         label_out: npt.NDArray[np.float32],
         start: int,
-        params_out: npt.NDArray[np.int32] | None,
-        get: Callable[[bytes], bytes | memoryview],
-    ) -> None:
-        """The block path for a batch led by an encoded record, first read: check
-        every row (Datum, image header, size guard), then decode them one after
-        another into a staging block, then transform it at once. Decoding in one
-        run keeps the Python between two decodes short (see "Which JPEG decoder"),
-        so simplejpeg can be used here too. Rows that fail any step, and raw rows,
-        go through the per-row path, which raises their errors in row order."""
-        c, h, w = plan.record_shape
-        n = len(values)
-        keys = plan.keys[start : start + n]
+        flag: int,
+    ) -> tuple[
+        list[_ToDecode],
+        list[tuple[int, ParsedDatum]],
+        list[int],
+    ]:
+        """First reads, step one, for rows ``start + r`` holding ``values[r]``: parse each
+        Datum and read its image header (size guard). Returns the images to decode
+        (row, bytes, the channels simplejpeg decodes them to or 0, JPEG frame), the
+        parsed Datums, and the rows for the per-row path (malformed, raw, too
+        large: it raises their errors). Row 0 of a plan decoded by next_plan is
+        left out; its label is written, as are the others'."""
+        keys = plan.keys[start : start + len(values)]
         path = self._path
-        t = self._transform
-        flag = _imread_flag(t.force_color, t.force_gray)
-        stage = _staging(n, h * w * c).reshape(n, h, w, c)
         slow: list[int] = []
-        # (row, image bytes, channels simplejpeg decodes them to (0: OpenCV), JPEG frame)
-        todo: list[tuple[int, memoryview, int, JpegFrame | None]] = []
+        todo: list[_ToDecode] = []
         parsed: list[tuple[int, ParsedDatum]] = []
         for r, value in enumerate(values):
             i = start + r
             if i == 0 and plan._first is not None:
-                stage[0] = plan._first[0].transpose(1, 2, 0)  # decoded by next_plan already
                 label_out[0] = plan._first[1]
                 continue
             try:
@@ -1151,6 +1149,51 @@ class Batches:
             todo.append((r, data, channels, frame))
             parsed.append((r, p))
             label_out[i] = p.label
+        return todo, parsed, slow
+
+    def _learn_encoded(
+        self,
+        plan: BatchPlan,
+        values: Sequence[bytes | memoryview | None],
+        start: int,
+        parsed: list[tuple[int, ParsedDatum]],
+        shapes: dict[int, tuple[int, int, int]],
+    ) -> None:
+        """Note in the record index the rows decoded to ``shapes[r]``."""
+        index = self._index
+        if index is None:
+            return
+        for r, p in parsed:
+            value = values[r]
+            shape = shapes.get(r)
+            if shape is not None and isinstance(value, memoryview) and p.data is not None:
+                index.learn_encoded(plan.indices[start + r], value, p.data, p.label, shape)
+
+    def _fill_encoded(
+        self,
+        plan: BatchPlan,
+        values: Sequence[bytes | memoryview | None],
+        block: _Block,
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int,
+        params_out: npt.NDArray[np.int32] | None,
+        get: Callable[[bytes], bytes | memoryview],
+    ) -> None:
+        """The block path for a batch led by an encoded record, first read: check
+        every row (:meth:`_check_encoded`), then decode them one after another into
+        a staging block, then transform it at once. Decoding in one run keeps the
+        Python between two decodes short (see "Which JPEG decoder"), so simplejpeg
+        can be used here too. Rows that fail any step, and raw rows, go through the
+        per-row path, which raises their errors in row order."""
+        c, h, w = plan.record_shape
+        n = len(values)
+        t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
+        stage = _staging(n, h * w * c).reshape(n, h, w, c)
+        if start == 0 and plan._first is not None:
+            stage[0] = plan._first[0].transpose(1, 2, 0)  # decoded by next_plan already
+        todo, parsed, slow = self._check_encoded(plan, values, label_out, start, flag)
         decode = fast_decoder()
         sampling = jpeg_sampling()  # the process's first images: compared with OpenCV's
         colorspace = COLORSPACE.get(c, "")
@@ -1179,14 +1222,70 @@ class Batches:
         stop = start + n
         block.apply(stage.transpose(0, 3, 1, 2), data_out[start:stop])
         self._finish_block(block, plan, data_out, start, stop, params_out)
-        index = self._index
-        if index is not None:
-            failed = set(slow)
-            for r, p in parsed:
-                value = values[r]
-                if start + r not in failed and isinstance(value, memoryview) and p.data is not None:
-                    index.learn_encoded(plan.indices[start + r], value, p.data, p.label, (c, h, w))
+        failed = set(slow)
+        shapes = {r: (c, h, w) for r, _ in parsed if start + r not in failed}
+        self._learn_encoded(plan, values, start, parsed, shapes)
         if slow:  # rewritten row by row, with their own flips and params
+            self._fill_each(plan, data_out, label_out, sorted(slow), params_out, get)
+
+    def _fill_encoded_each(
+        self,
+        plan: BatchPlan,
+        values: Sequence[bytes | memoryview | None],
+        data_out: np.ndarray,
+        label_out: npt.NDArray[np.float32],
+        start: int,
+        params_out: npt.NDArray[np.int32] | None,
+        get: Callable[[bytes], bytes | memoryview],
+    ) -> None:
+        """First reads of a batch led by an encoded record whose rows each get their
+        own crop (TRAIN): every row checked, the images decoded one after another
+        (any size), then cropped per size by :meth:`_crop_rows`. Rows that fail,
+        and raw rows, go through the per-row path."""
+        t = self._transform
+        flag = _imread_flag(t.force_color, t.force_gray)
+        todo, parsed, slow = self._check_encoded(plan, values, label_out, start, flag)
+        decode = fast_decoder()
+        sampling = jpeg_sampling()
+        imdecode = _opencv().imdecode
+        by_shape: dict[tuple[int, int, int], list[tuple[int, np.ndarray]]] = {}
+        if start == 0 and plan._first is not None:
+            chw0 = plan._first[0]
+            c0, h0, w0 = chw0.shape
+            by_shape.setdefault((c0, h0, w0), []).append((0, chw0))
+        shapes: dict[int, tuple[int, int, int]] = {}
+        for r, data, channels, frame in todo:
+            img = None
+            if channels and decode is not None:
+                if sampling:
+                    img = decode_jpeg(data, flag, frame)
+                else:
+                    try:  # the size guard read the frame: simplejpeg allocates that
+                        img = decode(data, colorspace=COLORSPACE[channels])
+                    except Exception:  # OpenCV decides
+                        img = None
+            if img is None:
+                try:
+                    img = imdecode(np.frombuffer(data, _U1), flag)
+                except Exception:  # cv2.error: the per-row path names it
+                    img = None
+            if img is None or img.dtype != _U1 or img.ndim not in (2, 3):
+                slow.append(start + r)
+                continue
+            chw = img[np.newaxis] if img.ndim == 2 else img.transpose(2, 0, 1)
+            c, h, w = chw.shape
+            shapes[r] = (c, h, w)
+            by_shape.setdefault((c, h, w), []).append((r, chw))
+        for shape, members in by_shape.items():  # images of several sizes: one pass each
+            images = np.stack([chw for _, chw in members])
+            at = np.array([start + r for r, _ in members], np.intp)
+            which = np.arange(len(members))
+            if not self._crop_rows(images, which, shape, at, plan, data_out, params_out):
+                slow.extend(at.tolist())  # the per-row path raises the shape error
+                for r, _ in members:
+                    shapes.pop(r, None)
+        self._learn_encoded(plan, values, start, parsed, shapes)
+        if slow:
             self._fill_each(plan, data_out, label_out, sorted(slow), params_out, get)
 
     @staticmethod
@@ -1329,6 +1428,10 @@ def _try_get(
     except Exception:
         return None
 
+
+# an image to decode: (row, its bytes, the channels simplejpeg decodes it to, or 0
+# for OpenCV, its JPEG frame header)
+_ToDecode = tuple[int, memoryview, int, JpegFrame | None]
 
 _tls = threading.local()
 
