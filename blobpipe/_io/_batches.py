@@ -48,9 +48,10 @@ then pixels), OpenCV once; after the short first release a thread must wait
 for the other's Python before it can go on. Where images are decoded one after
 another with little Python between them — known records (``_decode_indexed``)
 and first reads of a batch led by an encoded record, checked first and then
-decoded in one run (``_fill_encoded``) — simplejpeg is used, ~1.5× faster per
-image. Where each record's checks sit between two decodes (the per-row path:
-random crops on first reads, rows that failed the block path) OpenCV decodes:
+decoded in one run (``_fill_encoded``, ``_fill_encoded_each``) — simplejpeg is
+used, ~1.5× faster per image. Where each record's checks sit between two
+decodes (the per-row path: single rows, rows that failed the batch forms)
+OpenCV decodes:
 there simplejpeg with two workers measured 0.69–1.44× a plain loop on first
 epochs, OpenCV 1.37–1.47×.
 """
