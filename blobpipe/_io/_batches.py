@@ -1197,29 +1197,12 @@ class Batches:
         todo, parsed, slow = self._check_encoded(plan, values, label_out, start, flag)
         decode = fast_decoder()
         sampling = jpeg_sampling()  # the process's first images: compared with OpenCV's
-        colorspace = COLORSPACE.get(c, "")
-        imdecode = _opencv().imdecode
         for r, data, channels, frame in todo:
-            if channels and decode is not None:
-                if sampling:
-                    img = decode_jpeg(data, flag, frame)
-                    if img is not None and img.size == h * w * c and img.shape[:2] == (h, w):
-                        stage[r] = img.reshape(h, w, c)
-                        continue
-                else:
-                    try:
-                        if decode(data, colorspace=colorspace, buffer=stage[r]).shape == (h, w, c):
-                            continue
-                    except Exception:  # OpenCV decides
-                        pass
-            try:
-                img = imdecode(np.frombuffer(data, _U1), flag)
-            except Exception:  # cv2.error: the per-row path names it
-                img = None
-            if img is None or img.dtype != _U1 or img.size != h * w * c or img.shape[:2] != (h, w):
-                slow.append(start + r)
-                continue
-            stage[r] = img.reshape(h, w, c)
+            img, in_place = _decode_one(data, flag, channels, frame, decode, sampling, stage[r])
+            if img is None or img.shape != (h, w, c):
+                slow.append(start + r)  # undecodable or another size: named there
+            elif not in_place:
+                stage[r] = img
         stop = start + n
         block.apply(stage.transpose(0, 3, 1, 2), data_out[start:stop])
         self._finish_block(block, plan, data_out, start, stop, params_out)
@@ -1248,7 +1231,6 @@ class Batches:
         todo, parsed, slow = self._check_encoded(plan, values, label_out, start, flag)
         decode = fast_decoder()
         sampling = jpeg_sampling()
-        imdecode = _opencv().imdecode
         by_shape: dict[tuple[int, int, int], list[tuple[int, np.ndarray]]] = {}
         if start == 0 and plan._first is not None:
             chw0 = plan._first[0]
@@ -1256,24 +1238,12 @@ class Batches:
             by_shape.setdefault((c0, h0, w0), []).append((0, chw0))
         shapes: dict[int, tuple[int, int, int]] = {}
         for r, data, channels, frame in todo:
-            img = None
-            if channels and decode is not None:
-                if sampling:
-                    img = decode_jpeg(data, flag, frame)
-                else:
-                    try:  # the size guard read the frame: simplejpeg allocates that
-                        img = decode(data, colorspace=COLORSPACE[channels])
-                    except Exception:  # OpenCV decides
-                        img = None
+            # any size: the size guard read the header, simplejpeg allocates what it says
+            img, _ = _decode_one(data, flag, channels, frame, decode, sampling, None)
             if img is None:
-                try:
-                    img = imdecode(np.frombuffer(data, _U1), flag)
-                except Exception:  # cv2.error: the per-row path names it
-                    img = None
-            if img is None or img.dtype != _U1 or img.ndim not in (2, 3):
                 slow.append(start + r)
                 continue
-            chw = img[np.newaxis] if img.ndim == 2 else img.transpose(2, 0, 1)
+            chw = img.transpose(2, 0, 1)
             c, h, w = chw.shape
             shapes[r] = (c, h, w)
             by_shape.setdefault((c, h, w), []).append((r, chw))
@@ -1428,6 +1398,41 @@ def _try_get(
         return get(key)
     except Exception:
         return None
+
+
+def _decode_one(
+    data: memoryview,
+    flag: int,
+    channels: int,
+    frame: JpegFrame | None,
+    decode: Callable[..., np.ndarray] | None,
+    sampling: bool,
+    buffer: np.ndarray | None,
+) -> tuple[np.ndarray | None, bool]:
+    """One image of a first read as an ``(H, W, C)`` uint8 array, and whether it was
+    decoded into ``buffer``: simplejpeg where ``channels`` says (straight into
+    ``buffer`` when given; the checked :func:`decode_jpeg` while the process is
+    sampling), else, or when it refuses, OpenCV. None when neither decodes it.
+    (``_decode_indexed`` inlines the same steps: there the Python per image is
+    what two workers wait on each other for.)"""
+    if channels and decode is not None:
+        if sampling:
+            img = decode_jpeg(data, flag, frame)
+            if img is not None:
+                return (img[..., np.newaxis] if img.ndim == 2 else img), False
+        else:
+            try:
+                img = decode(data, colorspace=COLORSPACE[channels], buffer=buffer)
+                return img, buffer is not None
+            except Exception:  # OpenCV decides
+                pass
+    try:
+        img = _opencv().imdecode(np.frombuffer(data, _U1), flag)
+    except Exception:  # cv2.error: the per-row path names it
+        return None, False
+    if img is None or img.dtype != _U1 or img.ndim not in (2, 3):
+        return None, False
+    return (img[..., np.newaxis] if img.ndim == 2 else img), False
 
 
 # an image to decode: (row, its bytes, the channels simplejpeg decodes it to, or 0
