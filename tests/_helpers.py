@@ -1,25 +1,92 @@
-"""Helpers shared by test modules: tiny LMDBs of generated records."""
+"""Helpers shared by test modules.
+
+The one place tests write and read LMDBs with py-lmdb (independently of blobpipe's
+reader): tiny databases of generated records, in-place edits, a direct read back.
+Also the waits tests use instead of sleeping: :func:`wait_until` a condition holds
+(bounded by a generous deadline), :func:`stays` true over a window, and a
+:class:`GatedBackend` whose copies land when the test says so.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import cv2
 import lmdb
 import numpy as np
 
 import blobpipe
+from blobpipe.testing import EmulatedBackend
+
+# -- LMDBs -------------------------------------------------------------------------------------
+
+MAP_SIZE = 1 << 28  # room for every test database; LMDB maps it lazily
 
 
-def write_lmdb(path: Path, items: Iterable[tuple[bytes, bytes]]) -> Path:
-    """An LMDB at ``path`` holding ``items`` (key, value)."""
-    env = lmdb.open(str(path), map_size=1 << 28)
-    with env.begin(write=True) as txn:
-        for k, v in items:
-            txn.put(k, v)
-    env.close()
+@contextmanager
+def open_lmdb(
+    path: Path, *, map_size: int = MAP_SIZE, max_dbs: int = 0
+) -> Iterator[lmdb.Environment]:
+    """A writable py-lmdb environment at ``path`` (created if missing), closed on exit.
+
+    For what :func:`write_lmdb` does not do: deletes, rewrites, several commits,
+    named sub-databases (``max_dbs``).
+    """
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+def write_lmdb(
+    path: Path,
+    items: Iterable[tuple[bytes, bytes]],
+    *,
+    map_size: int = MAP_SIZE,
+    commit_every: int | None = None,
+) -> Path:
+    """An LMDB at ``path`` holding ``items`` (key, value), added to what it holds.
+
+    One transaction, or one per ``commit_every`` items (pages freed and reused).
+    """
+    with open_lmdb(path, map_size=map_size) as env:
+        txn = env.begin(write=True)
+        try:
+            for n, (k, v) in enumerate(items, 1):
+                txn.put(k, v)
+                if commit_every is not None and n % commit_every == 0:
+                    txn.commit()
+                    txn = env.begin(write=True)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
     return path
+
+
+def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
+    """Every ``(key, value)`` of the LMDB at ``path`` in key order, read with py-lmdb directly."""
+    env = lmdb.open(str(path), readonly=True, lock=False, create=False)
+    try:
+        with env.begin() as txn:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+    finally:
+        env.close()
+
+
+def lmdb_stat(path: Path) -> dict[str, int]:
+    """py-lmdb's ``Environment.stat()`` of the LMDB at ``path`` (depth, entries, pages)."""
+    env = lmdb.open(str(path), readonly=True, lock=False, create=False)
+    try:
+        return dict(env.stat())
+    finally:
+        env.close()
 
 
 def image(i: int, shape: tuple[int, int, int] = (3, 6, 8)) -> np.ndarray:
@@ -60,3 +127,73 @@ def float_db(path: Path, n: int, shape: tuple[int, int, int] = (3, 5, 6)) -> Pat
         return blobpipe.encode_float_datum(x, i)
 
     return write_lmdb(path, ((key(i), value(i)) for i in range(n)))
+
+
+# -- waiting on conditions, not on the clock ---------------------------------------------------
+
+DEADLINE = 30.0  # seconds: generous, so a loaded machine never trips it; only a hang does
+
+
+async def wait_until(
+    predicate: Callable[[], object], what: str = "the condition", *, within: float = DEADLINE
+) -> None:
+    """Return once ``predicate()`` is true; fail if it is still false after ``within`` s.
+
+    Polls at every millisecond or so, yielding to the event loop in between, so a
+    test waits exactly as long as the code under test needs, however loaded the machine.
+    """
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:g} s waiting for {what}")
+        await anyio.sleep(0.001)
+
+
+async def stays(predicate: Callable[[], object], what: str, *, window: float = 0.2) -> None:
+    """Check that ``predicate()`` holds at every look over ``window`` seconds.
+
+    For "nothing more happens" (a producer that must wait, a closed loader that must
+    not start work): call it once the positive condition has been awaited with
+    :func:`wait_until`. A correct program passes whatever the load; the window only
+    bounds how long a wrong one gets to show itself.
+    """
+    deadline = time.monotonic() + window
+    while True:
+        assert predicate(), f"expected {what} to hold throughout, but it changed"
+        if time.monotonic() > deadline:
+            return
+        await anyio.sleep(0.005)
+
+
+class GatedBackend(EmulatedBackend):
+    """An emulated device whose copies land only once the test opens :attr:`gate`.
+
+    Instead of a ``delay`` that a loaded machine may outlast, a copy stays in
+    flight for as long as the test needs: "still pending" is certain until
+    ``gate.set()`` (or :meth:`open_after`). :attr:`held` is set once a copy waits
+    at the gate. A safety ``timeout`` opens it anyway, so a test that never does
+    (or an event loop blocked on a copy) fails instead of hanging.
+    """
+
+    def __init__(self, timeout: float = DEADLINE) -> None:
+        self.gate = threading.Event()
+        self.held = threading.Event()
+        self._timeout = timeout
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def delay(self) -> float:
+        """Read by a stream's thread before each copy: waits there while the gate is shut."""
+        self.held.set()
+        self.gate.wait(self._timeout)
+        return 0.0
+
+    @delay.setter
+    def delay(self, value: float) -> None:
+        pass  # EmulatedBackend.__init__ sets it; the gate replaces it
+
+    def open_after(self, seconds: float) -> None:
+        """Open the gate from another thread after ``seconds`` (while this one blocks on a copy)."""
+        timer = threading.Timer(seconds, self.gate.set)
+        timer.daemon = True
+        timer.start()
