@@ -11,23 +11,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import lmdb
 import pytest
 
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 
 DATA = Path(__file__).parent / "data"
 CAFFE = DATA / "caffe"
-
-
-def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
-    """Every ``(key, value)`` of the LMDB at ``path``, read with py-lmdb directly."""
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
 
 
 def require_gpu() -> bool:

@@ -17,7 +17,7 @@ import pytest
 
 from blobpipe._cli import main
 from blobpipe._tools._output import read_marker
-from tests.conftest import lmdb_items
+from tests._helpers import lmdb_items
 
 REPO = Path(__file__).resolve().parent.parent
 CAFFE = REPO / "tests" / "data" / "caffe"

@@ -33,7 +33,7 @@ from blobpipe._tools import (
 from blobpipe._tools._bench import time_batches
 from blobpipe._tools._lmdbwrite import LmdbWriter
 from blobpipe._tools._output import MARKER_NAME, read_marker
-from tests.conftest import lmdb_items
+from tests._helpers import lmdb_items
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 ROOT = CAFFE / "images"
