@@ -25,22 +25,14 @@ from blobpipe._io import _lmdb
 from blobpipe._io._datum import decode_datum, decode_datum_into
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import BlobProto
+from tests._helpers import lmdb_items, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 RAW = CAFFE / "lmdb" / "raw_color"
 ENCODED = CAFFE / "lmdb" / "encoded_jpg"
 
 
-def _direct(path: Path) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(path), readonly=True, lock=False, create=False)
-    try:
-        with env.begin() as txn:
-            return list(txn.cursor())
-    finally:
-        env.close()
-
-
-RAW_ITEMS = _direct(RAW)
+RAW_ITEMS = lmdb_items(RAW)
 
 
 @pytest.fixture(autouse=True)
@@ -53,14 +45,6 @@ def _no_leaked_environments() -> Iterator[None]:
 def raw() -> Iterator[LmdbReader]:
     with LmdbReader(RAW) as reader:
         yield reader
-
-
-def _write_db(path: Path, items: list[tuple[bytes, bytes]]) -> None:
-    env = lmdb.open(str(path), map_size=1 << 24)
-    with env.begin(write=True) as txn:
-        for k, v in items:
-            txn.put(k, v)
-    env.close()
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -161,12 +145,14 @@ def test_blobprotos(tmp_path: Path) -> None:
     protos = [
         BlobProto(num=1, channels=1, height=1, width=i + 1, data=[1.0] * (i + 1)) for i in range(3)
     ]
-    _write_db(tmp_path / "db", [(b"%02d" % i, p.SerializeToString()) for i, p in enumerate(protos)])
+    write_lmdb(
+        tmp_path / "db", [(b"%02d" % i, p.SerializeToString()) for i, p in enumerate(protos)]
+    )
     with LmdbReader(tmp_path / "db") as reader:
         got = list(reader.blobprotos())
     assert [k for k, _ in got] == [b"00", b"01", b"02"]
     assert [p for _, p in got] == protos
-    _write_db(tmp_path / "bad", [(b"k", b"\x0a\x05ab")])
+    write_lmdb(tmp_path / "bad", [(b"k", b"\x0a\x05ab")])
     with (
         LmdbReader(tmp_path / "bad") as reader,
         pytest.raises(DataError, match="BlobProto") as info,
@@ -176,7 +162,7 @@ def test_blobprotos(tmp_path: Path) -> None:
 
 
 def test_bad_datum_in_datums_names_key_and_path(tmp_path: Path) -> None:
-    _write_db(tmp_path / "db", [(b"a", RAW_ITEMS[0][1]), (b"b", b"\x22\x09abc")])
+    write_lmdb(tmp_path / "db", [(b"a", RAW_ITEMS[0][1]), (b"b", b"\x22\x09abc")])
     with LmdbReader(tmp_path / "db") as reader:
         it = reader.datums()
         assert next(it)[0] == b"a"
@@ -188,7 +174,7 @@ def test_bad_datum_in_datums_names_key_and_path(tmp_path: Path) -> None:
 
 def test_key_gaps_are_kept(tmp_path: Path) -> None:
     items = [(b"%08d_x.png" % i, RAW_ITEMS[i][1]) for i in (0, 1, 5, 9)]
-    _write_db(tmp_path / "db", items)
+    write_lmdb(tmp_path / "db", items)
     with LmdbReader(tmp_path / "db") as reader:
         assert list(reader.keys()) == [k for k, _ in items]
         assert reader.get(b"00000005_x.png") == RAW_ITEMS[5][1]
