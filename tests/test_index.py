@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +24,17 @@ from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._index import _OTHER
 from blobpipe._io._lmdbfile import value_extents
 from blobpipe._io._transform import Transform
-from tests._helpers import encoded_db, float_db, image, key, raw_db, write_lmdb
+from tests._helpers import (
+    encoded_db,
+    float_db,
+    image,
+    key,
+    lmdb_items,
+    lmdb_stat,
+    open_lmdb,
+    raw_db,
+    write_lmdb,
+)
 from tests.test_batches import REF_CASES
 from tests.test_lmdb import _child
 
@@ -48,11 +57,7 @@ class PlainSource:
 
 
 def values_of(path: Path) -> list[bytes]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        out = [bytes(v) for _, v in txn.cursor()]
-    env.close()
-    return out
+    return [v for _, v in lmdb_items(path)]
 
 
 def check_extents(path: Path) -> None:
@@ -85,22 +90,17 @@ def test_extents_inline_overflow_and_deep_trees(tmp_path: Path) -> None:
         for i, n in enumerate(rng.choice([1, 40, 900, 2100, 5000, 20000], 3000))
     ]
     path = write_lmdb(tmp_path / "mixed", items)
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    depth = env.stat()["depth"]
-    env.close()
-    assert depth >= 3
+    assert lmdb_stat(path)["depth"] >= 3
     check_extents(path)
 
 
 def test_extents_after_deletes_and_rewrites(tmp_path: Path) -> None:
     path = raw_db(tmp_path / "db", 200)
-    env = lmdb.open(str(path), map_size=1 << 28)
-    with env.begin(write=True) as txn:
+    with open_lmdb(path) as env, env.begin(write=True) as txn:
         for i in range(0, 200, 3):
             txn.delete(key(i))
         for i in range(0, 200, 7):
             txn.put(key(i), blobpipe.encode_raw_datum(image(1000 + i), 7))
-    env.close()
     check_extents(path)
 
 
@@ -124,11 +124,10 @@ def test_extents_refuse_what_they_do_not_understand(tmp_path: Path) -> None:
             flagged[meta + 92] = 0x04  # the main database's md_flags: MDB_DUPSORT
         assert value_extents(flagged, keys) is None
     named = tmp_path / "named"
-    env = lmdb.open(str(named), map_size=1 << 24, max_dbs=2)
-    sub = env.open_db(b"sub")
-    with env.begin(write=True) as txn:
-        txn.put(b"a", b"1", db=sub)
-    env.close()
+    with open_lmdb(named, max_dbs=2) as env:
+        sub = env.open_db(b"sub")
+        with env.begin(write=True) as txn:
+            txn.put(b"a", b"1", db=sub)
     with blobpipe.LmdbReader(named) as reader:
         file = reader._mapped_file()
         assert file is not None
@@ -390,18 +389,14 @@ def test_extents_of_random_databases(
     rewrites: every value's extent holds exactly LMDB's bytes."""
     rng = np.random.default_rng(seed)
     path = Path(tempfile.mkdtemp(dir=tmp_path))  # one database per example
-    env = lmdb.open(str(path), map_size=1 << 28)
-    for lo in range(0, len(items), 40):  # several commits: pages are freed and reused
-        with env.begin(write=True) as txn:
-            for k, n, _ in items[lo : lo + 40]:
-                txn.put(k, rng.bytes(n))
-    with env.begin(write=True) as txn:
+    # several commits: pages are freed and reused
+    write_lmdb(path, [(k, rng.bytes(n)) for k, n, _ in items], commit_every=40)
+    with open_lmdb(path) as env, env.begin(write=True) as txn:
         for k, n, deleted in items:
             if deleted:
                 txn.delete(k)
             elif n % 3 == 0:
                 txn.put(k, rng.bytes(n // 2 + 1))  # rewritten, another size
-    env.close()
     if all(deleted for *_, deleted in items):
         return  # an empty database: nothing to read
     check_extents(path)
