@@ -6,7 +6,6 @@ import struct
 from pathlib import Path
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
@@ -29,17 +28,13 @@ from blobpipe._io._datum import (
     raw_block,
 )
 from blobpipe._proto.caffe_pb2 import Datum
+from tests._helpers import lmdb_items, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
 
 def _records(name: str) -> list[tuple[bytes, bytes]]:
-    env = lmdb.open(str(CAFFE / "lmdb" / name), readonly=True, lock=False, create=False)
-    try:
-        with env.begin() as txn:
-            return list(txn.cursor())
-    finally:
-        env.close()
+    return lmdb_items(CAFFE / "lmdb" / name)
 
 
 RAW = _records("raw_color")
@@ -642,9 +637,13 @@ def test_copy_raw_agrees_with_protobuf(records: list[bytes]) -> None:
 def test_uint8_batches_equal_the_records(tmp_path: Path) -> None:
     from blobpipe import Batches, Transform
 
-    with lmdb.open(str(tmp_path / "db"), map_size=1 << 24) as env, env.begin(write=True) as txn:
-        for i, label in enumerate([3, 200, 70000]):
-            txn.put(b"%08d" % i, encode_raw_datum(np.full(SHAPE, i + 1, np.uint8), label))
+    write_lmdb(
+        tmp_path / "db",
+        [
+            (b"%08d" % i, encode_raw_datum(np.full(SHAPE, i + 1, np.uint8), label))
+            for i, label in enumerate([3, 200, 70000])
+        ],
+    )
     with Batches(tmp_path / "db", 3, transform=Transform(dtype="uint8"), mode="epoch") as it:
         batch = next(iter(it))
     assert batch.data.dtype == np.uint8
