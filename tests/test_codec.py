@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 import pytest
 
@@ -15,6 +14,7 @@ from blobpipe._codec import read_blobproto, read_caffemodel, write_blobproto
 from blobpipe._errors import ProtoError, UnsupportedOperationError
 from blobpipe._pool import get_pool
 from blobpipe._proto import caffe_pb2
+from tests._helpers import lmdb_items
 from tests.conftest import CAFFE
 
 MEAN = CAFFE / "raw_color_mean.binaryproto"
@@ -39,15 +39,10 @@ def test_mean_file_equals_the_mean_of_the_lmdb(host: HostBackend) -> None:
     # compute_image_mean sums the uint8 pixels in float and divides by the count.
     total = np.zeros(3 * 32 * 40, np.float32)
     n = 0
-    env = lmdb.open(str(CAFFE / "lmdb" / "raw_color"), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            for _, value in txn.cursor():
-                datum = caffe_pb2.Datum.FromString(value)
-                total += np.frombuffer(datum.data, np.uint8)
-                n += 1
-    finally:
-        env.close()
+    for _, value in lmdb_items(CAFFE / "lmdb" / "raw_color"):
+        datum = caffe_pb2.Datum.FromString(value)
+        total += np.frombuffer(datum.data, np.uint8)
+        n += 1
     assert n == 50
     with read_blobproto(MEAN, backend=host) as mean:
         np.testing.assert_array_equal(mean.cpu_data().ravel(), total / np.float32(n))
