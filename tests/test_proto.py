@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lmdb
-
 from blobpipe._proto import caffe_pb2
 
+from ._helpers import lmdb_items
 from .conftest import CAFFE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,15 +73,10 @@ def test_field_numbers_are_caffes() -> None:
 
 
 def test_caffe_written_records_round_trip_byte_for_byte() -> None:
-    env = lmdb.open(str(CAFFE / "lmdb" / "raw_color"), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            for _, value in txn.cursor():
-                datum = caffe_pb2.Datum.FromString(value)
-                assert datum.HasField("encoded") and not datum.encoded
-                assert datum.SerializeToString() == value
-    finally:
-        env.close()
+    for _, value in lmdb_items(CAFFE / "lmdb" / "raw_color"):
+        datum = caffe_pb2.Datum.FromString(value)
+        assert datum.HasField("encoded") and not datum.encoded
+        assert datum.SerializeToString() == value
 
 
 def test_generated_module_imports_without_grpc_tools() -> None:
