@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 
 from blobpipe._errors import ProtoError, ShapeError
 from blobpipe._io._transform import RecordParams, Transform, load_mean_file
 from blobpipe._proto import caffe_pb2
+from tests._helpers import lmdb_items
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
@@ -20,20 +20,15 @@ MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
 def _records(name: str) -> list[tuple[np.ndarray, int]]:
     """Decode an LMDB of the reference data independently of blobpipe's reader."""
     out = []
-    env = lmdb.open(str(CAFFE / "lmdb" / name), readonly=True, lock=False)
-    try:
-        with env.begin() as txn:
-            for _, value in txn.cursor():
-                d = caffe_pb2.Datum()
-                d.ParseFromString(value)
-                if d.encoded:
-                    img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_ANYCOLOR)
-                    chw = img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
-                else:
-                    chw = np.frombuffer(d.data, np.uint8).reshape(d.channels, d.height, d.width)
-                out.append((np.ascontiguousarray(chw), d.label))
-    finally:
-        env.close()
+    for _, value in lmdb_items(CAFFE / "lmdb" / name):
+        d = caffe_pb2.Datum()
+        d.ParseFromString(value)
+        if d.encoded:
+            img = cv2.imdecode(np.frombuffer(d.data, np.uint8), cv2.IMREAD_ANYCOLOR)
+            chw = img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
+        else:
+            chw = np.frombuffer(d.data, np.uint8).reshape(d.channels, d.height, d.width)
+        out.append((np.ascontiguousarray(chw), d.label))
     return out
 
 
