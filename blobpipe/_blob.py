@@ -43,11 +43,12 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
 from ._backends import Backend, get_backend
+from ._codec import BlobProto, blob_shape, blob_values, fill_blobproto
 from ._errors import (
     BlobIndexError,
     ProtoError,
@@ -56,9 +57,6 @@ from ._errors import (
     UnsupportedOperationError,
 )
 from ._syncedmem import Head, SyncedMemory
-
-if TYPE_CHECKING:
-    from ._proto.caffe_pb2 import BlobProto
 
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
@@ -918,12 +916,12 @@ class Blob:
         must have at most 4 axes and match them padded with leading 1s, as
         legacy parameter blobs were indexed from the end.
         """
-        if _has_legacy(proto):
+        dims, legacy = blob_shape(proto)
+        if legacy:
             if self.num_axes > 4:
                 return False
-            legacy = tuple(self.legacy_shape(i) for i in (-4, -3, -2, -1))
-            return legacy == (proto.num, proto.channels, proto.height, proto.width)
-        return tuple(proto.shape.dim) == self._shape
+            return tuple(self.legacy_shape(i) for i in (-4, -3, -2, -1)) == dims
+        return dims == self._shape
 
     def from_proto(self, proto: BlobProto, reshape: bool = True) -> None:
         """Load shape (with ``reshape``), data and diff from a ``caffe.BlobProto``.
@@ -947,12 +945,8 @@ class Blob:
                 f"{self._dtype}; use a float32 or float64 blob"
             )
         if reshape:
-            if _has_legacy(proto):
-                dims: list[int] = [proto.num, proto.channels, proto.height, proto.width]
-            else:
-                dims = list(proto.shape.dim)
             try:
-                shape, count = _validate_shape(dims, self._itemsize)
+                shape, count = _validate_shape(blob_shape(proto)[0], self._itemsize)
             except ShapeError as exc:
                 raise ProtoError(f"BlobProto has an unusable shape: {exc}") from exc
         else:
@@ -962,27 +956,13 @@ class Blob:
                     f"{self.shape_string()}, proto {_proto_shape_text(proto)}"
                 )
             shape, count = self._shape, self._count
-        text = _format_shape(shape, count)
-        data_field = "double_data" if len(proto.double_data) else "data"
-        data_values = getattr(proto, data_field)
-        if len(data_values) != count:
-            raise ProtoError(
-                f"BlobProto of shape {text} has {len(data_values)} values in {data_field}, "
-                f"expected {count}"
-            )
-        diff_field = "double_diff" if len(proto.double_diff) else "diff"
-        diff_values = getattr(proto, diff_field)
-        if len(diff_values) not in (0, count):
-            raise ProtoError(
-                f"BlobProto of shape {text} has {len(diff_values)} values in {diff_field}, "
-                f"expected {count} (or none)"
-            )
+        data, diff = blob_values(proto, count, _format_shape(shape, count))
         if reshape:
             self.reshape(shape)
         if count:
-            self.mutable_cpu_data().reshape(-1)[:] = _values(data_values, data_field)
-            if len(diff_values):
-                self.mutable_cpu_diff().reshape(-1)[:] = _values(diff_values, diff_field)
+            self.mutable_cpu_data().reshape(-1)[:] = data
+            if diff is not None:
+                self.mutable_cpu_diff().reshape(-1)[:] = diff
 
     def to_proto(self, write_diff: bool = False, proto: BlobProto | None = None) -> BlobProto:
         """This blob as a ``caffe.BlobProto`` (Caffe's ``ToProto``).
@@ -1001,33 +981,15 @@ class Blob:
                 f"to_proto: BlobProto has no integer fields, and this blob is {self._dtype}; "
                 "convert it to a float32 or float64 blob first"
             )
-        if proto is None:
-            from ._proto import caffe_pb2
-
-            proto = caffe_pb2.BlobProto()
-        else:
-            proto.Clear()
-        proto.shape.dim.extend(self._shape)
+        data = diff = None
         if self._count:
-            double = self._dtype == np.float64
-            data_field = proto.double_data if double else proto.data
-            data_field.extend(self.cpu_data().reshape(-1).tolist())
+            data = self.cpu_data()
             if write_diff:
-                diff_field = proto.double_diff if double else proto.diff
-                diff_field.extend(self.cpu_diff().reshape(-1).tolist())
-        return proto
-
-
-def _has_legacy(proto: BlobProto) -> bool:
-    return any(proto.HasField(name) for name in _LEGACY_NAMES)
+                diff = self.cpu_diff()
+        return fill_blobproto(proto, self._shape, data, diff)
 
 
 def _proto_shape_text(proto: BlobProto) -> str:
-    if _has_legacy(proto):
-        return f"legacy {proto.num} {proto.channels} {proto.height} {proto.width}"
-    return " ".join(str(d) for d in proto.shape.dim) or "()"
-
-
-def _values(values: Any, field: str) -> np.ndarray[Any, Any]:
-    dtype = np.float64 if field.startswith("double") else np.float32
-    return np.fromiter(values, dtype=dtype, count=len(values))
+    dims, legacy = blob_shape(proto)
+    text = " ".join(str(d) for d in dims)
+    return f"legacy {text}" if legacy else text or "()"

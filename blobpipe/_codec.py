@@ -1,43 +1,264 @@
-"""Reading and writing Caffe's binary protobuf files as Blobs.
+"""Caffe's protobuf messages: the one module that reads and writes them.
 
-* ``.binaryproto``: one serialized ``caffe.BlobProto`` (a mean image, say).
-* ``.caffemodel``: a serialized ``caffe.NetParameter``; each layer's ``blobs``
-  are its parameters (``layer`` field, or the legacy ``layers`` field of old
-  V1 files).
+Everything that parses or builds a ``caffe.*`` message lives here, and the rest
+of blobpipe works on NumPy arrays and Python values:
 
-Everything read is validated before a Blob is allocated: a file that does not
-parse, a shape that is not a blob shape, or a value count that differs from
-the shape's raise ProtoError naming the file.
+* ``BlobProto`` (``.binaryproto``, a mean image): Caffe's rules for reading one
+  are :func:`blob_shape` (the legacy num/channels/height/width fields when any
+  is set, else ``shape.dim``) and :func:`blob_values` (``double_data`` when it
+  is not empty, else ``data``; the diff likewise; every count checked against
+  the shape before anything the shape sizes is allocated). ``Blob.from_proto``
+  and :func:`read_mean_file` use them; :func:`fill_blobproto` and
+  :func:`blobproto_bytes` write one (``Blob.to_proto``, ``compute_mean``).
+* ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`read_caffemodel`)
+  and a net prototxt's ``Data`` layer (:func:`parse_net`,
+  :func:`data_layer_fields`), with Caffe's layer filtering and its V1 upgrade.
+* ``TransformationParameter``: its fields as keyword arguments of
+  ``Transform`` (:func:`transform_fields`).
+
+Protobuf's ``DecodeError`` is turned into :class:`ProtoError` in one place
+(:func:`_decode`); every message names the file and what to do about it.
+
+Layering: this module imports only the errors and the generated messages
+(``blobpipe._proto``), so Blob can use it. The three Blob-returning
+conveniences (:func:`read_blobproto`, :func:`read_caffemodel`,
+:func:`write_blobproto`) import Blob when called.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar
 
 import numpy as np
+import numpy.typing as npt
+from google.protobuf import text_format
+from google.protobuf.message import DecodeError, Message
 
-from ._backends import Backend
-from ._blob import Blob
 from ._errors import ProtoError
+from ._proto.caffe_pb2 import (
+    TEST,
+    TRAIN,
+    BlobProto,
+    DataParameter,
+    LayerParameter,
+    NetParameter,
+    NetStateRule,
+    TransformationParameter,
+    V1LayerParameter,
+)
 
-__all__ = ["read_blobproto", "read_caffemodel", "write_blobproto"]
+if TYPE_CHECKING:
+    from ._backends import Backend
+    from ._blob import Blob
+
+__all__ = [
+    "BlobProto",
+    "DataLayerFields",
+    "TransformFields",
+    "TransformationParameter",
+    "blob_shape",
+    "blob_values",
+    "blobproto_bytes",
+    "data_layer_fields",
+    "decode_blobproto",
+    "fill_blobproto",
+    "parse_net",
+    "read_blobproto",
+    "read_caffemodel",
+    "read_mean_file",
+    "transform_fields",
+    "write_blobproto",
+]
 
 StrPath = str | os.PathLike[str]
+_M = TypeVar("_M", bound=Message)
+
+_LEGACY_FIELDS: Final = ("num", "channels", "height", "width")
+_DEPRECATED_DATA_FIELDS: Final = ("scale", "mean_file", "crop_size", "mirror")
+
+_BLOBPROTO_FIX: Final = (
+    "expected a binary caffe.BlobProto such as Caffe's compute_image_mean writes; "
+    "check the path, or write the file again (e.g. `blobpipe compute-mean DB OUT.binaryproto`)"
+)
+_CAFFEMODEL_FIX: Final = (
+    "expected the binary .caffemodel Caffe writes with its weights (a net .prototxt "
+    "is text; read it with read_data_layer); check the path"
+)
 
 
-def _parse(message: Any, path: StrPath, what: str) -> None:
-    from google.protobuf.message import DecodeError
+# -- decoding --------------------------------------------------------------------------
 
-    data = Path(path).read_bytes()
+
+def _decode(message: _M, data: bytes, label: str, what: str, fix: str = "") -> _M:
+    """Parse ``data`` into ``message``; the one place protobuf's DecodeError is caught."""
     try:
         message.ParseFromString(data)
     except DecodeError as exc:
-        raise ProtoError(f"{os.fspath(path)!r} is not a valid {what}: {exc}") from exc
+        hint = f"; {fix}" if fix else ""
+        raise ProtoError(f"{label} is not a {what}: {exc}{hint}") from exc
+    return message
 
 
-def _blob_from(proto: Any, dtype: Any, backend: Backend | str | None, where: str) -> Blob:
+def _read(message: _M, path: StrPath, label: str, what: str, fix: str) -> _M:
+    """Read the file ``path`` into ``message``; FileNotFoundError when it is missing."""
+    return _decode(message, Path(path).read_bytes(), label, what, fix)
+
+
+def decode_blobproto(data: bytes, label: str = "the record") -> BlobProto:
+    """One serialized ``caffe.BlobProto`` (an LMDB record, say) as a message.
+
+    Raises ProtoError when ``data`` does not parse; ``label`` names the bytes in
+    the message (the caller adds where they came from).
+    """
+    return _decode(BlobProto(), data, label, "valid caffe.BlobProto")
+
+
+# -- BlobProto: Caffe's reading rules ---------------------------------------------------
+
+
+def blob_shape(proto: BlobProto) -> tuple[tuple[int, ...], bool]:
+    """A BlobProto's dims and whether they come from the legacy fields (Caffe's rule).
+
+    When any of num/channels/height/width is set, the shape is those four (an
+    unset one reads 0, as in Caffe); else it is ``shape.dim``. The dims are
+    not validated.
+    """
+    if any(proto.HasField(name) for name in _LEGACY_FIELDS):
+        return (proto.num, proto.channels, proto.height, proto.width), True
+    return tuple(int(d) for d in proto.shape.dim), False
+
+
+def _value_field(proto: BlobProto, name: str) -> str:
+    # Caffe's FromProto: double_data (double_diff) when it has values, else data (diff).
+    double = f"double_{name}"
+    return double if len(getattr(proto, double)) else name
+
+
+def _as_array(proto: BlobProto, field: str) -> npt.NDArray[np.floating[Any]]:
+    values = getattr(proto, field)
+    dtype = np.float64 if field.startswith("double") else np.float32
+    return np.fromiter(values, dtype=dtype, count=len(values))
+
+
+def blob_values(
+    proto: BlobProto, count: int, shape_text: str
+) -> tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]] | None]:
+    """The data and diff values of ``proto`` as flat arrays (Caffe's rule).
+
+    ``double_data`` is read when it is not empty (float64), else ``data``
+    (float32); the diff likewise, ``None`` when the proto has none. Both
+    counts are checked against ``count`` before either array is made.
+
+    Raises ProtoError naming ``shape_text`` when a count differs.
+    """
+    data_field = _value_field(proto, "data")
+    n = len(getattr(proto, data_field))
+    if n != count:
+        raise ProtoError(
+            f"BlobProto of shape {shape_text} has {n} values in {data_field}, expected {count}"
+        )
+    diff_field = _value_field(proto, "diff")
+    n_diff = len(getattr(proto, diff_field))
+    if n_diff not in (0, count):
+        raise ProtoError(
+            f"BlobProto of shape {shape_text} has {n_diff} values in {diff_field}, "
+            f"expected {count} (or none)"
+        )
+    diff = _as_array(proto, diff_field) if n_diff else None
+    return _as_array(proto, data_field), diff
+
+
+def read_mean_file(path: StrPath) -> npt.NDArray[np.float32]:
+    """Read a Caffe mean file (a binary ``BlobProto``) as a float32 ``(C, H, W)`` array.
+
+    The blob's shape comes from the legacy ``num/channels/height/width`` fields
+    when any is set (as ``compute_image_mean`` writes them), else from ``shape``;
+    ``double_data`` is used when present, as in Caffe's ``Blob::FromProto``.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ProtoError: the file is not a BlobProto, its data count does not match
+            its shape, or it holds more than one image (num > 1).
+    """
+    label = f"mean file {str(path)!r}"
+    proto = _read(BlobProto(), path, label, "serialized caffe.BlobProto", _BLOBPROTO_FIX)
+    shape, _ = blob_shape(proto)
+    field = _value_field(proto, "data")
+    n = len(getattr(proto, field))
+    count = int(np.prod(shape)) if shape else 0
+    if len(shape) not in (3, 4) or count == 0 or n != count:
+        raise ProtoError(
+            f"{label}: shape {shape} with {n} values; expected a "
+            "(1, C, H, W) or (C, H, W) blob with C*H*W values"
+        )
+    if len(shape) == 4:
+        if shape[0] != 1:
+            raise ProtoError(f"{label} holds {shape[0]} images (shape {shape}); expected num == 1")
+        shape = shape[1:]
+    values = _as_array(proto, field).astype(np.float32, copy=False)
+    return np.ascontiguousarray(values.reshape(shape))
+
+
+# -- BlobProto: writing -----------------------------------------------------------------
+
+
+def fill_blobproto(
+    proto: BlobProto | None,
+    shape: Sequence[int],
+    data: npt.NDArray[np.floating[Any]] | None,
+    diff: npt.NDArray[np.floating[Any]] | None = None,
+    *,
+    legacy: bool = False,
+) -> BlobProto:
+    """``proto`` (cleared; a new one when None) holding ``shape``, ``data`` and ``diff``.
+
+    float64 arrays go to ``double_data``/``double_diff``, float32 ones to
+    ``data``/``diff``. The shape is written to ``shape.dim``, or with
+    ``legacy`` to num/channels/height/width (at most 4 axes, padded with
+    leading 1s), as ``compute_image_mean`` writes a mean.
+    """
+    if proto is None:
+        proto = BlobProto()
+    else:
+        proto.Clear()
+    if legacy:
+        if len(shape) > 4:
+            raise ValueError(f"the legacy BlobProto fields hold at most 4 axes, got {shape}")
+        padded = (1,) * (4 - len(shape)) + tuple(shape)
+        proto.num, proto.channels, proto.height, proto.width = padded
+    else:
+        proto.shape.dim.extend(shape)
+    for name, values in (("data", data), ("diff", diff)):
+        if values is not None and values.size:
+            field = f"double_{name}" if values.dtype == np.float64 else name
+            getattr(proto, field).extend(values.reshape(-1).tolist())
+    return proto
+
+
+def blobproto_bytes(
+    data: npt.NDArray[np.floating[Any]],
+    diff: npt.NDArray[np.floating[Any]] | None = None,
+    *,
+    legacy: bool = False,
+) -> bytes:
+    """``data`` (and ``diff``) serialized as a ``caffe.BlobProto`` of ``data.shape``.
+
+    See :func:`fill_blobproto`; ``legacy=True`` writes a mean file exactly as
+    Caffe's ``compute_image_mean`` does for a ``(1, C, H, W)`` array.
+    """
+    return fill_blobproto(None, data.shape, data, diff, legacy=legacy).SerializeToString()
+
+
+# -- Blob conveniences ------------------------------------------------------------------
+
+
+def _blob_from(proto: BlobProto, dtype: Any, backend: Backend | str | None, where: str) -> Blob:
+    from ._blob import Blob
+
     blob = Blob(dtype=dtype, backend=backend)
     try:
         blob.from_proto(proto, reshape=True)
@@ -63,11 +284,9 @@ def read_blobproto(
     Raises FileNotFoundError, ProtoError (unparsable file, bad shape, value
     count mismatch), UnsupportedOperationError for an integer ``dtype``.
     """
-    from ._proto import caffe_pb2
-
-    proto = caffe_pb2.BlobProto()
-    _parse(proto, path, "caffe.BlobProto")
-    return _blob_from(proto, dtype, backend, f"{os.fspath(path)!r}")
+    where = repr(os.fspath(path))
+    proto = _read(BlobProto(), path, where, "valid caffe.BlobProto", _BLOBPROTO_FIX)
+    return _blob_from(proto, dtype, backend, where)
 
 
 def write_blobproto(blob: Blob, path: StrPath, *, write_diff: bool = False) -> None:
@@ -97,14 +316,13 @@ def read_caffemodel(
     layers with blobs under one name), UnsupportedOperationError for an
     integer ``dtype``.
     """
-    from ._proto import caffe_pb2
-
-    net = caffe_pb2.NetParameter()
-    _parse(net, path, "caffe.NetParameter (.caffemodel)")
     where = os.fspath(path)
+    net = _read(
+        NetParameter(), path, repr(where), "valid caffe.NetParameter (.caffemodel)", _CAFFEMODEL_FIX
+    )
     result: dict[str, list[Blob]] = {}
     try:
-        layers: list[Any] = [*net.layer, *net.layers]
+        layers: list[LayerParameter | V1LayerParameter] = [*net.layer, *net.layers]
         for layer in layers:
             if not len(layer.blobs):
                 continue
@@ -125,3 +343,210 @@ def read_caffemodel(
                 blob.close()
         raise
     return result
+
+
+# -- TransformationParameter -------------------------------------------------------------
+
+
+class TransformFields(TypedDict):
+    """A ``caffe.TransformationParameter`` as keyword arguments of ``Transform``."""
+
+    scale: float
+    mirror: bool
+    crop_size: int
+    mean_file: str | None
+    mean_value: tuple[float, ...]
+    force_color: bool
+    force_gray: bool
+
+
+def transform_fields(param: TransformationParameter, base_dir: StrPath = ".") -> TransformFields:
+    """The fields of ``param`` as ``Transform(**fields)`` keyword arguments.
+
+    ``mean_file`` is None when unset; a relative one is joined to ``base_dir``
+    unless that is ``"."`` or ``""`` (Caffe resolves it against the current
+    directory, the default).
+    """
+    mean_file: str | None = None
+    if param.HasField("mean_file"):
+        base = os.fspath(base_dir)
+        mean_file = param.mean_file
+        if base not in ("", "."):
+            mean_file = os.path.join(base, mean_file)
+    return TransformFields(
+        scale=param.scale,
+        mirror=param.mirror,
+        crop_size=param.crop_size,
+        mean_file=mean_file,
+        mean_value=tuple(param.mean_value),
+        force_color=param.force_color,
+        force_gray=param.force_gray,
+    )
+
+
+# -- net prototxt: the Data layer -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataLayerFields:
+    """What a net prototxt's selected ``Data`` layer sets, as plain values."""
+
+    name: str
+    source: str
+    batch_size: int
+    prefetch: int
+    rand_skip: int
+    tops: tuple[str, ...]
+    transform: TransformFields
+
+
+def parse_net(text: str, where: str = "<string>") -> NetParameter:
+    """Parse a net prototxt, skipping fields and layers this project does not model.
+
+    Raises:
+        ProtoError: the text is not a valid NetParameter prototxt.
+    """
+    net = NetParameter()
+    try:
+        text_format.Parse(text, net, allow_unknown_field=True)
+    except text_format.ParseError as exc:
+        raise ProtoError(f"{where}: cannot parse the net prototxt: {exc}") from exc
+    return net
+
+
+def _state_meets_rule(rule: NetStateRule, phase: int, level: int, stages: frozenset[str]) -> bool:
+    if rule.HasField("phase") and rule.phase != phase:
+        return False
+    if rule.HasField("min_level") and level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and level > rule.max_level:
+        return False
+    if any(s not in stages for s in rule.stage):
+        return False
+    return not any(s in stages for s in rule.not_stage)
+
+
+def _included(
+    layer: LayerParameter | V1LayerParameter,
+    where: str,
+    phase: int,
+    level: int,
+    stages: frozenset[str],
+) -> bool:
+    if len(layer.include) and len(layer.exclude):
+        raise ProtoError(
+            f"{where}: layer {layer.name!r} has both include and exclude rules; "
+            "specify either include rules or exclude rules, not both (as Caffe requires)"
+        )
+    included = len(layer.include) == 0
+    for rule in layer.exclude:
+        if _state_meets_rule(rule, phase, level, stages):
+            included = False
+    for rule in layer.include:
+        if _state_meets_rule(rule, phase, level, stages):
+            included = True
+    return included
+
+
+def _rules_text(layer: LayerParameter | V1LayerParameter) -> str:
+    def one(rule: NetStateRule) -> str:
+        return text_format.MessageToString(rule, as_one_line=True) or "any"
+
+    if len(layer.include):
+        return "include " + " | ".join(one(r) for r in layer.include)
+    if len(layer.exclude):
+        return "exclude " + " | ".join(one(r) for r in layer.exclude)
+    return "all phases"
+
+
+def data_layer_fields(
+    text: str,
+    where: str,
+    phase: str,
+    *,
+    name: str | None = None,
+    level: int = 0,
+    stages: Sequence[str] = (),
+) -> DataLayerFields:
+    """The ``Data`` layer of the net prototxt ``text`` that runs in ``phase``.
+
+    Layers are selected as Caffe's ``Net::FilterNet`` does (``phase`` is
+    "train" or "test"; ``stages`` add to the file's ``state { stage }``); V1
+    layers are upgraded as ``UpgradeNetDataTransformation`` does. ``where``
+    names the file in messages.
+
+    Raises:
+        ProtoError: the text does not parse; no Data layer (or several, without
+            ``name``) is selected; the backend is not LMDB; ``source`` or
+            ``batch_size`` is missing; deprecated ``data_param`` transform
+            fields in a new-format layer.
+    """
+    net = parse_net(text, where)
+    phase_enum = TRAIN if phase == "train" else TEST
+    all_stages = frozenset(net.state.stage) | frozenset(stages)
+
+    candidates: list[tuple[LayerParameter | V1LayerParameter, bool]] = []
+    found: list[str] = []
+    for layer in net.layer:
+        found.append(f"{layer.name!r} (type {layer.type!r}, {_rules_text(layer)})")
+        if layer.type == "Data" and _included(layer, where, phase_enum, level, all_stages):
+            candidates.append((layer, False))
+    for v1 in net.layers:
+        is_data = v1.HasField("data_param")
+        found.append(f"{v1.name!r} (V1 {'data ' if is_data else ''}layer, {_rules_text(v1)})")
+        if is_data and _included(v1, where, phase_enum, level, all_stages):
+            candidates.append((v1, True))
+    if name is not None:
+        candidates = [c for c in candidates if c[0].name == name]
+    if not candidates:
+        wanted = "Data layer" if name is None else f"Data layer named {name!r}"
+        listing = "; ".join(found) if found else "none"
+        raise ProtoError(
+            f"{where}: no {wanted} runs in phase {phase.upper()}; layers found: {listing}"
+        )
+    if len(candidates) > 1:
+        names = ", ".join(repr(c[0].name) for c in candidates)
+        raise ProtoError(
+            f"{where}: several Data layers run in phase {phase.upper()} ({names}); "
+            "choose one with name=..."
+        )
+    chosen, is_v1 = candidates[0]
+    return _layer_fields(chosen, is_v1, where)
+
+
+def _layer_fields(
+    layer: LayerParameter | V1LayerParameter, is_v1: bool, where: str
+) -> DataLayerFields:
+    label = f"{where}: layer {layer.name!r}"
+    dp = layer.data_param
+    tp = TransformationParameter()
+    tp.CopyFrom(layer.transform_param)
+    deprecated = [f for f in _DEPRECATED_DATA_FIELDS if dp.HasField(f)]
+    if deprecated and not is_v1:
+        fields = ", ".join(f"data_param.{f}" for f in deprecated)
+        raise ProtoError(
+            f"{label} sets deprecated {fields}, which Caffe ignores in a `layer` block; "
+            "move them into transform_param { ... }"
+        )
+    for field in deprecated:  # Caffe's UpgradeNetDataTransformation for V1 layers
+        setattr(tp, field, getattr(dp, field))
+    if dp.backend != DataParameter.LMDB:
+        implicit = "" if dp.HasField("backend") else " (protobuf's default when no backend is set)"
+        raise ProtoError(
+            f"{label} uses backend LEVELDB{implicit}; blobpipe reads LMDB only: convert "
+            "the database to LMDB (e.g. rerun Caffe's convert_imageset with --backend=lmdb, "
+            "or copy its records into an LMDB) and set `backend: LMDB` in data_param"
+        )
+    if not dp.source:
+        raise ProtoError(f"{label} has no data_param.source")
+    if dp.batch_size <= 0:
+        raise ProtoError(f"{label} needs data_param.batch_size > 0, got {dp.batch_size}")
+    return DataLayerFields(
+        name=layer.name,
+        source=dp.source,
+        batch_size=int(dp.batch_size),
+        prefetch=int(dp.prefetch),
+        rand_skip=int(dp.rand_skip),
+        tops=tuple(layer.top),
+        transform=transform_fields(tp),
+    )

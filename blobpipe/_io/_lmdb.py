@@ -49,22 +49,21 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import lmdb
 import numpy as np
 import numpy.typing as npt
 
+from .._codec import BlobProto, decode_blobproto
 from .._errors import (
     DatabaseNotFoundError,
     DataError,
+    ProtoError,
     RecordNotFoundError,
     StateError,
 )
 from ._datum import ParsedDatum, parse_datum
-
-if TYPE_CHECKING:
-    from .._proto.caffe_pb2 import BlobProto
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -569,7 +568,7 @@ class LmdbReader:
         return self._iterate(_DATUMS)  # type: ignore[return-value]
 
     def blobprotos(self) -> Iterator[tuple[bytes, BlobProto]]:
-        """Iterate over ``(key, caffe_pb2.BlobProto)`` in key order.
+        """Iterate over ``(key, caffe.BlobProto message)`` in key order.
 
         Raises:
             StateError: the reader is closed (now, or while iterating).
@@ -590,10 +589,6 @@ class LmdbReader:
                 cursor = txn.cursor()
             except lmdb.Error as exc:
                 raise DataError(f"cannot iterate: {exc}", path=self._path) from exc
-            if what == _BLOBPROTOS:
-                from google.protobuf.message import DecodeError
-
-                from .._proto.caffe_pb2 import BlobProto
             for k, v in cursor:
                 if generation != _generation:
                     raise StateError(
@@ -610,11 +605,9 @@ class LmdbReader:
                     yield key, parse_datum(bytes(v), key=key, path=self._path)
                 else:
                     try:
-                        proto = BlobProto.FromString(bytes(v))
-                    except DecodeError as exc:
-                        raise DataError(
-                            f"not a valid caffe.BlobProto ({exc})", path=self._path, key=key
-                        ) from exc
+                        proto = decode_blobproto(bytes(v))
+                    except ProtoError as exc:
+                        raise DataError(str(exc), path=self._path, key=key) from exc
                     yield key, proto
         finally:
             if txn is not None and generation == _generation:

@@ -21,6 +21,10 @@ layer, and its deprecated ``data_param`` ``scale``/``mean_file``/``crop_size``/
 ``mirror`` move into ``transform_param``. In a new-format ``layer`` those
 deprecated fields are ignored by Caffe, so blobpipe rejects them rather than
 silently dropping a transform.
+
+The protobuf work (parsing, layer selection, the V1 upgrade) is
+:func:`blobpipe._codec.data_layer_fields`; this module builds the
+:class:`DataLayerConfig` and its :class:`Transform` from the plain fields.
 """
 
 from __future__ import annotations
@@ -30,15 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import text_format
-
-from .._errors import ProtoError
-from .._proto import caffe_pb2
+from .._codec import data_layer_fields
+from .._codec import parse_net as parse_net
 from ._transform import Layout, OutDtype, Phase, Transform, _check_phase
 
 __all__ = ["DataLayerConfig", "read_data_layer"]
-
-_DEPRECATED = ("scale", "mean_file", "crop_size", "mirror")
 
 
 @dataclass(frozen=True)
@@ -90,67 +90,6 @@ class DataLayerConfig:
         }
 
 
-def _state_meets_rule(
-    rule: caffe_pb2.NetStateRule, phase: int, level: int, stages: frozenset[str]
-) -> bool:
-    if rule.HasField("phase") and rule.phase != phase:
-        return False
-    if rule.HasField("min_level") and level < rule.min_level:
-        return False
-    if rule.HasField("max_level") and level > rule.max_level:
-        return False
-    if any(s not in stages for s in rule.stage):
-        return False
-    return not any(s in stages for s in rule.not_stage)
-
-
-def _included(
-    layer: caffe_pb2.LayerParameter | caffe_pb2.V1LayerParameter,
-    where: str,
-    phase: int,
-    level: int,
-    stages: frozenset[str],
-) -> bool:
-    if len(layer.include) and len(layer.exclude):
-        raise ProtoError(
-            f"{where}: layer {layer.name!r} has both include and exclude rules; "
-            "specify either include rules or exclude rules, not both (as Caffe requires)"
-        )
-    included = len(layer.include) == 0
-    for rule in layer.exclude:
-        if _state_meets_rule(rule, phase, level, stages):
-            included = False
-    for rule in layer.include:
-        if _state_meets_rule(rule, phase, level, stages):
-            included = True
-    return included
-
-
-def _rules_text(layer: caffe_pb2.LayerParameter | caffe_pb2.V1LayerParameter) -> str:
-    def one(rule: caffe_pb2.NetStateRule) -> str:
-        return text_format.MessageToString(rule, as_one_line=True) or "any"
-
-    if len(layer.include):
-        return "include " + " | ".join(one(r) for r in layer.include)
-    if len(layer.exclude):
-        return "exclude " + " | ".join(one(r) for r in layer.exclude)
-    return "all phases"
-
-
-def parse_net(text: str, where: str = "<string>") -> caffe_pb2.NetParameter:
-    """Parse a net prototxt, skipping fields and layers this project does not model.
-
-    Raises:
-        ProtoError: the text is not a valid NetParameter prototxt.
-    """
-    net = caffe_pb2.NetParameter()
-    try:
-        text_format.Parse(text, net, allow_unknown_field=True)
-    except text_format.ParseError as exc:
-        raise ProtoError(f"{where}: cannot parse the net prototxt: {exc}") from exc
-    return net
-
-
 def read_data_layer(
     path: str | os.PathLike[str],
     phase: Phase = "train",
@@ -184,80 +123,16 @@ def read_data_layer(
     phase = _check_phase(phase)
     where = os.fspath(path)
     with open(path, encoding="utf-8") as f:
-        net = parse_net(f.read(), where)
-    phase_enum = caffe_pb2.TRAIN if phase == "train" else caffe_pb2.TEST
-    all_stages = frozenset(net.state.stage) | frozenset(stages)
-
-    candidates: list[tuple[caffe_pb2.LayerParameter | caffe_pb2.V1LayerParameter, bool]] = []
-    found: list[str] = []
-    for layer in net.layer:
-        found.append(f"{layer.name!r} (type {layer.type!r}, {_rules_text(layer)})")
-        if layer.type == "Data" and _included(layer, where, phase_enum, level, all_stages):
-            candidates.append((layer, False))
-    for v1 in net.layers:
-        is_data = v1.HasField("data_param")
-        found.append(f"{v1.name!r} (V1 {'data ' if is_data else ''}layer, {_rules_text(v1)})")
-        if is_data and _included(v1, where, phase_enum, level, all_stages):
-            candidates.append((v1, True))
-    if name is not None:
-        candidates = [c for c in candidates if c[0].name == name]
-    if not candidates:
-        wanted = "Data layer" if name is None else f"Data layer named {name!r}"
-        listing = "; ".join(found) if found else "none"
-        raise ProtoError(
-            f"{where}: no {wanted} runs in phase {phase.upper()}; layers found: {listing}"
-        )
-    if len(candidates) > 1:
-        names = ", ".join(repr(c[0].name) for c in candidates)
-        raise ProtoError(
-            f"{where}: several Data layers run in phase {phase.upper()} ({names}); "
-            "choose one with name=..."
-        )
-    chosen, is_v1 = candidates[0]
-    return _config(chosen, is_v1, where, phase, layout, dtype)
-
-
-def _config(
-    layer: caffe_pb2.LayerParameter | caffe_pb2.V1LayerParameter,
-    is_v1: bool,
-    where: str,
-    phase: Phase,
-    layout: Layout,
-    dtype: OutDtype,
-) -> DataLayerConfig:
-    label = f"{where}: layer {layer.name!r}"
-    dp = layer.data_param
-    tp = caffe_pb2.TransformationParameter()
-    tp.CopyFrom(layer.transform_param)
-    deprecated = [f for f in _DEPRECATED if dp.HasField(f)]
-    if deprecated and not is_v1:
-        fields = ", ".join(f"data_param.{f}" for f in deprecated)
-        raise ProtoError(
-            f"{label} sets deprecated {fields}, which Caffe ignores in a `layer` block; "
-            "move them into transform_param { ... }"
-        )
-    for field in deprecated:  # Caffe's UpgradeNetDataTransformation for V1 layers
-        setattr(tp, field, getattr(dp, field))
-    if dp.backend != caffe_pb2.DataParameter.LMDB:
-        implicit = "" if dp.HasField("backend") else " (protobuf's default when no backend is set)"
-        raise ProtoError(
-            f"{label} uses backend LEVELDB{implicit}; blobpipe reads LMDB only: convert "
-            "the database to LMDB (e.g. rerun Caffe's convert_imageset with --backend=lmdb, "
-            "or copy its records into an LMDB) and set `backend: LMDB` in data_param"
-        )
-    if not dp.source:
-        raise ProtoError(f"{label} has no data_param.source")
-    if dp.batch_size <= 0:
-        raise ProtoError(f"{label} needs data_param.batch_size > 0, got {dp.batch_size}")
-    transform = Transform.from_proto(tp, layout=layout, dtype=dtype)
+        text = f.read()
+    fields = data_layer_fields(text, where, phase, name=name, level=level, stages=stages)
     return DataLayerConfig(
-        name=layer.name,
+        name=fields.name,
         phase=phase,
-        source=dp.source,
-        batch_size=int(dp.batch_size),
-        prefetch=int(dp.prefetch),
-        rand_skip=int(dp.rand_skip),
-        tops=tuple(layer.top),
-        transform=transform,
+        source=fields.source,
+        batch_size=fields.batch_size,
+        prefetch=fields.prefetch,
+        rand_skip=fields.rand_skip,
+        tops=fields.tops,
+        transform=Transform(**fields.transform, layout=layout, dtype=dtype),
         prototxt=where,
     )

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._codec import blobproto_bytes
 from .._errors import DataError
 from .._io._datum import decode_datum
-from .._proto import caffe_pb2
 from ._output import check_output, open_database
 from ._progress import Progress
 
@@ -35,13 +35,6 @@ class MeanResult:
     channel_means: tuple[float, ...]
     count: int
     path: Path | None
-
-
-def _mean_proto(mean: npt.NDArray[np.float32]) -> bytes:
-    c, h, w = mean.shape
-    proto = caffe_pb2.BlobProto(num=1, channels=c, height=h, width=w)
-    proto.data.extend(mean.ravel().tolist())
-    return proto.SerializeToString()
 
 
 def _channel_means(mean: npt.NDArray[np.float32]) -> tuple[float, ...]:
@@ -98,7 +91,7 @@ def compute_mean(
     if out_path is not None:
         tmp = out_path.with_name(out_path.name + ".partial")
         with open(tmp, "wb") as fh:
-            fh.write(_mean_proto(mean))
+            fh.write(blobproto_bytes(mean[np.newaxis], legacy=True))
             fh.flush()
             os.fsync(fh.fileno())
         check_output(out_path, force=force)
