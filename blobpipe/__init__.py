@@ -1,8 +1,12 @@
 """blobpipe: Caffe's Blob, SyncedMemory and DataLayer for modern Python.
 
 Layers, each importing only those before it:
-errors → device backends → memory (pool, SyncedMemory) → Blob → io (protobuf
-codec, LMDB reader, transforms, batches) → loader → CLI tools.
+errors and the protobuf codec → device backends → memory (pool, SyncedMemory)
+→ Blob → io (LMDB reader, transforms, batches) → loader → CLI tools.
+``_codec`` is the only module that touches Caffe's messages (``_proto``); it
+works on NumPy arrays and Python values, and its three Blob-returning
+functions (``read_blobproto``, ``read_caffemodel``, ``write_blobproto``)
+import Blob when called.
 
 Nothing here imports CuPy or decides on a device: backends are resolved on
 first use (``device="auto"`` tries CUDA, then falls back to the host).
