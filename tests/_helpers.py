@@ -170,22 +170,32 @@ class GatedBackend(EmulatedBackend):
 
     Instead of a ``delay`` that a loaded machine may outlast, a copy stays in
     flight for as long as the test needs: "still pending" is certain until
-    ``gate.set()`` (or :meth:`open_after`). :attr:`held` is set once a copy waits
-    at the gate. A safety ``timeout`` opens it anyway, so a test that never does
-    (or an event loop blocked on a copy) fails instead of hanging.
+    ``gate.set()`` (or :meth:`open_after`). :attr:`held` is set once a copy has
+    waited at the gate; :attr:`waiting` counts the copies waiting there now. A
+    safety ``timeout`` opens the gate anyway and sets :attr:`timed_out`, so a
+    test that never opens it (or an event loop blocked on a copy) fails, not hangs.
     """
 
     def __init__(self, timeout: float = DEADLINE) -> None:
         self.gate = threading.Event()
         self.held = threading.Event()
+        self.waiting = 0
+        self.timed_out = False
         self._timeout = timeout
+        self._gate_lock = threading.Lock()
         super().__init__()
 
     @property  # type: ignore[override]
     def delay(self) -> float:
         """Read by a stream's thread before each copy: waits there while the gate is shut."""
+        with self._gate_lock:
+            self.waiting += 1
         self.held.set()
-        self.gate.wait(self._timeout)
+        if not self.gate.wait(self._timeout):
+            self.timed_out = True
+            self.gate.set()
+        with self._gate_lock:
+            self.waiting -= 1
         return 0.0
 
     @delay.setter
@@ -193,7 +203,10 @@ class GatedBackend(EmulatedBackend):
         pass  # EmulatedBackend.__init__ sets it; the gate replaces it
 
     def open_after(self, seconds: float) -> None:
-        """Open the gate from another thread after ``seconds`` (while this one blocks on a copy)."""
+        """Open the gate from another thread after ``seconds`` (while this one blocks on a copy).
+
+        When it opens changes how long the test waits, never what it sees.
+        """
         timer = threading.Timer(seconds, self.gate.set)
         timer.daemon = True
         timer.start()

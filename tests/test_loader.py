@@ -26,7 +26,16 @@ from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._backends._emulated import EmulatedEvent
 from blobpipe._io._batches import ArrayBatch
-from tests._helpers import encoded_db, float_db, key, raw_db, write_lmdb
+from tests._helpers import (
+    GatedBackend,
+    encoded_db,
+    float_db,
+    key,
+    raw_db,
+    stays,
+    wait_until,
+    write_lmdb,
+)
 from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
 
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
@@ -139,6 +148,8 @@ class FillProbe:
         self.plans: set[tuple[int, int]] = set()
         self.in_flight_at_wait = 0
         self.started = threading.Event()
+        self.gate = threading.Event()  # fills wait here while a test keeps it shut
+        self.gate.set()
         self._lock = threading.Lock()
         original = Batches.fill
         probe = self
@@ -151,6 +162,7 @@ class FillProbe:
                 probe.plans.add((plan.epochs[0], plan.positions[0]))  # one per batch
             probe.started.set()
             try:
+                probe.gate.wait(30)
                 if probe.sleep:
                     time.sleep(probe.sleep)
                 original(self, plan, *args, **kwargs)
@@ -545,23 +557,26 @@ async def test_slow_copies_still_give_right_data(db30: Path, device_transform: b
 @pytest.mark.parametrize("device_transform", [True, False])
 async def test_copies_do_not_block_the_event_loop(db30: Path, device_transform: bool) -> None:
     """While copies are in flight the loop keeps running other tasks (the consumer's)."""
-    delay = 0.2
-    gaps: list[float] = []
+    # The copies land only once the loop has run 20 heartbeats while one waits:
+    # a loop blocked on a copy never gets there (the gate's timeout opens it).
+    backend = GatedBackend(timeout=10)
+    ticks = 0
 
     async def heartbeat() -> None:
-        last = time.perf_counter()
+        nonlocal ticks
         while True:
-            await anyio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            await anyio.sleep(0.001)
+            if backend.waiting and not backend.gate.is_set():
+                ticks += 1
+                if ticks == 20:
+                    backend.gate.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(heartbeat)
         async with Loader(
             db30,
             4,
-            device=EmulatedBackend(delay=delay),
+            device=backend,
             prefetch=2,
             device_transform=device_transform,
         ) as loader:
@@ -569,7 +584,7 @@ async def test_copies_do_not_block_the_event_loop(db30: Path, device_transform: 
             # is a blocking accessor by design
             kept = [(await anext(loader)).detach() for _ in range(3)]
         tg.cancel_scope.cancel()
-    assert max(gaps) < delay / 2
+    assert ticks >= 20 and not backend.timed_out
     assert_matches([Got.of(batch) for batch in kept], expected(db30, 3, batch_size=4))
     for batch in kept:
         batch.close()
@@ -593,7 +608,7 @@ async def test_without_the_wait_data_is_wrong(
     db30: Path, removed: str | None, device_transform: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The emulated device lands copies late, so the waits above are really tested."""
-    backend = EmulatedBackend(delay=0.2)
+    backend = GatedBackend()  # copies land only once the gate opens
     if removed == "loader wait":
         monkeypatch.setattr(blobpipe._loader, "wait_event", _noop_wait)
     elif removed == "event":
@@ -603,13 +618,18 @@ async def test_without_the_wait_data_is_wrong(
     async with Loader(
         db30, 4, device=backend, prefetch=1, transform=t, device_transform=device_transform
     ) as loader:
-        got = Got.of(await anext(loader))
+        if removed is None:
+            backend.open_after(0.05)  # the loader waits for the copy, however late
+        batch = await anext(loader)
+        # what the device holds when the batch is handed out (the host side may
+        # hold the right bytes: the staging buffer, or a later device->host copy)
+        device = np.array(to_numpy(batch.data.gpu_data()))
+        backend.gate.set()  # before a host read, which waits for the device
+        got = Got.of(batch)
         monkeypatch.undo()  # wait properly for the copies before the buffers go back
     assert got.device is not None
     want = expected(db30, 1, batch_size=4, transform=t)[0].data
-    # what the device holds when the batch is handed out (the host side may
-    # hold the right bytes: the staging buffer, or a later device->host copy)
-    assert same_bits(got.device, want) == (removed is None)
+    assert same_bits(device, want) == (removed is None)
 
 
 # -- cancellation and cleanup --------------------------------------------------------------------
@@ -686,8 +706,7 @@ async def test_cleanup(
     # nothing is filling, nothing starts filling later, every block went back
     assert probe.in_flight == 0
     calls = probe.calls
-    await anyio.sleep(0.1)
-    assert probe.calls == calls
+    await stays(lambda: probe.calls == calls, "no fill after the close", window=0.1)
     pools.assert_returned()
     with pytest.raises(StateError, match="this Loader is closed; create a new one"):
         await anext(loader)
@@ -704,6 +723,7 @@ async def test_cancel_while_waiting_loses_no_batch(
     pools = PoolWatch(backend)
     async with Loader(db30, 4, device=backend, prefetch=2, workers=1) as loader:
         got = []
+        await wait_until(lambda: probe.calls > 0, "the first fill")
         with anyio.move_on_after(0.05):
             # cancelled waiting for the producer (host) or for the copy (emulated);
             # a batch already taken from the queue is still returned
@@ -896,21 +916,22 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Batches, "next_plan", next_plan)
     backend = make_backend(device)
 
-    async def settle() -> None:
-        await anyio.sleep(0.2)  # ample time for the producer to run ahead if it could
+    async def filled(n: int) -> None:
+        """Wait for ``n`` batches filled, then check that the producer stops there."""
+        await wait_until(lambda: len(probe.plans) >= n and probe.in_flight == 0, f"{n} fills")
+        # time for the producer to run ahead if it could
+        await stays(lambda: len(probe.plans) == n, f"exactly {n} batches filled")
 
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1) as loader:
-        await settle()
-        assert len(probe.plans) == 3  # one per slot; then the producer waits
+        await filled(3)  # one per slot; then the producer waits
         assert plans <= 4  # (one plan made ahead, waiting for a free slot)
         used = get_pool(backend, "host").statistics().used_bytes
         first = await anext(loader)
-        await settle()
-        assert len(probe.plans) == 3  # the consumer holds the batch: its slot is not free
+        # the consumer holds the batch: its slot is not free
+        await stays(lambda: len(probe.plans) == 3, "3 batches filled")
         await anext(loader)  # moving past the first batch frees its slot
-        await settle()
+        await filled(4)
         assert first.recycled
-        assert len(probe.plans) == 4
         assert plans <= 5
         assert get_pool(backend, "host").statistics().used_bytes == used
 
@@ -921,14 +942,22 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", ["host", "emulated"])
 async def test_statistics(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    FillProbe(monkeypatch, sleep=0.02)
+    probe = FillProbe(monkeypatch, sleep=0.02)
+    probe.gate.clear()  # no fill before the consumer waits for the first batch
     backend = make_backend(device)
+
+    async def open_once_the_consumer_waits() -> None:
+        await anyio.wait_all_tasks_blocked()
+        probe.gate.set()
+
     async with Loader(
         db30, 8, device=backend, mode="epoch", last="pad", prefetch=2, workers=1
     ) as loader:
         s0 = loader.statistics()
         assert (s0.batches, s0.records, s0.wait_time, s0.copy_time) == (0, 0, 0.0, 0.0)
-        got = await collect(loader) + await collect(loader)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_once_the_consumer_waits)
+            got = await collect(loader) + await collect(loader)
         s = loader.statistics()
     assert len(got) == 8
     assert s.batches == 8
@@ -996,19 +1025,25 @@ def test_public_names() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("mode", ["wrap", "epoch"])
-async def test_state_dict_follows_the_consumer_not_the_producer(db30: Path, mode: str) -> None:
+async def test_state_dict_follows_the_consumer_not_the_producer(
+    db30: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The producer runs ``prefetch`` batches ahead; the resume state must not."""
+    probe = FillProbe(monkeypatch)
     options: dict[str, Any] = {"mode": mode, "order": "shuffle", "seed": 2}
     with Batches(db30, 4, **options) as batches:
         start = batches.state_dict()
     async with Loader(db30, 4, device="cpu", prefetch=3, **options) as loader:
-        await anyio.sleep(0.05)  # the producer fills the ring
+        await wait_until(lambda: len(probe.plans) >= 3, "the producer to fill the ring")
         assert loader.state_dict() == start
         got = await collect(loader, 3)
         assert loader.state_dict() == got[-1].state
         if mode == "epoch":
             got += await collect(loader)  # to the end of the epoch
-            await anyio.sleep(0.05)
+            await wait_until(
+                lambda: any(epoch == 1 for epoch, _ in probe.plans),
+                "the producer to fill a batch of the next epoch",
+            )
             assert loader.state_dict() == got[-1].state
             assert (got[-1].state["epoch"], got[-1].state["position"]) == (1, 0)
     assert loader.state_dict() == got[-1].state  # saved after the loop, e.g. at shutdown
