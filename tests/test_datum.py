@@ -13,20 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blobpipe._errors import DataError, ProtoError, ShapeError
-from blobpipe._io import _datum
+from blobpipe._io import _datum, _index
 from blobpipe._io._datum import (
     ParsedDatum,
-    copy_raw,
     datum_view,
     decode_datum,
     decode_datum_into,
     encode_encoded_datum,
     encode_float_datum,
     encode_raw_datum,
-    gather_raw,
     parse_datum,
-    raw_block,
 )
+from blobpipe._io._image import image_header
+from blobpipe._io._index import RecordIndex
 from blobpipe._proto.caffe_pb2 import Datum
 from tests._helpers import lmdb_items, write_lmdb
 
@@ -347,7 +346,8 @@ def test_image_announcing_too_many_pixels_is_refused_before_decoding(color: np.n
     with pytest.raises(DataError, match="announces 1048576×1048576 pixels"):
         decode_datum(encode_encoded_datum(bytes(png), 0))
     jpg = _cv_jpg(color)
-    assert _datum._image_dims(memoryview(jpg)) == (17, 12)
+    header = image_header(memoryview(jpg))
+    assert header is not None and header[:2] == (17, 12)
     with pytest.raises(DataError, match="max_pixels=100"):
         decode_datum(encode_encoded_datum(jpg, 0), max_pixels=100)
 
@@ -513,7 +513,7 @@ def test_fuzz_mutated_real_records_agree_with_protobuf(
     assert_agrees(RAW[0][1] + tail)
 
 
-# -- the batch fast paths (gather_raw, raw_block) agree with protobuf ----------------------------
+# -- the record index's reading agrees with protobuf -------------------------------------------
 
 SHAPE = (2, 3, 4)
 
@@ -546,60 +546,51 @@ def _batch_record(draw: st.DrawFn) -> bytes:
     return bytes(raw)
 
 
-def _protobuf_view(record: bytes) -> tuple[bytes, int] | None:
-    """What a raw-pixel reader must see: (pixels, label), or None if not a raw 2×3×4 record."""
+def _expected_kind(record: bytes) -> tuple[int, bytes | None, tuple[int, int, int], int]:
+    """What the record index must say of ``record``, from protobuf: kind, pixels, shape,
+    label."""
     try:
         d = Datum.FromString(record)
     except DecodeError:
-        return None
-    if d.encoded or (d.channels, d.height, d.width) != SHAPE or len(d.data) != 24 or d.float_data:
-        return None
-    return d.data, d.label
+        return _index.BAD, None, (0, 0, 0), 0
+    shape = (d.channels, d.height, d.width)
+    count = d.channels * d.height * d.width if min(shape) > 0 else 0
+    if d.encoded:
+        return (_index.ENCODED if d.data else _index.BAD), None, (0, 0, 0), d.label
+    if d.data:
+        ok = count == len(d.data) and (not d.float_data or len(d.float_data) == count)
+        return (_index.RAW, d.data, shape, d.label) if ok else (_index.BAD, None, (0, 0, 0), 0)
+    if d.float_data and count == len(d.float_data):
+        return _index.PARSED, None, shape, d.label
+    return _index.BAD, None, (0, 0, 0), 0
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_batch_record(), min_size=1, max_size=12))
-def test_gather_raw_agrees_with_protobuf(records: list[bytes]) -> None:
-    pixels = np.zeros((len(records), 24), np.uint8)
-    labels = np.full(len(records), np.nan, np.float32)
-    rest = gather_raw(records, SHAPE, pixels, labels)
+def test_the_record_index_agrees_with_protobuf(records: list[bytes]) -> None:
+    """The record index recognises convert_imageset's raw layout in one vectorised pass
+    and parses every other record: either way it reads what protobuf reads."""
+    index = RecordIndex.joined(records)
+    loc = index.locate(np.arange(len(records)), SHAPE)
     for i, record in enumerate(records):
-        expected = _protobuf_view(record)
-        if i in rest:
-            continue  # left to the per-record path, which parses with full checks
-        assert expected is not None, f"took a record protobuf does not read as raw: {record!r}"
-        assert pixels[i].tobytes() == expected[0]
-        assert labels[i] == np.float32(expected[1])
+        kind, pixels, shape, label = _expected_kind(record)
+        assert loc.kind[i] == kind, record
+        if kind == _index.RAW:
+            off = int(loc.offset[i])
+            assert index.buffer[off : off + len(pixels or b"")].tobytes() == pixels
+            assert tuple(loc.shape[i]) == shape
+        if kind != _index.BAD:
+            assert loc.label[i] == np.float32(label)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_batch_record(), min_size=1, max_size=12))
-def test_raw_block_agrees_with_protobuf(records: list[bytes]) -> None:
-    labels = np.full(len(records), np.nan, np.float32)
-    groups = raw_block(records, SHAPE, labels)
-    expected = [_protobuf_view(r) for r in records]
-    if groups is None:
-        return  # some record is not in the layout: the caller falls back
-    assert all(e is not None for e in expected)
-    seen = set()
-    for rows, pix in groups:
-        index = range(len(records)) if rows is None else rows.tolist()
-        for j, i in enumerate(index):
-            seen.add(i)
-            assert pix[j].tobytes() == expected[i][0]  # type: ignore[index]
-            assert labels[i] == np.float32(expected[i][1])  # type: ignore[index]
-    assert seen == set(range(len(records)))
-
-
-def test_raw_block_takes_caffe_records_of_mixed_label_sizes() -> None:
+def test_the_record_index_takes_caffe_records_of_mixed_label_sizes() -> None:
     records = [
         encode_raw_datum(np.full(SHAPE, i, np.uint8), label)
         for i, label in enumerate([0, 127, 128, 300000, -1])
     ]
-    labels = np.zeros(5, np.float32)
-    groups = raw_block(records, SHAPE, labels)
-    assert groups is not None and len(groups) == 4  # four varint lengths
-    assert labels.tolist() == [0, 127, 128, 300000, -1]
+    loc = RecordIndex.joined(records).locate(np.arange(5), SHAPE)
+    assert (loc.kind == _index.RAW).all()
+    assert loc.label.tolist() == [0, 127, 128, 300000, -1]
 
 
 def test_max_pixels_sees_through_stray_bytes_in_a_jpeg() -> None:
@@ -617,21 +608,6 @@ def test_opencv_bounds_formats_we_cannot_read() -> None:
 
     decode_datum(encode_encoded_datum(cv2.imencode(".bmp", np.zeros((4, 4, 3), np.uint8))[1], 0))
     assert int(os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"]) <= _datum.DEFAULT_MAX_PIXELS
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_batch_record(), min_size=1, max_size=12))
-def test_copy_raw_agrees_with_protobuf(records: list[bytes]) -> None:
-    pixels = np.zeros((len(records), *SHAPE), np.uint8)
-    labels = np.zeros(len(records), np.float32)
-    expected = [_protobuf_view(r) for r in records]
-    if not copy_raw(records, SHAPE, pixels, labels):
-        return  # the caller falls back to the general path
-    assert all(e is not None for e in expected)
-    for i, e in enumerate(expected):
-        assert e is not None
-        assert pixels[i].tobytes() == e[0]
-        assert labels[i] == np.float32(e[1])
 
 
 def test_uint8_batches_equal_the_records(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import ArrayBatch, Batches
-from blobpipe._io._index import _OTHER
+from blobpipe._io._index import ENCODED, PARSED, RAW
 from blobpipe._io._lmdbfile import value_extents
 from blobpipe._io._transform import Transform
 from tests._helpers import (
@@ -151,8 +151,8 @@ def indexed_equals_checked(path: Path, batch_size: int, n: int, **kwargs: Any) -
         expected = epochs(plain, n)
     with Batches(path, batch_size, **kwargs) as b:
         got = epochs(b, n)
-        index = b._index
-    assert b._index is None  # closing drops the index and its map of the file
+        index = b._filler._index
+    assert b._filler._index is None  # closing drops the index and its map of the file
     for e in range(n):
         assert_same(got[e], expected[e])
     return index
@@ -198,8 +198,9 @@ def test_index_batches_equal_the_checked_path(tmp_path: Path, config: str, kind:
     index = indexed_equals_checked(path, 16, 3, **kwargs)
     assert index is not None
     # every record noted, random crops (TRAIN: row by row) included
-    hit = index.lookup(list(range(70)), (3, 10, 12))
-    assert hit is not None and hit.encoded == (kind != "raw")
+    loc = index.locate(np.arange(70))
+    assert (loc.kind == (RAW if kind == "raw" else ENCODED)).all()
+    assert (loc.shape == (3, 10, 12)).all()
 
 
 def refuse_lmdb(b: Batches) -> None:
@@ -261,9 +262,10 @@ def test_mixed_databases_take_the_checked_path_where_needed(tmp_path: Path) -> N
             index = indexed_equals_checked(path, bs, 3, transform=t, mode="epoch")
             if bs == 4:
                 assert index is not None
-                assert index._kind[9] == _OTHER  # float data: not checked again
-                assert index._kind[5] < 0  # the JPEG, noted when decoded
-                assert (index._kind[[0, 1, 2, 3, 12, 19]] > 0).all()
+                kinds = index.locate(np.arange(20)).kind
+                assert kinds[9] == PARSED  # float data: read through the parser
+                assert kinds[5] == ENCODED  # the JPEG
+                assert (kinds[[0, 1, 2, 3, 12, 19]] == RAW).all()
     items[key(12)] = blobpipe.encode_raw_datum(image(12, (3, 4, 4)), 12)  # another shape
     path = write_lmdb(tmp_path / "mixed2", sorted(items.items()))
     for _ in range(2):  # the same error in a second Batches over the same file
@@ -284,7 +286,7 @@ def test_caffe_references_through_the_index() -> None:
         with Batches(CAFFE / "lmdb" / db, 8, transform=t, phase="test", mode="epoch") as b:
             list(b)  # epoch 1: learns the records
             got = list(islice(iter(b), n))
-            assert b._index is not None
+            assert b._filler._index is not None
         for k, batch in enumerate(got):
             assert np.array_equal(batch.data, np.load(ref / f"data_b{k}.npy")), (case, k)
             assert np.array_equal(batch.label, np.load(ref / f"label_b{k}.npy")), (case, k)
@@ -331,8 +333,8 @@ def test_gray_and_color_images_through_the_index(
     if flags:
         gray = color = color if "force_color" in flags else gray
     for rows, shape in ((range(12), gray), (range(12, 24), color)):
-        hit = index.lookup(list(rows), shape)  # every image noted, decoded as the flags say
-        assert hit is not None and hit.encoded
+        loc = index.locate(np.asarray(rows))  # every image noted, decoded as the flags say
+        assert (loc.kind == ENCODED).all() and (loc.shape == shape).all()
 
 
 def test_extents_refuse_page_numbers_past_the_file(tmp_path: Path) -> None:
@@ -363,7 +365,7 @@ def test_no_index_when_the_path_holds_another_file_now(tmp_path: Path) -> None:
         assert reader._mapped_file() is None
         with Batches(reader, 4, mode="epoch") as b:
             assert len(list(b)) == 5  # read through LMDB, from the file it opened
-            assert b._index is None
+            assert b._filler._index is None
 
 
 @settings(
@@ -410,7 +412,7 @@ def test_index_in_a_forked_child(tmp_path: Path, kind: str) -> None:
     path = raw_db(tmp_path / "db", 40) if kind == "raw" else encoded_db(tmp_path / "db", 40, ".jpg")
     with Batches(path, 8, transform=Transform(scale=0.5), mode="epoch") as b:
         first = epochs(b, 2)  # learned; the second epoch came from the index
-        assert b._index is not None
+        assert b._filler._index is not None
 
         def child() -> bool:
             again = epochs(b, 1)[0]
@@ -452,8 +454,8 @@ TRAIN_CROPS: dict[str, dict[str, Any]] = {
 def test_train_crops_from_the_index_equal_the_checked_path(
     tmp_path: Path, config: str, kind: str, batch_size: int
 ) -> None:
-    """The whole-range crop gather (TRAIN crops, single rows) equals ``_apply_fast`` row
-    by row: pixels, labels and the params a device transform receives."""
+    """TRAIN crops from the file map equal those of a source with no file: pixels,
+    labels and the params a device transform receives."""
     path = raw_db(tmp_path / "db", 23) if kind == "raw" else encoded_db(tmp_path / "db", 23, ".jpg")
     kw = dict(TRAIN_CROPS[config])
     if kw.pop("mean", False):
@@ -467,8 +469,8 @@ def test_train_crops_from_the_index_equal_the_checked_path(
     }
     index = indexed_equals_checked(path, batch_size, 3, **kwargs)
     assert index is not None
-    hit = index.lookup(list(range(23)), (3, 10, 12))
-    assert hit is not None and hit.encoded == (kind == "jpg")
+    loc = index.locate(np.arange(23))
+    assert (loc.kind == (ENCODED if kind == "jpg" else RAW)).all()
 
     def params_of(source: Any) -> list[np.ndarray]:
         out = []
@@ -495,13 +497,13 @@ def test_train_crops_from_the_index_equal_the_checked_path(
     mirror=st.booleans(),
     phase=st.sampled_from(["train", "test"]),
 )
-def test_record_params_block_equals_record_params(
+def test_geometry_equals_record_params(
     words: list[int], h: int, w: int, crop: int, mirror: bool, phase: Any
 ) -> None:
     if crop > min(h, w):
         crop = min(h, w)
     t = Transform(crop_size=crop, mirror=mirror)
-    h_off, w_off, flip = t._record_params_block((3, h, w), phase, np.array(words, np.uint64))
+    h_off, w_off, flip = t.geometry((3, h, w), phase, np.array(words, np.uint64))
     for i, word in enumerate(words):
         p = t.record_params((3, h, w), phase=phase, word=word)
         assert (int(h_off[i]), int(w_off[i]), bool(flip[i])) == (p.h_off, p.w_off, p.mirror)
@@ -535,10 +537,10 @@ def test_train_crops_over_images_of_several_sizes(tmp_path: Path, ext: str) -> N
         got = epochs(b, 1)
         refuse_lmdb(b)
         got += epochs(b, 2)
-        index = b._index
+        index = b._filler._index
         assert index is not None
-        groups = index.lookup_shapes(range(30))
+        loc = index.locate(np.arange(30))
     for e in range(3):
         assert_same(got[e], expected[e])
-    assert groups is not None
-    assert sorted(shape for shape, _, _ in groups) == sorted((3, h, w) for h, w in sizes)
+    assert (loc.kind == ENCODED).all()
+    assert {tuple(s) for s in loc.shape.tolist()} == {(3, h, w) for h, w in sizes}

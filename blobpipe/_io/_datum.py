@@ -10,7 +10,7 @@ A Datum (``proto/caffe.proto``) is::
 protobuf message and no copy: ``data`` comes back as a ``memoryview`` slice of the
 input and ``float_data`` as a numpy view when it was written packed. It follows
 protobuf's own parser (upb) exactly, and ``tests/test_datum.py`` holds it to
-``caffe_pb2.Datum.FromString`` on real, generated and fuzzed records:
+protobuf's own ``caffe.Datum`` parser on real, generated and fuzzed records:
 
 * the last value of a non-repeated field wins; ``float_data`` accepts packed and
   unpacked runs, mixed, in any order;
@@ -49,31 +49,28 @@ The writers produce the bytes Caffe's tools write: :func:`encode_raw_datum` and
 from __future__ import annotations
 
 import operator
-import struct
 import sys
-from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias, cast
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ProtoError, ShapeError
-from ._image import DEFAULT_MAX_PIXELS, JpegFrame, _opencv, decode_jpeg, jpeg_frame
+from ._image import DEFAULT_MAX_PIXELS, Undecodable, decode_image, imread_flag
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "BytesLike",
     "ParsedDatum",
-    "copy_raw",
     "datum_view",
     "decode_datum",
     "decode_datum_into",
     "encode_encoded_datum",
     "encode_float_datum",
     "encode_raw_datum",
-    "gather_raw",
+    "match_raw_layout",
     "parse_datum",
-    "raw_block",
+    "raw_header",
 ]
 
 BytesLike: TypeAlias = bytes | bytearray | memoryview
@@ -195,65 +192,8 @@ def _skip_group(b: memoryview, pos: int, end: int, field: int) -> int:
             pos = _skip_value(b, pos, end, wt, f)
 
 
-# The header of the last canonical raw record: (bytes, length, channels, height, width,
-# data length). convert_imageset writes every record of a database with the same
-# header, so the next record usually starts with the same bytes. Replaced whole
-# (one reference store), so threads may race on it harmlessly.
-_last_header: tuple[bytes, int, int, int, int, int] | None = None
-
-
 def _parse(b: memoryview) -> ParsedDatum:
-    """Parse a Datum; records laid out as convert_imageset writes them take a short cut.
-
-    The short cut is exact, not a guess: bytes equal to a known header decode to
-    that header's values, and the tail ``label, encoded`` is checked byte by byte;
-    anything else continues in the general loop from where the short cut stopped.
-    """
-    global _last_header
-    end = len(b)
-    hc = _last_header
-    if hc is not None and end >= hc[1] + hc[5] and b[: hc[1]] == hc[0]:
-        _, hl, c, h, w, ln = hc
-        pos = hl + ln
-        data = b[hl:pos]
-        if end - pos >= 4 and b[pos] == 0x28:
-            lab = b[pos + 1]
-            if lab < 0x80:
-                p2 = pos + 2
-            else:
-                lab, p2 = _varint(b, pos + 1, end, 10, "the varint of field 5")
-                lab = _int32(lab)
-            if p2 == end - 2 and b[p2] == 0x38 and b[p2 + 1] < 0x80:
-                return _new_parsed((c, h, w, lab, b[p2 + 1] != 0, data, None))
-        return _parse_from(b, pos, c, h, w, data)
-    if end >= 6 and b[0] == 0x22:  # convert_imageset --encoded: data, label, encoded
-        p = _parse_encoded_layout(b, end)
-        if p is not None:
-            return p
-    p = _parse_from(b, 0, 0, 0, 0, None)
-    if p.data is not None and not p.encoded and p.channels > 0 and p.height > 0 and p.width > 0:
-        hdr = _header(p.channels, p.height, p.width) + b"\x22" + _enc_varint(len(p.data))
-        if b[: len(hdr)] == hdr:
-            _last_header = (hdr, len(hdr), p.channels, p.height, p.width, len(p.data))
-    return p
-
-
-def _parse_encoded_layout(b: memoryview, end: int) -> ParsedDatum | None:
-    """Exactly ``data, label, encoded`` (one each, in this order), or None."""
-    try:
-        length, pos = _varint(b, 1, end, 10, "the length of field 4")
-    except _Malformed:
-        return None
-    stop = pos + length
-    if stop + 4 > end or b[stop] != 0x28:
-        return None
-    try:
-        label, p2 = _varint(b, stop + 1, end, 10, "the varint of field 5")
-    except _Malformed:
-        return None
-    if p2 != end - 2 or b[p2] != 0x38 or b[p2 + 1] >= 0x80:
-        return None
-    return _new_parsed((0, 0, 0, _int32(label), b[p2 + 1] != 0, b[pos:stop], None))
+    return _parse_from(b, 0, 0, 0, 0, None)
 
 
 def _parse_from(
@@ -392,98 +332,20 @@ def parse_datum(
 # -- pixels --------------------------------------------------------------------------------
 
 
-def _imread_flag(force_color: bool, force_gray: bool) -> int:
-    if force_color and force_gray:
-        raise ProtoError(
-            "cannot set both force_color and force_gray (as Caffe's TransformationParameter "
-            "refuses); set at most one"
-        )
-    if force_color:
-        return 1  # cv2.IMREAD_COLOR
-    if force_gray:
-        return 0  # cv2.IMREAD_GRAYSCALE
-    return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
-
-
-_BE32X2 = struct.Struct(">II")
-
-
-def _image_dims(b: memoryview) -> tuple[int, int] | None:
-    """(width, height) from a PNG or JPEG header, None for other or unreadable data."""
-    header = _image_header(b)
-    return None if header is None else header[:2]
-
-
-def _image_header(b: memoryview) -> tuple[int, int, JpegFrame | None] | None:
-    """(width, height, the JPEG frame header or None for a PNG) from a PNG or JPEG
-    header, None for other or unreadable data."""
-    n = len(b)
-    head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
-    if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
-        width, height = _BE32X2.unpack_from(head, 16)
-        return width, height, None
-    if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
-        frame = jpeg_frame(head)
-        if frame is None and n > len(head):
-            frame = jpeg_frame(bytes(b))  # a long header (EXIF, ICC profile, ...)
-        return None if frame is None else (frame.width, frame.height, frame)
-    return None
-
-
 def _decode_image(
     data: memoryview | None,
     flag: int,
     max_pixels: int,
     key: bytes | str | None,
     path: object,
-    fast_jpeg: bool = True,
 ) -> npt.NDArray[np.uint8]:
-    """Decode an encoded Datum's image; returns a fresh (C, H, W) view of an HWC array
-    with OpenCV's pixels (``fast_jpeg``: through simplejpeg where that is exact)."""
-    if data is None or not len(data):
-        raise DataError(
-            "the record says encoded: true but holds no image bytes in data; " + _REBUILD,
-            path=path,
-            key=key,
-        )
-    header = _image_header(data)
-    if header is not None and header[0] * header[1] > max_pixels:
-        raise DataError(
-            f"the encoded image announces {header[0]}×{header[1]} pixels, more than "
-            f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
-            path=path,
-            key=key,
-        )
-    if fast_jpeg and header is not None and header[2] is not None:  # libjpeg-turbo, if exact
-        fast = decode_jpeg(data, flag, frame=header[2])
-        if fast is not None:
-            return fast[np.newaxis] if fast.ndim == 2 else fast.transpose(2, 0, 1)
-    cv2 = _opencv()
-    try:
-        img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
-    except cv2.error as exc:
-        raise DataError(
-            f"OpenCV refused the encoded image ({str(exc).strip()}); {_REBUILD}",
-            path=path,
-            key=key,
-        ) from exc
-    if img is None:
-        raise DataError(
-            f"OpenCV cannot decode the encoded image ({len(data)} bytes, starting "
-            f"{bytes(data[:8])!r}); {_REBUILD}",
-            path=path,
-            key=key,
-        )
-    if img.dtype != np.uint8:
-        raise DataError(
-            f"the encoded image decodes to {img.dtype} pixels; Caffe needs 8-bit images "
-            "(its Transform checks CV_8U): re-encode it as 8-bit, or set force_color or "
-            "force_gray, which convert to 8-bit",
-            path=path,
-            key=key,
-        )
-    hwc = cast("npt.NDArray[np.uint8]", img)
-    return hwc[np.newaxis] if hwc.ndim == 2 else hwc.transpose(2, 0, 1)
+    """Decode an encoded Datum's image to a (C, H, W) view of an HWC array."""
+    hwc = decode_image(b"" if data is None else data, flag, max_pixels)
+    if isinstance(hwc, Undecodable):
+        reason = f"{hwc.reason}; {_REBUILD}" if hwc.damaged else hwc.reason
+        raise DataError(reason, path=path, key=key)
+    chw: npt.NDArray[np.uint8] = hwc.transpose(2, 0, 1)
+    return chw
 
 
 def _raw_view(
@@ -567,23 +429,21 @@ def datum_view(
             is not 8-bit, or announces more than ``max_pixels`` pixels.
         ProtoError: both ``force_color`` and ``force_gray`` are set.
     """
-    flag = _imread_flag(force_color, force_gray)  # raises for both
-    return _view(datum, flag, max_pixels, key, path)
+    flag = imread_flag(force_color, force_gray)  # raises for both
+    return view_record(datum, flag, max_pixels, key, path)
 
 
-def _view(
+def view_record(
     datum: BytesLike | ParsedDatum,
     flag: int,
     max_pixels: int,
     key: bytes | str | None,
     path: object,
-    fast_jpeg: bool = True,
 ) -> tuple[npt.NDArray[np.uint8] | npt.NDArray[np.float32], int]:
-    """:func:`datum_view` with the imdecode flag; ``fast_jpeg=False`` decodes JPEGs
-    with OpenCV alone (see ``Batches``: its worker threads)."""
+    """:func:`datum_view` with the imdecode flag."""
     p = datum if isinstance(datum, ParsedDatum) else parse_datum(datum, key=key, path=path)
     if p.encoded:
-        return _decode_image(p.data, flag, max_pixels, key, path, fast_jpeg), p.label
+        return _decode_image(p.data, flag, max_pixels, key, path), p.label
     c, h, w, label, _, data, floats = p
     if data is not None and floats is None and c > 0 and h > 0 and w > 0 and len(data) == c * h * w:
         return np.ndarray((c, h, w), _U1, data), label  # the common case: a view
@@ -696,12 +556,12 @@ def _varint_column(
     return ok, low
 
 
-def _raw_header(shape: tuple[int, int, int]) -> npt.NDArray[np.uint8]:
+def raw_header(shape: tuple[int, int, int]) -> npt.NDArray[np.uint8]:
     c, h, w = shape
     return np.frombuffer(_header(c, h, w) + b"\x22" + _enc_varint(c * h * w), np.uint8)
 
 
-def _match_layout(
+def match_raw_layout(
     block: npt.NDArray[np.uint8], header: npt.NDArray[np.uint8], size: int
 ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
     """Rows of ``block`` (records of one length) in convert_imageset's raw layout, and labels.
@@ -728,158 +588,6 @@ def _match_layout(
         bare = ok & ~with_enc
         labels = np.where(bare, lab, labels)
     return good & (with_enc | bare), labels
-
-
-def raw_block(
-    values: Sequence[BytesLike | None],
-    shape: tuple[int, int, int],
-    labels_out: npt.NDArray[np.float32],
-) -> list[tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.uint8]]] | None:
-    """All records' pixels as uint8 ``(m, C, H, W)`` views, one per record length, or None.
-
-    Succeeds when every record is a raw Datum of ``shape`` laid out as
-    ``convert_imageset`` writes it (see :func:`gather_raw`). Records of one
-    length (labels of one varint size) are joined into one buffer (one copy)
-    and viewed as ``(m, C, H, W)``; each view comes with the rows it holds
-    (None: all rows, in order). ``labels_out`` receives the labels. Otherwise
-    nothing is written and None is returned.
-    """
-    c, h, w = shape
-    size = c * h * w
-    header = _raw_header(shape).tobytes()
-    hl = len(header)
-    labels: list[int] = []
-    groups: dict[int, list[int]] = {}
-    # Checked in plain Python: per record a slice comparison and a dict lookup,
-    # with no numpy call that would hand the GIL to another thread mid-way.
-    tails = _TAIL_LABELS
-    for i, value in enumerate(values):
-        if value is None or len(value) < hl + size + 2 or value[:hl] != header:
-            return None
-        tail = bytes(value[hl + size :])
-        label = tails.get(tail)
-        if label is None:
-            label = _tail_label(tail)
-            if label is None:
-                return None
-            if len(tails) < 65536:
-                tails[tail] = label
-        labels.append(label)
-        groups.setdefault(len(value), []).append(i)
-    labels_out[...] = labels
-    out: list[tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.uint8]]] = []
-    for length, rows in groups.items():
-        if len(groups) == 1:
-            joined = b"".join(values)  # type: ignore[arg-type]
-            idx = None
-        else:
-            joined = b"".join([values[i] for i in rows])  # type: ignore[misc]
-            idx = np.asarray(rows, dtype=np.intp)
-        block = np.frombuffer(joined, np.uint8).reshape(len(rows), length)
-        out.append((idx, block[:, hl : hl + size].reshape(len(rows), c, h, w)))
-    return out
-
-
-def copy_raw(
-    values: Sequence[BytesLike | None],
-    shape: tuple[int, int, int],
-    pixels_out: npt.NDArray[np.uint8],
-    labels_out: npt.NDArray[np.float32],
-) -> bool:
-    """Copy every record's pixels straight into the C-contiguous uint8 ``pixels_out``.
-
-    For uint8 output: one copy per record from the database buffer, no staging.
-    The records must all be in ``convert_imageset``'s raw layout (see
-    :func:`gather_raw`); returns False at the first that is not, leaving the
-    outputs partly written for the caller's general path to overwrite.
-    """
-    if not pixels_out.flags.c_contiguous:
-        return False
-    c, h, w = shape
-    size = c * h * w
-    header = _raw_header(shape).tobytes()
-    hl = len(header)
-    end = hl + size
-    out = memoryview(pixels_out).cast("B")  # type: ignore[arg-type]
-    tails = _TAIL_LABELS
-    for i, value in enumerate(values):
-        if value is None or len(value) < end + 2 or value[:hl] != header:
-            return False
-        tail = bytes(value[end:])
-        label = tails.get(tail)
-        if label is None:
-            label = _tail_label(tail)
-            if label is None:
-                return False
-            if len(tails) < 65536:
-                tails[tail] = label
-        out[i * size : (i + 1) * size] = value[hl:end]
-        labels_out[i] = label
-    return True
-
-
-#: tail bytes (``0x28 varint(label) [0x38 0x00]``) -> label, shared by all threads
-_TAIL_LABELS: dict[bytes, int] = {}
-
-
-def _tail_label(tail: bytes) -> int | None:
-    """The label of a raw record's tail ``0x28 varint(label)`` + optional ``0x38 0x00``."""
-    if len(tail) < 2 or tail[0] != 0x28:
-        return None
-    value = shift = 0
-    i = 1
-    while True:
-        if i >= len(tail) or shift > 63:
-            return None
-        byte = tail[i]
-        value |= (byte & 0x7F) << shift
-        i += 1
-        if byte < 0x80:
-            break
-        shift += 7
-    if tail[i:] not in (b"", b"\x38\x00"):
-        return None
-    return _int32(value)
-
-
-def gather_raw(
-    values: Sequence[BytesLike | None],
-    shape: tuple[int, int, int],
-    pixels_out: npt.NDArray[np.uint8],
-    labels_out: npt.NDArray[np.float32],
-) -> list[int]:
-    """Copy many raw uint8 records of one shape at once; return the rows it did not take.
-
-    A record is taken when its bytes are exactly what ``convert_imageset``
-    writes for a raw Datum of ``shape``: the fields channels, height, width,
-    data (``C·H·W`` bytes), label, and optionally ``encoded: false``, in that
-    order, each once. Such a record parses to exactly these pixels and label
-    (protobuf would agree), so the check is a byte comparison, done for all
-    records of one length with a few numpy operations and no per-record
-    parsing. ``pixels_out`` is ``(len(values), C·H·W)`` uint8, ``labels_out``
-    ``(len(values),)``; rows not taken (another layout, encoded, float_data,
-    ``None``) are left untouched for the caller's per-record path.
-    """
-    size = shape[0] * shape[1] * shape[2]
-    header = _raw_header(shape)
-    hl = len(header)
-    groups: dict[int, list[int]] = {}
-    rest: list[int] = []
-    for i, value in enumerate(values):
-        if value is None or len(value) < hl + size + 2:
-            rest.append(i)
-        else:
-            groups.setdefault(len(value), []).append(i)
-    for n, rows in groups.items():
-        block = np.frombuffer(b"".join([values[i] for i in rows]), np.uint8)  # type: ignore[misc]
-        block = block.reshape(len(rows), n)
-        good, labels = _match_layout(block, header, size)
-        idx = np.asarray(rows)
-        pixels_out[idx[good]] = block[good, hl : hl + size]
-        labels_out[idx[good]] = labels[good]
-        rest.extend(idx[~good].tolist())
-    rest.sort()
-    return rest
 
 
 # -- writers -------------------------------------------------------------------------------

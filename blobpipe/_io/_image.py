@@ -28,14 +28,10 @@ conversion), so the pixels are the same bits. :func:`decode_jpeg` uses it
 ``BLOBPIPE_JPEG_DECODER=opencv`` turns it off; without simplejpeg installed,
 OpenCV decodes everything.
 
-:func:`decode_jpeg` is the checked form, for single images (``decode_datum``,
-``datum_view``) and while the process is sampling (:func:`jpeg_sampling`).
-``Batches`` calls the decoder from :func:`fast_decoder` directly where it
-decodes images one after another (known records: the record index asks
-:func:`fast_channels` once per record, and :func:`check_sample` while
-sampling; first reads: after checking every row), with no per-image wrapper:
-with two worker threads, Python work per image is what they wait on each other
-for. Its per-row path keeps OpenCV (see "Which JPEG decoder" in ``_batches.py``).
+:func:`decode_image` is the one entry point: the size guard on the header, the
+choice of decoder, OpenCV's errors as sentences; :func:`decode_many` decodes a
+batch's images one after another with it. Caffe's flag comes from
+:func:`imread_flag`.
 """
 
 from __future__ import annotations
@@ -44,25 +40,27 @@ import os
 import struct
 import threading
 import warnings
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import numpy as np
+import numpy.typing as npt
 
-from .._errors import BlobpipeError
+from .._errors import BlobpipeError, ProtoError
 
 __all__ = [
     "COLORSPACE",
     "DEFAULT_MAX_PIXELS",
     "SAMPLE",
     "JpegFrame",
-    "check_sample",
+    "Undecodable",
+    "decode_image",
     "decode_jpeg",
-    "fast_channels",
-    "fast_decoder",
+    "decode_many",
+    "image_header",
+    "imread_flag",
     "jpeg_channels",
     "jpeg_frame",
-    "jpeg_sampling",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -105,6 +103,7 @@ class JpegFrame(NamedTuple):
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _BE16 = struct.Struct(">H")
+_BE32X2 = struct.Struct(">II")
 
 
 def jpeg_frame(b: bytes) -> JpegFrame | None:
@@ -266,42 +265,6 @@ def _self_test(decode: Callable[..., np.ndarray]) -> str | None:
     return None
 
 
-def fast_channels(data: bytes, flag: int, frame: JpegFrame | None = None) -> int:
-    """What :func:`decode_jpeg` asks simplejpeg for with these bytes and flag: 3
-    (BGR) or 1 (gray) channels, or 0 where it leaves them to OpenCV (not a JPEG, a
-    frame it does not take, or, for flags 0 and 1, bytes that mention EXIF, whose
-    orientation OpenCV would apply). ``frame``: the bytes' frame header, when the
-    caller has read it already."""
-    if frame is None:
-        if not data.startswith(_SOI):
-            return 0
-        frame = jpeg_frame(data)
-        if frame is None:
-            return 0
-    channels = jpeg_channels(flag, frame)
-    if channels and flag != -1 and data.find(b"Exif") >= 0:
-        return 0
-    return channels
-
-
-def jpeg_sampling() -> bool:
-    """Whether the process is still comparing simplejpeg's images with OpenCV's
-    (its first :data:`SAMPLE`): callers of :func:`fast_decoder` use
-    :func:`decode_jpeg` meanwhile, or OpenCV."""
-    return _fast.sampled < SAMPLE
-
-
-def fast_decoder() -> Callable[..., np.ndarray] | None:
-    """simplejpeg's ``decode_jpeg`` while it is on for this process, else None.
-
-    For callers that decide per image with :func:`fast_channels` beforehand (the
-    record index notes it once per record) and call it as
-    ``decode(data, colorspace=COLORSPACE[channels])``; they must decode with
-    OpenCV on any exception. :func:`decode_jpeg` is the checked form.
-    """
-    return _fast.get()
-
-
 def decode_jpeg(
     data: bytes | memoryview, flag: int, frame: JpegFrame | None = None
 ) -> np.ndarray | None:
@@ -316,11 +279,14 @@ def decode_jpeg(
     decode = _fast.get()
     if decode is None:
         return None
-    if frame is not None and flag == -1:
-        channels = jpeg_channels(flag, frame)  # no EXIF question: nothing to search
-    else:
-        channels = fast_channels(data if isinstance(data, bytes) else bytes(data), flag, frame)
-    if not channels:
+    if frame is None:
+        if bytes(data[:2]) != _SOI:
+            return None
+        frame = jpeg_frame(bytes(data))
+        if frame is None:
+            return None
+    channels = jpeg_channels(flag, frame)
+    if not channels or not _exif_free(data, flag):
         return None
     try:
         img = decode(data, colorspace=COLORSPACE[channels])
@@ -350,15 +316,103 @@ def _sampled(data: bytes | memoryview, flag: int, img: np.ndarray) -> bool:
     return True
 
 
-def check_sample(data: bytes, flag: int, channels: int) -> None:
-    """For callers of :func:`fast_decoder`: while the process's first :data:`SAMPLE`
-    images are being compared with OpenCV, decode ``data`` both ways (turning
-    simplejpeg off if they differ). ``channels``: :func:`fast_channels`."""
-    decode = _fast.get()
-    if decode is None or not channels or _fast.sampled >= SAMPLE:
-        return
-    try:
-        img = decode(data, colorspace=COLORSPACE[channels])
-    except Exception:  # refused: this image goes to OpenCV anyway
-        return
-    _sampled(data, flag, img.reshape(img.shape[:2]) if channels == 1 else img)
+def _exif_free(data: bytes | memoryview, flag: int) -> bool:
+    """Whether OpenCV would not rotate this image by EXIF orientation: flag -1
+    (IMREAD_UNCHANGED) never does; flags 0 and 1 do when the bytes hold EXIF."""
+    return flag == -1 or bytes(data).find(b"Exif") < 0
+
+
+class Undecodable(NamedTuple):
+    """Why an image cannot be had: a sentence, and whether the bytes are damaged
+    (rather than genuine but refused, e.g. too large or not 8-bit)."""
+
+    reason: str
+    damaged: bool
+
+
+def image_header(b: bytes | memoryview) -> tuple[int, int, JpegFrame | None] | None:
+    """(width, height, the JPEG frame header or None for a PNG) from a PNG or JPEG
+    header, None for other or unreadable data."""
+    n = len(b)
+    head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
+    if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
+        width, height = _BE32X2.unpack_from(head, 16)
+        return width, height, None
+    if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
+        frame = jpeg_frame(head)
+        if frame is None and n > len(head):
+            frame = jpeg_frame(bytes(b))  # a long header (EXIF, ICC profile, ...)
+        return None if frame is None else (frame.width, frame.height, frame)
+    return None
+
+
+def decode_image(
+    data: bytes | memoryview, flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> npt.NDArray[np.uint8] | Undecodable:
+    """One image as ``cv2.imdecode(data, flag)`` gives it, as an ``(H, W, C)`` uint8
+    array (C = 1 for gray); or, where it cannot be had, why.
+
+    An image whose PNG or JPEG header announces more than ``max_pixels`` pixels
+    is refused before anything is allocated; JPEGs go through libjpeg-turbo
+    straight where that is exact (:func:`decode_jpeg`), everything else, and
+    anything it refuses, through OpenCV.
+    """
+    if not len(data):
+        return Undecodable("the record says encoded: true but holds no image bytes in data", True)
+    data = bytes(data)  # one copy, out of the database's memory, for every step below
+    header = image_header(data)
+    if header is not None and header[0] * header[1] > max_pixels:
+        return Undecodable(
+            f"the encoded image announces {header[0]}×{header[1]} pixels, more than "
+            f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
+            False,
+        )
+    img: np.ndarray | None = None
+    if header is not None and header[2] is not None:
+        img = decode_jpeg(data, flag, frame=header[2])
+    if img is None:
+        cv2 = _opencv()
+        try:
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+        except cv2.error as exc:
+            return Undecodable(f"OpenCV refused the encoded image ({str(exc).strip()})", True)
+        if img is None:
+            return Undecodable(
+                f"OpenCV cannot decode the encoded image ({len(data)} bytes, starting "
+                f"{bytes(data[:8])!r})",
+                True,
+            )
+        if img.dtype != np.uint8:
+            return Undecodable(
+                f"the encoded image decodes to {img.dtype} pixels; Caffe needs 8-bit images "
+                "(its Transform checks CV_8U): re-encode it as 8-bit, or set force_color or "
+                "force_gray, which convert to 8-bit",
+                False,
+            )
+    hwc = cast("npt.NDArray[np.uint8]", img)
+    return hwc[..., np.newaxis] if hwc.ndim == 2 else hwc
+
+
+def decode_many(
+    images: Sequence[bytes | memoryview], flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> list[npt.NDArray[np.uint8] | Undecodable]:
+    """:func:`decode_image` for each of ``images``, one after another."""
+    return [decode_image(data, flag, max_pixels) for data in images]
+
+
+def imread_flag(force_color: bool, force_gray: bool) -> int:
+    """The ``cv2.imdecode`` flag Caffe's DataTransformer decodes with.
+
+    Raises:
+        ProtoError: both are set.
+    """
+    if force_color and force_gray:
+        raise ProtoError(
+            "cannot set both force_color and force_gray (as Caffe's TransformationParameter "
+            "refuses); set at most one"
+        )
+    if force_color:
+        return 1  # cv2.IMREAD_COLOR
+    if force_gray:
+        return 0  # cv2.IMREAD_GRAYSCALE
+    return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)

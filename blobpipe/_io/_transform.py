@@ -33,13 +33,14 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, cast
+from typing import Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from .._codec import TransformationParameter, read_mean_file, transform_fields
 from .._errors import ProtoError, ShapeError
-from .._proto import caffe_pb2
+from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
 __all__ = ["Phase", "RecordParams", "Transform"]
 
@@ -47,23 +48,7 @@ Phase = Literal["train", "test"]
 Layout = Literal["NCHW", "NHWC"]
 OutDtype = Literal["float32", "uint8"]
 
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-_INFO_CACHE_SIZE = 16
-
-
-class _ShapeInfo(NamedTuple):
-    out_shape: tuple[int, int, int]
-    mean: npt.NDArray[np.float32] | None  # full (C, H, W), uncropped; None for uint8 output
-    fixed: RecordParams | None  # the params when nothing is random for this phase
+_SPEC_CACHE_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,40 +82,7 @@ def load_mean_file(path: str | os.PathLike[str]) -> npt.NDArray[np.float32]:
         ProtoError: the file is not a BlobProto, its data count does not match
             its shape, or it holds more than one image (num > 1).
     """
-    with open(path, "rb") as f:
-        raw = f.read()
-    proto = caffe_pb2.BlobProto()
-    try:
-        proto.ParseFromString(raw)
-    except Exception as exc:  # protobuf raises its own DecodeError
-        raise ProtoError(f"mean file {str(path)!r} is not a serialized caffe.BlobProto") from exc
-    if (
-        proto.HasField("num")
-        or proto.HasField("channels")
-        or proto.HasField("height")
-        or proto.HasField("width")
-    ):
-        shape: tuple[int, ...] = (proto.num, proto.channels, proto.height, proto.width)
-    else:
-        shape = tuple(int(d) for d in proto.shape.dim)
-    if len(proto.double_data) > 0:
-        values = np.asarray(proto.double_data, dtype=np.float64).astype(np.float32)
-    else:
-        values = np.asarray(proto.data, dtype=np.float32)
-    count = int(np.prod(shape)) if shape else 0
-    if len(shape) not in (3, 4) or count == 0 or values.size != count:
-        raise ProtoError(
-            f"mean file {str(path)!r}: shape {shape} with {values.size} values; expected a "
-            "(1, C, H, W) or (C, H, W) blob with C*H*W values"
-        )
-    if len(shape) == 4:
-        if shape[0] != 1:
-            raise ProtoError(
-                f"mean file {str(path)!r} holds {shape[0]} images (shape {shape}); "
-                "expected num == 1"
-            )
-        shape = shape[1:]
-    return np.ascontiguousarray(values.reshape(shape))
+    return read_mean_file(path)
 
 
 class Transform:
@@ -201,7 +153,7 @@ class Transform:
         if self._mean_blob is not None:
             self._mean_blob.setflags(write=False)
         self._mean_cache: dict[tuple[int, int, int], npt.NDArray[np.float32]] = {}
-        self._info_cache: dict[tuple[tuple[int, ...], Phase], _ShapeInfo] = {}
+        self._spec_cache: dict[tuple[int, int, int], KernelSpec] = {}
         self._lock = threading.Lock()
 
     # -- construction from Caffe's parameters -------------------------------------------
@@ -209,7 +161,7 @@ class Transform:
     @classmethod
     def from_proto(
         cls,
-        param: caffe_pb2.TransformationParameter,
+        param: TransformationParameter,
         base_dir: str | os.PathLike[str] = ".",
         *,
         layout: Layout = "NCHW",
@@ -223,23 +175,7 @@ class Transform:
         Raises:
             ProtoError, FileNotFoundError, ValueError: as :class:`Transform`.
         """
-        mean_file: str | None = None
-        if param.HasField("mean_file"):
-            base = os.fspath(base_dir)
-            mean_file = param.mean_file
-            if base not in ("", "."):
-                mean_file = os.path.join(base, mean_file)
-        return cls(
-            scale=param.scale,
-            mirror=param.mirror,
-            crop_size=param.crop_size,
-            mean_file=mean_file,
-            mean_value=tuple(param.mean_value),
-            force_color=param.force_color,
-            force_gray=param.force_gray,
-            layout=layout,
-            dtype=dtype,
-        )
+        return cls(**transform_fields(param, base_dir), layout=layout, dtype=dtype)
 
     # -- pure parameters ------------------------------------------------------------------
 
@@ -360,9 +296,7 @@ class Transform:
     @staticmethod
     def draw(seed: int, epoch: int, index: int) -> int:
         """The 64-bit random word of record ``index`` in ``epoch`` for ``seed``."""
-        x = _splitmix64(seed & _M64)
-        x = _splitmix64(x ^ (epoch & _M64))
-        return _splitmix64(x ^ (index & _M64))
+        return draw_word(seed, epoch, index)
 
     def record_params(
         self, record_shape: Sequence[int], *, phase: Phase, word: int = 0
@@ -375,44 +309,68 @@ class Transform:
             ShapeError: the crop is larger than the record.
             ValueError: ``phase`` is not "train" or "test".
         """
-        _check_phase(phase)
+        h, w, flip = self.geometry(record_shape, _check_phase(phase), [word]).row(0)
+        return RecordParams(h, w, flip)
+
+    def geometry(
+        self, record_shape: Sequence[int], phase: Phase, words: npt.ArrayLike
+    ) -> Geometry:
+        """:meth:`record_params` for many records of one shape: per-row arrays of
+        crop offsets and flips (the kernel's one place that draws them).
+
+        Raises:
+            ShapeError: the crop is larger than the record.
+        """
         _, h, w = _chw(record_shape)
-        crop = self._crop
-        h_off = w_off = 0
-        if crop:
-            if crop > h or crop > w:
-                raise ShapeError(
-                    f"crop_size {crop} is larger than the record (height {h}, width {w})"
-                )
-            if phase == "train":
-                h_off = ((word >> 1) & 0x7FFFFFFF) % (h - crop + 1)
-                w_off = (word >> 32) % (w - crop + 1)
-            else:
-                h_off = (h - crop) // 2
-                w_off = (w - crop) // 2
-        return RecordParams(h_off, w_off, self._mirror and bool(word & 1))
+        self._check_crop(h, w)
+        return draw_geometry(h, w, self._crop, self._mirror, phase == "train", words)
 
-    def _record_params_block(
-        self, record_shape: tuple[int, int, int], phase: Phase, words: npt.NDArray[np.uint64]
-    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
-        """:meth:`record_params` for many records of one shape at once: arrays of
-        ``h_off``, ``w_off`` and ``mirror`` (the same formulas, in uint64; the
-        caller has checked the crop fits)."""
-        _, h, w = record_shape
-        crop = self._crop
-        n = len(words)
-        if crop and phase == "train":
-            h_off = ((words >> 1) & 0x7FFFFFFF) % (h - crop + 1)
-            w_off = (words >> 32) % (w - crop + 1)
-        elif crop:
-            h_off = np.full(n, (h - crop) // 2, np.uint64)
-            w_off = np.full(n, (w - crop) // 2, np.uint64)
-        else:
-            h_off = w_off = np.zeros(n, np.uint64)
-        mirror = (words & 1).astype(np.bool_) if self._mirror else np.zeros(n, np.bool_)
-        return h_off.astype(np.intp), w_off.astype(np.intp), mirror
+    def _check_crop(self, h: int, w: int) -> None:
+        if self._crop > h or self._crop > w:
+            raise ShapeError(
+                f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
+            )
 
-    # -- the hot path -------------------------------------------------------------------------
+    def kernel_spec(self, record_shape: Sequence[int], *, with_mean: bool = True) -> KernelSpec:
+        """What the transform kernel needs for records of ``(C, H, W)`` besides their
+        geometry: crop, mean (None for uint8 output, or without ``with_mean``),
+        scale and layout. Cached per shape (thread-safe).
+
+        Raises:
+            ShapeError: the crop is larger than the record, or the mean does not fit.
+        """
+        chw = _chw(record_shape)
+        self._check_crop(chw[1], chw[2])
+        if not with_mean or self._dtype == "uint8":
+            return KernelSpec(self._crop, None, np.float32(1), self._layout)
+        spec = self._spec_cache.get(chw)
+        if spec is None:
+            spec = KernelSpec(self._crop, self.mean_array(chw), self._scale, self._layout)
+            with self._lock:
+                if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
+                    self._spec_cache.pop(next(iter(self._spec_cache)))
+                self._spec_cache[chw] = spec
+        return spec
+
+    def check_record(self, chw: np.ndarray) -> None:
+        """That a record's pixels can go through this transform.
+
+        Raises:
+            ShapeError: the record is not 3-D uint8/float32, or holds float32 values
+                for a uint8 output.
+        """
+        if chw.ndim != 3 or chw.dtype not in (np.uint8, np.float32):
+            raise ShapeError(
+                f"a record must be a (C, H, W) uint8 or float32 array, got shape "
+                f"{chw.shape} dtype {chw.dtype}"
+            )
+        if self._dtype == "uint8" and chw.dtype != np.uint8:
+            raise ShapeError(
+                "dtype='uint8' output needs uint8 records; this record holds float32 "
+                "values (float_data); use dtype='float32'"
+            )
+
+    # -- one record ---------------------------------------------------------------------------
 
     def apply_into(
         self,
@@ -430,103 +388,31 @@ class Transform:
         ``out`` must have :meth:`output_shape` and this transform's dtype; it may be
         any writable view (e.g. ``batch[i]``). The random choices come from
         ``(seed, epoch, index)`` unless ``params`` gives them. Returns the choices
-        used. Nothing is allocated for uint8 records with a mean or without one.
+        used. Nothing is allocated.
 
         Raises:
             ShapeError: the record is not 3-D uint8/float32, ``out`` has the wrong
                 shape or dtype, a float32 record is sent to a uint8 output, the crop
                 is larger than the record, or the mean does not fit.
         """
-        if chw.ndim != 3 or chw.dtype not in (np.uint8, np.float32):
-            raise ShapeError(
-                f"a record must be a (C, H, W) uint8 or float32 array, got shape "
-                f"{chw.shape} dtype {chw.dtype}"
-            )
+        self.check_record(chw)
         if params is None:
             phase = _check_phase(phase)
             word = self.draw(seed, epoch, index) if self.needs_random else 0
             params = self.record_params(chw.shape, phase=phase, word=word)
-        self._apply(chw, out, params)
-        return params
-
-    def _shape_info(self, shape: tuple[int, ...], phase: Phase) -> _ShapeInfo:
-        """Everything per record shape the hot path needs, computed once (thread-safe)."""
-        info = self._info_cache.get((shape, phase))
-        if info is not None:
-            return info
-        chw = _chw(shape)
-        out_shape = self.output_shape(chw)
-        mean = None if self._dtype == "uint8" else self.mean_array(chw)
-        if mean is not None and mean.shape != chw:
-            # A full-size copy of the per-channel values: a contiguous subtract is
-            # faster than a broadcast one, and gives the same float32 results.
-            mean = np.ascontiguousarray(np.broadcast_to(mean, chw))
-            mean.setflags(write=False)
-        fixed = None
-        if not self._mirror and (self._crop == 0 or phase == "test"):
-            fixed = self.record_params(chw, phase=phase)
-        info = _ShapeInfo(out_shape, mean, fixed)
-        with self._lock:
-            if len(self._info_cache) >= _INFO_CACHE_SIZE:
-                self._info_cache.pop(next(iter(self._info_cache)))
-            self._info_cache[(shape, phase)] = info
-        return info
-
-    def _apply(
-        self,
-        chw: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
-        out: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
-        params: RecordParams,
-    ) -> None:
         expected = self.output_shape(chw.shape)
         if out.shape != expected or out.dtype != self.dtype:
             raise ShapeError(
                 f"output slot has shape {out.shape} dtype {out.dtype}; this record needs "
                 f"shape {expected} dtype {self.dtype}"
             )
-        info = self._shape_info(chw.shape, "test")
-        self._apply_fast(chw, out, params, info.mean)
-
-    def _apply_fast(
-        self,
-        chw: np.ndarray,
-        out: np.ndarray,
-        params: RecordParams,
-        mean: npt.NDArray[np.float32] | None,
-    ) -> None:
-        # Invariant: out has output_shape(chw.shape) and self.dtype; mean is None or
-        # the full (C, H, W) float32 mean for chw's shape.
-        src = chw
-        crop = self._crop
-        if crop:
-            h, w = params.h_off, params.w_off
-            src = src[:, h : h + crop, w : w + crop]
-            if mean is not None:
-                mean = mean[:, h : h + crop, w : w + crop]
-        if params.mirror:
-            src = src[:, :, ::-1]
-            if mean is not None:
-                mean = mean[:, :, ::-1]
-        if self._layout == "NHWC":
-            src = src.transpose(1, 2, 0)
-            if mean is not None:
-                mean = mean.transpose(1, 2, 0)
-        if self._dtype == "uint8":
-            if chw.dtype != np.uint8:
-                raise ShapeError(
-                    "dtype='uint8' output needs uint8 records; this record holds float32 "
-                    "values (float_data); use dtype='float32'"
-                )
-            np.copyto(out, src)
-            return
-        # Caffe: (float(x) - mean) * scale, each step rounded to float32. The uint8 to
-        # float32 conversion is exact, so converting first and then working in place
-        # gives the same bits (and is faster than a mixed-type ufunc).
-        np.copyto(out, src)
-        if mean is not None:
-            np.subtract(out, mean, out=out)
-        if self._scale != 1:
-            np.multiply(out, self._scale, out=out)
+        geometry = Geometry(
+            np.array([params.h_off], np.intp),
+            np.array([params.w_off], np.intp),
+            np.array([params.mirror], np.bool_),
+        )
+        apply(np, chw[np.newaxis], out[np.newaxis], geometry, self.kernel_spec(chw.shape))
+        return params
 
     def __call__(
         self,

@@ -1,0 +1,237 @@
+"""Caffe's DataTransformer as one block operation over an array namespace.
+
+Everything Caffe's transform does to pixels lives here, once:
+
+* :func:`draw_words` and :func:`draw_geometry` — the per-record random choices
+  (crop offset, mirror), derived from ``(seed, epoch, index)`` by SplitMix64, so
+  any thread computes any record's choice on its own;
+* :func:`apply` — crop, mirror, mean (the mean file at the crop's *uncropped*
+  position, or one value per channel), scale and layout, for a block of rows,
+  over ``xp`` (NumPy on the host, CuPy on a device). A single row is a block of
+  one.
+
+The arithmetic is Caffe's, bit for bit: ``float32(x) - mean`` rounded to float32,
+then ``* scale`` rounded to float32 (``float32(x) * scale`` without a mean).
+
+How :func:`apply` runs: crop and mirror are views (slices, a negative stride),
+never gathers; conversion and mean subtraction are one ufunc call with
+``dtype=float32`` writing the output once, and the scale a second call over the
+same row while it is still in cache. Rows that share their crop offset and are
+small are done as one block (one call for all of them, the mirrored rows
+flipped afterwards in place); large rows, or rows with offsets of their own,
+one row at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Geometry",
+    "KernelSpec",
+    "apply",
+    "draw_geometry",
+    "draw_word",
+    "draw_words",
+    "prefers_block",
+]
+
+Layout = Literal["NCHW", "NHWC"]
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_U64 = np.uint64
+# Rows whose output is at least this large are transformed one at a time, each
+# written once while it is in cache; smaller rows of one crop offset as a block.
+_ROW_BYTES = 32 << 10
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _splitmix64_np(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    # uint64 array arithmetic wraps modulo 2**64, as the scalar form's masks do
+    x = x + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    out: npt.NDArray[np.uint64] = x ^ (x >> _U64(31))
+    return out
+
+
+def draw_word(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit random word of record ``index`` in ``epoch`` for ``seed``."""
+    x = _splitmix64(seed & _M64)
+    x = _splitmix64(x ^ (epoch & _M64))
+    return _splitmix64(x ^ (index & _M64))
+
+
+def draw_words(
+    seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike
+) -> npt.NDArray[np.uint64]:
+    """:func:`draw_word` for many records at once (equal word for word)."""
+    e = np.asarray(epochs, dtype=np.int64).astype(_U64)
+    i = np.asarray(indices, dtype=np.int64).astype(_U64)
+    s = np.full(np.broadcast(e, i).shape, seed & _M64, dtype=_U64)
+    words: npt.NDArray[np.uint64] = _splitmix64_np(_splitmix64_np(_splitmix64_np(s) ^ e) ^ i)
+    return words
+
+
+def prefers_block(row_bytes: int) -> bool:
+    """Whether rows whose output takes ``row_bytes`` are best transformed as one
+    block (when they share a crop offset) rather than one at a time."""
+    return row_bytes < _ROW_BYTES
+
+
+class Geometry(NamedTuple):
+    """Per row: the crop's top-left corner in the uncropped record and the flip."""
+
+    h_off: npt.NDArray[np.intp]
+    w_off: npt.NDArray[np.intp]
+    mirror: npt.NDArray[np.bool_]
+
+    def __len__(self) -> int:
+        return len(self.h_off)
+
+    def row(self, i: int) -> tuple[int, int, bool]:
+        return int(self.h_off[i]), int(self.w_off[i]), bool(self.mirror[i])
+
+    def take(self, rows: Any) -> Geometry:
+        return Geometry(self.h_off[rows], self.w_off[rows], self.mirror[rows])
+
+
+def draw_geometry(
+    height: int,
+    width: int,
+    crop: int,
+    mirror: bool,
+    train: bool,
+    words: npt.ArrayLike,
+) -> Geometry:
+    """The crop offsets and flips of records of ``height × width`` with random ``words``.
+
+    TRAIN: ``h_off = ((word >> 1) & 0x7FFFFFFF) % (H - crop + 1)``,
+    ``w_off = (word >> 32) % (W - crop + 1)``; TEST: the centre
+    ``((H - crop) // 2, (W - crop) // 2)``; no crop: 0. ``mirror``: bit 0 of the
+    word, when mirroring is on. The caller has checked that the crop fits.
+    """
+    w64 = np.asarray(words, dtype=_U64).reshape(-1)
+    n = len(w64)
+    if crop and train:
+        h_off = ((w64 >> _U64(1)) & _U64(0x7FFFFFFF)) % _U64(height - crop + 1)
+        w_off = (w64 >> _U64(32)) % _U64(width - crop + 1)
+        hs, ws = h_off.astype(np.intp), w_off.astype(np.intp)
+    elif crop:
+        hs = np.full(n, (height - crop) // 2, np.intp)
+        ws = np.full(n, (width - crop) // 2, np.intp)
+    else:
+        hs = ws = np.zeros(n, np.intp)
+    flips = (w64 & _U64(1)).astype(np.bool_) if mirror else np.zeros(n, np.bool_)
+    return Geometry(hs, ws, flips)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What :func:`apply` does besides the geometry.
+
+    ``crop``: the output side (0: the record's own height and width); ``mean``:
+    None, the uncropped ``(C, H, W)`` float32 mean, or a ``(C, 1, 1)`` column,
+    in ``xp``'s memory; ``scale``: float32; ``layout``: of the output;
+    ``out`` dtype decides the arithmetic: uint8 output is a copy of the pixels.
+    """
+
+    crop: int
+    mean: Any
+    scale: np.float32
+    layout: Layout
+
+
+def apply(
+    xp: Any,
+    src: Any,
+    out: Any,
+    geometry: Geometry,
+    spec: KernelSpec,
+    *,
+    cropped: bool = False,
+) -> None:
+    """Transform the rows of ``src`` into ``out`` with Caffe's arithmetic.
+
+    ``src`` is an ``(N, C, H, W)`` uint8 or float32 array, or a sequence of N
+    ``(C, H, W)`` arrays (shapes may differ between rows when they crop to one
+    size); ``out`` is ``(N, C, h, w)`` or ``(N, h, w, C)``, float32 or uint8.
+    ``geometry`` gives each row's crop offset and flip. ``cropped``: the pixels
+    are already cropped and flipped (a device finishing a uint8 batch): only the
+    mean follows the geometry.
+
+    The caller has checked shapes and that every crop fits.
+    """
+    n = len(geometry)
+    if n == 0:
+        return
+    block = not isinstance(src, (list, tuple))
+    if block and (n == 1 or prefers_block(out[0].size * out.dtype.itemsize)):
+        h0, w0 = int(geometry.h_off[0]), int(geometry.w_off[0])
+        same_offset = bool((geometry.h_off == h0).all() and (geometry.w_off == w0).all())
+        flips = geometry.mirror
+        any_flip = bool(flips.any())
+        all_flip = any_flip and bool(flips.all())
+        if same_offset and (not cropped or not any_flip or all_flip):
+            _apply_one(xp, src, out, h0, w0, all_flip, spec, cropped, batched=True)
+            if any_flip and not all_flip:
+                # the transform is elementwise: flipping the output equals
+                # transforming the flipped input (pixels and mean alike)
+                axis = 3 if spec.layout == "NCHW" else 2
+                rows = xp.asarray(np.flatnonzero(flips))
+                out[rows] = xp.flip(out[rows], axis=axis)
+            return
+    for i in range(n):
+        h, w, flip = geometry.row(i)
+        _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
+
+
+def _apply_one(
+    xp: Any,
+    src: Any,
+    out: Any,
+    h: int,
+    w: int,
+    flip: bool,
+    spec: KernelSpec,
+    cropped: bool,
+    batched: bool,
+) -> None:
+    """One row (``batched``: a block of rows) with one crop offset and flip."""
+    crop = spec.crop
+    mean = spec.mean
+    if crop:
+        if not cropped:
+            src = src[..., h : h + crop, w : w + crop]
+        if mean is not None and mean.shape[1] != 1:
+            mean = mean[:, h : h + crop, w : w + crop]
+    if flip:
+        if not cropped:
+            src = src[..., ::-1]
+        if mean is not None and mean.shape[2] != 1:
+            mean = mean[..., ::-1]
+    if spec.layout == "NHWC":
+        src = src.transpose(0, 2, 3, 1) if batched else src.transpose(1, 2, 0)
+        if mean is not None:
+            mean = mean.transpose(1, 2, 0)
+    scale = spec.scale
+    if out.dtype == np.uint8:
+        out[...] = src
+    elif mean is not None:
+        xp.subtract(src, mean, out=out, dtype=np.float32)
+        if scale != 1:
+            xp.multiply(out, scale, out=out)
+    elif scale != 1:
+        xp.multiply(src, scale, out=out, dtype=np.float32)
+    else:
+        out[...] = src

@@ -1,0 +1,50 @@
+"""What one batch will hold: the plan that :meth:`Batches.next_plan` makes and
+:meth:`Batches.fill` (any number of threads, disjoint row ranges) carries out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BatchPlan"]
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """What one batch will hold; made by :meth:`Batches.next_plan`.
+
+    Row ``i`` is record ``keys[i]`` (global index ``indices[i]``, from epoch
+    ``epochs[i]`` at position ``positions[i]`` of that epoch's order for this
+    shard), transformed with random word ``words[i]``. Rows ``>= valid`` are
+    padding (``last="pad"``): repeats of the epoch's first records.
+
+    Attributes:
+        keys, indices, epochs, positions, words: one entry per row.
+        valid: the number of real (non-padding) rows.
+        record_shape: the first record's ``(C, H, W)`` before the transform.
+        data_shape: the batch array's shape, ``(N, C, h, w)`` or ``(N, h, w, C)``.
+        dtype: the batch array's dtype (float32, or uint8 for raw pixels).
+        state: the resume state after this batch (see :meth:`Batches.state_dict`).
+    """
+
+    keys: tuple[bytes, ...]
+    indices: tuple[int, ...]
+    epochs: tuple[int, ...]
+    positions: tuple[int, ...]
+    words: tuple[int, ...]
+    valid: int
+    record_shape: tuple[int, int, int]
+    data_shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    state: dict[str, Any]
+    _first: tuple[np.ndarray, int] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first row."""
+        return self.epochs[0]
