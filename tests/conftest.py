@@ -8,6 +8,7 @@ Tests that take the ``device_backend`` fixture run against the emulated device
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +73,26 @@ def to_numpy(array: object) -> object:
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Run ``@pytest.mark.anyio`` tests under both asyncio and trio."""
     return str(request.param)
+
+
+# -- the skips, summarised -----------------------------------------------------------------------
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per skip reason, with its count (``-ra`` would list every skip).
+
+    ``addopts`` reports failures and errors one by one (``-rfE``); pytest's own
+    closing line (``N passed, N skipped``) follows this section.
+    """
+    reasons = Counter(_skip_reason(r) for r in terminalreporter.stats.get("skipped", []))
+    if not reasons:
+        return
+    terminalreporter.section("skips by reason", sep="-")
+    for reason, count in reasons.most_common():
+        terminalreporter.line(f"{count} skipped: {reason}")
