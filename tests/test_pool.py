@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from blobpipe import PoolMemoryError
-from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+from blobpipe._backends import Backend, HostBackend
 from blobpipe._pool import MemoryPool, get_pool, size_class
+from tests._helpers import GatedBackend
 
 
 def test_size_classes() -> None:
@@ -127,7 +128,7 @@ def test_backend_out_of_memory_retries_after_freeing_cache() -> None:
 
 
 def test_pending_block_not_reused_until_event() -> None:
-    backend = EmulatedBackend(delay=0.2)
+    backend = GatedBackend()  # the copy stays in flight until the gate opens
     pool = MemoryPool(backend, "host")
     block = pool.malloc(1024)
     dev = backend.alloc_device(1024)
@@ -136,19 +137,21 @@ def test_pending_block_not_reused_until_event() -> None:
     pool.free(block, event)
     other = pool.malloc(1024)
     assert other.buffer is not buf
+    backend.gate.set()
     event.synchronize()
     third = pool.malloc(1024)
     assert third.buffer is buf
 
 
 def test_free_all_blocks_wait_releases_pending() -> None:
-    backend = EmulatedBackend(delay=0.3)
+    backend = GatedBackend()  # the copy stays in flight until the gate opens
     pool = MemoryPool(backend, "host")
     block = pool.malloc(1024)
     event = backend.copy_to_device(backend.alloc_device(1024), block.view())
     pool.free(block, event)
     pool.free_all_blocks()  # keeps the block its copy still reads
     assert pool.statistics().pending_blocks == 1
+    backend.open_after(0.05)  # lands while free_all_blocks waits for it
     pool.free_all_blocks(wait=True)
     stats = pool.statistics()
     assert stats.pending_blocks == 0 and stats.cached_bytes == 0

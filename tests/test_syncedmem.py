@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import anyio
 import numpy as np
@@ -13,6 +14,7 @@ from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._pool import get_pool
 from blobpipe._syncedmem import Head, SyncedMemory
 
+from ._helpers import GatedBackend
 from .conftest import to_numpy
 
 
@@ -251,16 +253,20 @@ async def test_async_push_needs_head_at_cpu(device_backend: Backend) -> None:
 def test_pending_push_is_invisible_until_its_event_completed() -> None:
     """Caffe marks the head SYNCED when it issues the copy; here accessors wait for it.
 
-    The emulated copy lands 0.2 s later: reading the device bytes right after
-    issuing it must still see the pushed values, never the stale ones.
+    The emulated copy lands only once the test lets it, while the read waits:
+    reading the device bytes right after issuing it must still see the pushed
+    values, never the stale ones.
     """
-    backend = EmulatedBackend(delay=0.2)
+    backend = GatedBackend()
     mem = SyncedMemory(16, backend)
+    backend.gate.set()
     mem.mutable_gpu_data()[:] = 1  # stale device bytes
     mem.mutable_cpu_data()[:] = 2
+    backend.gate.clear()
     event = mem.start_gpu_push()
     assert not event.query()  # the copy really is still in flight
     assert mem.copy_pending
+    backend.open_after(0.05)  # lands while gpu_data() waits (if it does)
     assert mem.gpu_data().tolist() == [2] * 16  # waited for the event
     assert mem.head is Head.SYNCED
 
@@ -270,10 +276,15 @@ def test_emulated_copy_really_is_late() -> None:
     backend = EmulatedBackend(delay=0.2)
     dev = backend.alloc_device(4)
     dev[:] = 1
+    issued = time.perf_counter()
     event = backend.copy_to_device(dev, np.full(4, 2, np.uint8))
-    assert dev.tolist() == [1, 1, 1, 1]
+    early = dev.tolist()
+    read = time.perf_counter()
     event.synchronize()
     assert dev.tolist() == [2, 2, 2, 2]
+    assert event.completed_at - issued >= 0.2  # landed no sooner than the delay
+    if read < issued + 0.2:  # read before the copy could land (unless this thread stalled)
+        assert early == [1, 1, 1, 1]
 
 
 def test_mutable_cpu_waits_before_overwriting_host_bytes_being_read() -> None:
@@ -288,7 +299,9 @@ def test_mutable_cpu_waits_before_overwriting_host_bytes_being_read() -> None:
 
 @pytest.mark.anyio
 async def test_awaiting_a_copy_does_not_block_the_event_loop() -> None:
-    backend = EmulatedBackend(delay=0.3)
+    # the copy lands only once the loop has ticked 10 times while it waits:
+    # a loop blocked on the copy never gets there (the gate's timeout opens it)
+    backend = GatedBackend(timeout=10)
     mem = SyncedMemory(8, backend)
     mem.mutable_cpu_data()[:] = 1
     ticks = 0
@@ -296,19 +309,22 @@ async def test_awaiting_a_copy_does_not_block_the_event_loop() -> None:
     async def ticker() -> None:
         nonlocal ticks
         while True:
-            ticks += 1
-            await anyio.sleep(0.01)
+            if backend.waiting and not backend.gate.is_set():
+                ticks += 1
+                if ticks == 10:
+                    backend.gate.set()
+            await anyio.sleep(0.001)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
         await mem.async_gpu_push()
         tg.cancel_scope.cancel()
-    assert ticks >= 10  # the loop kept running for the copy's ~0.3 s
+    assert ticks >= 10 and not backend.timed_out  # the loop kept running during the copy
     mem.close()
 
 
 def test_close_with_copy_in_flight_defers_block_reuse() -> None:
-    backend = EmulatedBackend(delay=0.2)
+    backend = GatedBackend()  # the copy stays in flight until the gate opens
     host_pool = get_pool(backend, "host")
     mem = SyncedMemory(600, backend)
     mem.mutable_cpu_data()[:] = 1
@@ -320,6 +336,7 @@ def test_close_with_copy_in_flight_defers_block_reuse() -> None:
     again = host_pool.malloc(600)  # must not get the block the copy still reads
     assert again.buffer is not pending_buffer
     assert host_pool.statistics().misses == 2
+    backend.gate.set()
     event.synchronize()
     assert host_pool.statistics().free_blocks == 1
     host_pool.free(again)
