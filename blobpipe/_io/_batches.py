@@ -25,17 +25,7 @@ How a loader drives them (``data``/``label`` preallocated, e.g. pinned)::
     ...                               # wait; rows >= plan.valid are padding
     checkpoint = plan.state           # resume here once this batch is consumed
 
-Record order within an epoch
-----------------------------
-The database's keys are numbered ``0..n-1`` in key (byte) order: a record's
-*global index*. Each epoch has a global order — key order (``order="key"``,
-Caffe), a permutation seeded by ``(seed, epoch)`` (``order="shuffle"``), or a
-shuffle buffer of ``buffer_size`` records run over key order with the same seed
-(``order="buffer"``) — which is then sharded: ``shard_mode="strided"`` gives
-rank ``r`` the positions ``r, r + world, ...`` (Caffe's multi-GPU solver,
-PyTorch's DistributedSampler), ``"contiguous"`` splits it into ``world`` runs
-whose lengths differ by at most one. Every rank computes the same global order,
-so shards are disjoint and together cover every record.
+Record order within an epoch, shards and resume: ``_order.py``.
 
 Randomness of a record (crop offset, mirror) depends only on
 ``(seed, epoch, global index)`` — not on the order, the shard or the thread.
@@ -54,7 +44,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -63,15 +53,14 @@ from .._errors import DataError, ShapeError, StateError
 from ._fill import Filler, RecordSource
 from ._kernels import draw_words
 from ._lmdb import LmdbReader
+from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
 from ._transform import Phase, Transform, _check_phase
 
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
-Order = Literal["key", "shuffle", "buffer"]
 Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
-ShardMode = Literal["strided", "contiguous"]
 
 _STATE_VERSION = 1
 
@@ -100,46 +89,6 @@ class ArrayBatch:
     valid: int
     state: dict[str, Any]
     plan: BatchPlan = field(repr=False)
-
-
-def _shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int]:
-    if shard is None:
-        return (0, 1)
-    if shard == "auto":
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank is None or world is None:
-            return (0, 1)
-        try:
-            shard = (int(rank), int(world))
-        except ValueError:
-            raise ValueError(
-                f"shard='auto' needs integer RANK and WORLD_SIZE, got RANK={rank!r} "
-                f"WORLD_SIZE={world!r}"
-            ) from None
-    if not (isinstance(shard, tuple) and len(shard) == 2):
-        raise TypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
-    rank_i, world_i = int(shard[0]), int(shard[1])
-    if world_i < 1 or not 0 <= rank_i < world_i:
-        raise ValueError(f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}")
-    return (rank_i, world_i)
-
-
-def _buffer_order(n: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
-    """Key order passed through a shuffle buffer of ``size`` records."""
-    picks = rng.integers(0, 1 << 62, size=n).tolist()
-    buf = list(range(min(size, n)))
-    nxt = len(buf)
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        j = picks[i] % len(buf)
-        out[i] = buf[j]
-        if nxt < n:
-            buf[j] = nxt
-            nxt += 1
-        else:
-            buf[j] = buf[-1]
-            buf.pop()
-    return out
 
 
 class Batches:
@@ -231,13 +180,10 @@ class Batches:
             raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
         if int(seed) != seed or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self._rank, self._world = _shard_from(shard)
+        self._rank, self._world = shard_from(shard)
         self._batch_size = int(batch_size)
         self._transform = transform if transform is not None else Transform()
-        self._order: Order = order
-        self._buffer_size = buffer_size
         self._seed = int(seed)
-        self._shard_mode: ShardMode = shard_mode
         self._pad_shards = bool(pad_shards)
         self._mode: Mode = mode
         self._last: Last = last
@@ -261,7 +207,11 @@ class Batches:
             self._filler = Filler(self._reader, self._keys, t, self._phase, self._path)
             if self._n == 0:
                 raise DataError("the database holds no records", path=self._path)
-            self._shard_len = len(self._shard_positions(self._n))
+            self._epochs = EpochOrder(
+                self._n, order, buffer_size, self._seed, (self._rank, self._world),
+                shard_mode, self._pad_shards,
+            )  # fmt: skip
+            self._shard_len = self._epochs.records_per_epoch
             if self._shard_len == 0:
                 raise DataError(
                     f"shard rank {self._rank} of {self._world} holds no records "
@@ -274,7 +224,6 @@ class Batches:
                     f"batch of {self._batch_size}: every epoch would be empty; use "
                     "last='keep' or last='pad', or a smaller batch_size"
                 )
-            self._orders: dict[int, npt.NDArray[np.int64]] = {}
             self._epoch = 0
             self._pos = 0
             self._end_pending = False
@@ -340,42 +289,9 @@ class Batches:
 
     # -- order -----------------------------------------------------------------------------
 
-    def _shard_positions(self, n: int) -> npt.NDArray[np.int64]:
-        """Positions of the epoch's global order that this shard visits, in order."""
-        rank, world = self._rank, self._world
-        if self._pad_shards:
-            # torch's DistributedSampler: every rank gets ceil(n / world) positions,
-            # the order wrapping around to its start to fill the last ones.
-            per = -(-n // world)
-            if self._shard_mode == "strided":
-                return np.arange(rank, per * world, world, dtype=np.int64) % n
-            return (rank * per + np.arange(per, dtype=np.int64)) % n
-        if self._shard_mode == "strided":
-            return np.arange(rank, n, world, dtype=np.int64)
-        base, extra = divmod(n, world)
-        start = rank * base + min(rank, extra)
-        return np.arange(start, start + base + (1 if rank < extra else 0), dtype=np.int64)
-
     def epoch_order(self, epoch: int) -> npt.NDArray[np.int64]:
         """The global indices this shard visits in ``epoch``, in order (read-only)."""
-        cached = self._orders.get(epoch)
-        if cached is not None:
-            return cached
-        n = self._n
-        if self._order == "key":
-            glob = np.arange(n, dtype=np.int64)
-        else:
-            rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self._seed, epoch])))
-            if self._order == "shuffle":
-                glob = rng.permutation(n).astype(np.int64)
-            else:
-                glob = _buffer_order(n, cast(int, self._buffer_size), rng)
-        order = np.ascontiguousarray(glob[self._shard_positions(n)])
-        order.setflags(write=False)
-        if len(self._orders) >= 2:
-            self._orders.pop(min(self._orders))
-        self._orders[epoch] = order
-        return order
+        return self._epochs.order(epoch)
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -386,12 +302,8 @@ class Batches:
             "epoch": epoch,
             "position": pos,
             "key": bytes(key),
-            "seed": self._seed,
-            "order": self._order,
-            "buffer_size": self._buffer_size,
+            **self._epochs.settings(),
             "shard": (self._rank, self._world),
-            "shard_mode": self._shard_mode,
-            "pad_shards": self._pad_shards,
             "num_records": self._n,
         }
 
@@ -428,13 +340,7 @@ class Batches:
             raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported Batches state version {version!r}")
-        mine = {
-            "seed": self._seed,
-            "order": self._order,
-            "buffer_size": self._buffer_size,
-            "shard_mode": self._shard_mode,
-            "pad_shards": self._pad_shards,
-        }
+        mine = self._epochs.settings()
         for name, value in saved.items():
             if mine[name] != value:
                 raise ValueError(

@@ -215,21 +215,27 @@ def _apply_one(
             src = src[..., h : h + crop, w : w + crop]
         if mean is not None and mean.shape[1] != 1:
             mean = mean[:, h : h + crop, w : w + crop]
-    if flip:
-        if not cropped:
-            src = src[..., ::-1]
+    if flip and cropped:  # the pixels are flipped already: the mean follows them
         if mean is not None and mean.shape[2] != 1:
             mean = mean[..., ::-1]
+        flip = False
     if spec.layout == "NHWC":
         src = src.transpose(0, 2, 3, 1) if batched else src.transpose(1, 2, 0)
         if mean is not None:
             mean = mean.transpose(1, 2, 0)
+    if flip:
+        # Written into the output flipped: the same elements as reading pixels
+        # and mean flipped, but the inputs keep their forward strides.
+        row = out
+        out = out[..., ::-1, :] if spec.layout == "NHWC" else out[..., ::-1]
     scale = spec.scale
     if out.dtype == np.uint8:
         out[...] = src
     elif mean is not None:
         xp.subtract(src, mean, out=out, dtype=np.float32)
         if scale != 1:
+            if flip:
+                out = row  # forward strides for the in-place step
             xp.multiply(out, scale, out=out)
     elif scale != 1:
         xp.multiply(src, scale, out=out, dtype=np.float32)

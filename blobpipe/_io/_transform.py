@@ -16,12 +16,13 @@ on its own and the output never depends on scheduling:
   ``w_off = (word >> 32) % (W - crop + 1)`` in the TRAIN phase, and the centre
   ``((H - crop) // 2, (W - crop) // 2)`` in the TEST phase.
 
-A device implementation reproduces the CPU output from the pure parameters:
-:meth:`Transform.mean_array` (float32, the *uncropped* ``(C, H, W)`` mean or a
-``(C, 1, 1)`` mean_value column; ``None`` without a mean), :attr:`Transform.scale`
-(a ``numpy.float32``) and :meth:`Transform.record_params` (``h_off``, ``w_off``,
-``mirror``). For an output pixel ``(c, h, w)`` of a crop of width ``cw``, the
-source column is ``sw = cw - 1 - w`` when mirrored else ``w``, and::
+The pixel work is the kernel's (``_kernels.py``): one block operation over an
+array namespace, which a device runs with CuPy from the same pure parameters:
+:meth:`Transform.kernel_spec` (crop, the float32 *uncropped* ``(C, H, W)`` mean
+or a ``(C, 1, 1)`` mean_value column, scale, layout) and
+:meth:`Transform.geometry` (per record ``h_off``, ``w_off``, ``mirror``). For an
+output pixel ``(c, h, w)`` of a crop of width ``cw``, the source column is
+``sw = cw - 1 - w`` when mirrored else ``w``, and::
 
     out[c, h, w] = (float32(x[c, h_off + h, w_off + sw])
                     - mean[c, h_off + h, w_off + sw]) * scale

@@ -1,0 +1,137 @@
+"""The order of records in each epoch, and which of them a shard reads.
+
+The database's keys are numbered ``0..n-1`` in key (byte) order: a record's
+*global index*. Each epoch has a global order — key order (``order="key"``,
+Caffe), a permutation seeded by ``(seed, epoch)`` (``order="shuffle"``), or a
+shuffle buffer of ``buffer_size`` records run over key order with the same seed
+(``order="buffer"``) — which is then sharded: ``shard_mode="strided"`` gives
+rank ``r`` the positions ``r, r + world, ...`` (PyTorch's DistributedSampler),
+``"contiguous"`` splits it into ``world`` runs whose lengths differ by at most
+one. Every rank computes the same global order, so shards are disjoint and
+together cover every record (``pad_shards``: every rank reads ``ceil(n /
+world)``, the order wrapping around, as DistributedSampler pads).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["EpochOrder", "Order", "ShardMode", "buffer_order", "shard_from"]
+
+Order = Literal["key", "shuffle", "buffer"]
+ShardMode = Literal["strided", "contiguous"]
+
+
+def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int]:
+    if shard is None:
+        return (0, 1)
+    if shard == "auto":
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        if rank is None or world is None:
+            return (0, 1)
+        try:
+            shard = (int(rank), int(world))
+        except ValueError:
+            raise ValueError(
+                f"shard='auto' needs integer RANK and WORLD_SIZE, got RANK={rank!r} "
+                f"WORLD_SIZE={world!r}"
+            ) from None
+    if not (isinstance(shard, tuple) and len(shard) == 2):
+        raise TypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
+    rank_i, world_i = int(shard[0]), int(shard[1])
+    if world_i < 1 or not 0 <= rank_i < world_i:
+        raise ValueError(f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}")
+    return (rank_i, world_i)
+
+
+def buffer_order(n: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """Key order passed through a shuffle buffer of ``size`` records."""
+    picks = rng.integers(0, 1 << 62, size=n).tolist()
+    buf = list(range(min(size, n)))
+    nxt = len(buf)
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        j = picks[i] % len(buf)
+        out[i] = buf[j]
+        if nxt < n:
+            buf[j] = nxt
+            nxt += 1
+        else:
+            buf[j] = buf[-1]
+            buf.pop()
+    return out
+
+
+class EpochOrder:
+    """Each epoch's order of global indices for one shard (the last two cached)."""
+
+    def __init__(
+        self,
+        n: int,
+        order: Order,
+        buffer_size: int | None,
+        seed: int,
+        shard: tuple[int, int],
+        shard_mode: ShardMode,
+        pad_shards: bool,
+    ) -> None:
+        self._n = n
+        self._order: Order = order
+        self._buffer_size = buffer_size
+        self._seed = seed
+        self._rank, self._world = shard
+        self._shard_mode: ShardMode = shard_mode
+        self._pad_shards = pad_shards
+        self._orders: dict[int, npt.NDArray[np.int64]] = {}
+        self.records_per_epoch = len(self._shard_positions(n))
+
+    def settings(self) -> dict[str, Any]:
+        """What makes the order, as a resume state records it."""
+        return {
+            "seed": self._seed,
+            "order": self._order,
+            "buffer_size": self._buffer_size,
+            "shard_mode": self._shard_mode,
+            "pad_shards": self._pad_shards,
+        }
+
+    def _shard_positions(self, n: int) -> npt.NDArray[np.int64]:
+        """Positions of the epoch's global order that this shard visits, in order."""
+        rank, world = self._rank, self._world
+        if self._pad_shards:
+            # torch's DistributedSampler: every rank gets ceil(n / world) positions,
+            # the order wrapping around to its start to fill the last ones.
+            per = -(-n // world)
+            if self._shard_mode == "strided":
+                return np.arange(rank, per * world, world, dtype=np.int64) % n
+            return (rank * per + np.arange(per, dtype=np.int64)) % n
+        if self._shard_mode == "strided":
+            return np.arange(rank, n, world, dtype=np.int64)
+        base, extra = divmod(n, world)
+        start = rank * base + min(rank, extra)
+        return np.arange(start, start + base + (1 if rank < extra else 0), dtype=np.int64)
+
+    def order(self, epoch: int) -> npt.NDArray[np.int64]:
+        """The global indices this shard visits in ``epoch``, in order (read-only)."""
+        cached = self._orders.get(epoch)
+        if cached is not None:
+            return cached
+        n = self._n
+        if self._order == "key":
+            glob = np.arange(n, dtype=np.int64)
+        else:
+            rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self._seed, epoch])))
+            if self._order == "shuffle":
+                glob = rng.permutation(n).astype(np.int64)
+            else:
+                glob = buffer_order(n, cast(int, self._buffer_size), rng)
+        order = np.ascontiguousarray(glob[self._shard_positions(n)])
+        order.setflags(write=False)
+        if len(self._orders) >= 2:
+            self._orders.pop(min(self._orders))
+        self._orders[epoch] = order
+        return order
