@@ -402,9 +402,9 @@ def _head_start(loader: blobpipe.Loader) -> int:
 def _wait_idle(loader: blobpipe.Loader, timeout: float = 5.0) -> None:
     """Wait (untimed) until the Loader's fillers have filled every slot and stopped,
     so that no row's prefetch for its next epoch runs during the next row. Reads the
-    loader's private ready set: benchmark code only."""
+    loader's private hand-off: benchmark code only."""
     deadline = time.perf_counter() + timeout
-    while len(loader._ready) < loader.prefetch and time.perf_counter() < deadline:
+    while len(loader._handoff) < loader.prefetch and time.perf_counter() < deadline:
         time.sleep(0.0005)
 
 

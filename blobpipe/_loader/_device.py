@@ -1,0 +1,191 @@
+"""Device work for a filled slot: the host→device push on the slot's stream, the
+device transform, and the events that say when the slot's buffers are free again.
+
+With the device transform, the host does Caffe's crop and mirror only, into
+uint8 (the staging transform); the batch crosses to the device as uint8 (4×
+less traffic than float32) and :func:`_device_transform` does the rest there.
+
+Invariant: once anything is queued on a slot's stream, the slot's event covers
+it, so its buffers are not reused (or released) while the device reads them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .._backends import COMPLETED, Backend
+from .._errors import DataError, ShapeError
+from .._io._batches import BatchPlan
+from .._io._transform import Transform
+from ._ring import Slot
+
+__all__ = ["DeviceWork", "wants_device_transform"]
+
+
+def wants_device_transform(
+    requested: bool | None, backend: Backend, transform: Transform, device: object
+) -> bool:
+    """Whether mean/scale/float conversion run on the device.
+
+    ``requested`` None: when the backend has a device and the transform outputs
+    float32. A uint8 transform has nothing to convert: never on the device.
+
+    Raises:
+        ValueError: ``requested`` True without a device (``device`` is the
+            argument the user passed).
+    """
+    if requested is None:
+        requested = backend.has_device and transform.dtype == np.float32
+    elif requested and not backend.has_device:
+        raise ValueError(
+            f"device_transform=True needs a device, but device={device!r} resolved to the "
+            f"{backend.name!r} backend"
+        )
+    return bool(requested and transform.dtype == np.float32)
+
+
+class DeviceWork:
+    """Issues a filled slot's device work (nothing without a device).
+
+    ``on_device``: the transform's mean/scale/float conversion run on the
+    device (see :func:`wants_device_transform`); the host then fills with
+    :meth:`host_transform`.
+    """
+
+    def __init__(self, backend: Backend, transform: Transform, on_device: bool) -> None:
+        self._backend = backend
+        self._transform = transform
+        self.on_device = on_device
+        self._lock = threading.Lock()
+        self._means: dict[tuple[int, ...], Any] = {}  # record shape -> device mean (or None)
+
+    def host_transform(self) -> Transform:
+        """The transform the host fills with: the whole one, or with a device
+        transform its CPU half (crop and mirror only, uint8 NCHW)."""
+        t = self._transform
+        if not self.on_device:
+            return t
+        return Transform(
+            mirror=t.mirror,
+            crop_size=t.crop_size,
+            force_color=t.force_color,
+            force_gray=t.force_gray,
+            layout="NCHW",
+            dtype="uint8",
+        )
+
+    def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
+        """The device transform's output shape for ``plan`` (None without one)."""
+        if not self.on_device:
+            return None
+        n, c, h, w = plan.data_shape
+        return (n, c, h, w) if self._transform.layout == "NCHW" else (n, h, w, c)
+
+    def issue(self, slot: Slot, plan: BatchPlan, path: object) -> None:
+        """Queue the slot's push (and device transform) on its stream; record its events.
+
+        Raises:
+            DataError: the transform's mean does not fit the records (naming
+                the batch's first record and ``path``), as on the CPU path.
+        """
+        backend = self._backend
+        if not backend.has_device:
+            slot.event = COMPLETED
+            slot.started = None
+            return
+        assert slot.host is not None and slot.label is not None
+        # Everything that can fail before work is queued happens first ...
+        mean = self._mean(plan, path) if self.on_device else None
+        slot.started = backend.record_event(slot.stream, timing=True)
+        try:
+            slot.label.data.start_gpu_push(slot.stream)
+            if self.on_device:
+                self._launch_transform(slot, plan, mean)
+            else:
+                slot.host.data.start_gpu_push(slot.stream)
+        finally:
+            # ... and once anything is queued, the slot's event covers it.
+            slot.event = backend.record_event(slot.stream, timing=True)
+
+    def elapsed(self, slot: Slot) -> float:
+        """Seconds the slot's last device work took (0 without timing events)."""
+        if slot.started is not None and slot.event.query():
+            return self._backend.elapsed(slot.started, slot.event)
+        return 0.0
+
+    def _launch_transform(self, slot: Slot, plan: BatchPlan, mean: Any) -> None:
+        backend = self._backend
+        xp = backend.xp
+        t = self._transform
+        assert slot.host is not None and slot.staged is not None and slot.out is not None
+        # The uint8 batch is copied into a device-only blob rather than pushed
+        # through the host blob's SyncedMemory: a pending push would make the
+        # device accessor below wait for the copy.
+        # The kernel runs after the copy in this stream's order (launch()).
+        u8 = slot.staged.mutable_gpu_data()
+        backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
+        out = slot.out.mutable_gpu_data()
+        params_host = slot.params[: len(plan)].copy()
+        scale = t.scale
+        layout = t.layout
+
+        def kernel() -> None:
+            params = xp.asarray(params_host)
+            _device_transform(xp, u8, params, mean, scale, layout, out)
+
+        backend.launch(kernel, slot.stream)
+
+    def _mean(self, plan: BatchPlan, path: object) -> Any:
+        """The transform's mean on the device for the plan's record shape (cached)."""
+        key = plan.record_shape
+        with self._lock:
+            if key in self._means:
+                return self._means[key]
+        try:
+            mean = self._transform.mean_array(key)
+        except ShapeError as exc:
+            raise DataError(str(exc), path=path, key=plan.keys[0]) from exc
+        device = None
+        if mean is not None:
+            device = self._backend.xp.asarray(mean)
+            # uploaded on the current stream: finished before any slot stream reads it
+            self._backend.synchronize()
+        with self._lock:
+            return self._means.setdefault(key, device)
+
+
+def _device_transform(
+    xp: Any,
+    u8: Any,
+    params: Any,
+    mean: Any,
+    scale: np.float32,
+    layout: str,
+    out: Any,
+) -> None:
+    """Caffe's transform on the device, from a uint8 batch already cropped and mirrored.
+
+    ``mean`` is the uncropped (C, H, W) mean, a (C, 1, 1) column, or None;
+    ``params`` the per-row (h_off, w_off, mirror). Element for element the same
+    float32 operations as the CPU path: ``(float32(x) - mean) * scale``.
+    """
+    x = u8.astype(xp.float32)
+    if mean is not None:
+        if mean.shape[1] == 1 and mean.shape[2] == 1:
+            x -= mean[None]
+        else:
+            _, _, h, w = u8.shape
+            h_off, w_off, mirror = params[:, 0], params[:, 1], params[:, 2]
+            rows = h_off[:, None] + xp.arange(h)[None, :]
+            ar = xp.arange(w)[None, :]
+            cols = w_off[:, None] + xp.where(mirror[:, None] != 0, w - 1 - ar, ar)
+            gathered = mean[:, rows[:, :, None], cols[:, None, :]]  # (C, N, h, w)
+            x -= gathered.transpose(1, 0, 2, 3)
+    if scale != 1:
+        x *= scale
+    if layout == "NHWC":
+        x = x.transpose(0, 2, 3, 1)
+    out[...] = x

@@ -1,0 +1,123 @@
+"""A Loader's lifecycle: one state that only moves forward.
+
+::
+
+    UNOPENED ──open()──► OPEN ──a batch fails──► FAILING ──its error delivered──► FAILED
+        │                  │                        │                               │
+        └──────────────────┴─────────── aclose() / close() ─────────────────────────┴──► CLOSED
+
+* UNOPENED: constructed; nothing runs. Closing it releases the database.
+* OPEN: the fillers run (``open()``, ``async with``, or ``with`` through a portal).
+* FAILING: making a batch raised; nothing after it is planned, and the batches
+  before it are still delivered, then its error.
+* FAILED: the consumer received that error; iterating again raises StateError.
+* CLOSED: the pipeline is stopped (or being stopped); final.
+
+A Loader is opened once. The errors for the illegal moves (StateError):
+
+=================================  ============================================================
+open() / async with, not UNOPENED  "this Loader is <state>; a Loader can be opened once — …"
+with, not UNOPENED                 "this Loader is <state>; create a new one"
+iterate, UNOPENED                  "iterate a Loader inside 'async with Loader(...) as loader:' …"
+                                   (blocking form: "… inside 'with Loader(...) as loader:' …")
+iterate, CLOSED                    "this Loader is closed; create a new one to iterate again"
+iterate, FAILED                    "this Loader stopped after an error: <error>" (from the error)
+=================================  ============================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+from .._errors import StateError
+
+__all__ = ["CLOSED_ERROR", "Lifecycle", "State"]
+
+CLOSED_ERROR = "this Loader is closed; create a new one to iterate again"
+_UNOPENED_ERROR = (
+    "iterate a Loader inside 'async with Loader(...) as loader:' "
+    "(or 'with Loader(...) as loader:' without async)"
+)
+_UNOPENED_BLOCKING_ERROR = (
+    "iterate a Loader inside 'with Loader(...) as loader:' (or 'async with' in async code)"
+)
+
+
+class State(enum.Enum):
+    """A Loader's state (see the module docstring)."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    FAILING = "failing"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+_MOVES: dict[State, frozenset[State]] = {
+    State.UNOPENED: frozenset({State.OPEN, State.CLOSED}),
+    State.OPEN: frozenset({State.FAILING, State.CLOSED}),
+    State.FAILING: frozenset({State.FAILED, State.CLOSED}),
+    State.FAILED: frozenset({State.CLOSED}),
+    State.CLOSED: frozenset(),
+}
+
+
+class Lifecycle:
+    """The state, moved by the consumer, the fillers' threads and close.
+
+    A move that is not in the diagram is refused (the state stays), so a
+    later state is never undone: a filler failing after close leaves CLOSED.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = State.UNOPENED
+        self.error: BaseException | None = None  # the error delivered (FAILED)
+
+    def __repr__(self) -> str:
+        return self.state.value
+
+    def move(self, to: State, *, only_from: State | None = None) -> State | None:
+        """Move to ``to`` if the diagram allows it (and the state is ``only_from``,
+        when given). Returns the state left, or None when refused."""
+        with self._lock:
+            state = self.state
+            if to not in _MOVES[state] or (only_from is not None and state is not only_from):
+                return None
+            self.state = to
+            return state
+
+    def open(self) -> None:
+        """UNOPENED → OPEN. Raises StateError from any other state."""
+        if self.move(State.OPEN) is None:
+            raise StateError(
+                f"this Loader is {self.state.value}; a Loader can be opened once — create a new one"
+            )
+
+    def check_enter(self) -> None:
+        """Raises StateError unless ``with`` may open the loader (UNOPENED)."""
+        state = self.state
+        if state is not State.UNOPENED:
+            raise StateError(f"this Loader is {state.value}; create a new one")
+
+    def fail(self, error: BaseException) -> None:
+        """The consumer receives ``error``: FAILING → FAILED (a failure is posted
+        only after its filler moved the loader to FAILING)."""
+        self.error = error
+        self.move(State.FAILED)
+
+    def check_iterable(self, *, blocking: bool = False) -> None:
+        """Raises StateError when the loader is UNOPENED or CLOSED."""
+        state = self.state
+        if state is State.UNOPENED:
+            raise StateError(_UNOPENED_BLOCKING_ERROR if blocking else _UNOPENED_ERROR)
+        if state is State.CLOSED:
+            raise StateError(CLOSED_ERROR)
+
+    def check_next(self) -> None:
+        """Raises StateError unless a batch may be asked for (OPEN or FAILING)."""
+        self.check_iterable()
+        error = self.error
+        if self.state is State.FAILED and error is not None:
+            raise StateError(f"this Loader stopped after an error: {error!r}") from error

@@ -1,0 +1,53 @@
+"""Batches' options, defined once: a Loader takes them as ``**options`` and
+passes them to :class:`~blobpipe.Batches` unchanged.
+
+A Batches option added to :class:`BatchesOptions` is a Loader option too, typed
+and shown by ``help(Loader)``, with no edit to the Loader.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypedDict
+
+from .._io._batches import Batches
+from .._io._transform import Phase, Transform
+
+__all__ = ["BatchesOptions", "check_options", "signature_with_options"]
+
+
+class BatchesOptions(TypedDict, total=False):
+    """The keyword options of :class:`~blobpipe.Batches` that a Loader passes through
+    (their defaults, checks and errors are Batches'). ``order`` is the Loader's own
+    (it adds ``shuffle``), as are ``source`` and ``batch_size`` (a default of 64)."""
+
+    transform: Transform | None
+    phase: Phase
+    buffer_size: int | None
+    seed: int
+    shard: tuple[int, int] | Literal["auto"] | None
+    shard_mode: Literal["strided", "contiguous"]
+    pad_shards: bool
+    mode: Literal["wrap", "epoch"]
+    last: Literal["keep", "drop", "pad"]
+    readahead: bool
+    state: dict[str, Any] | None
+
+
+def check_options(options: Mapping[str, object], owner: str) -> None:
+    """Raises TypeError for a keyword that is not a Batches option, as Python
+    would for ``owner``'s own signature."""
+    for name in options:
+        if name not in BatchesOptions.__optional_keys__:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+
+
+def signature_with_options(function: Callable[..., Any]) -> inspect.Signature:
+    """``function``'s signature with its ``**options`` spelled out as Batches'
+    parameters (names, annotations, defaults): what ``help()`` and IDEs show."""
+    own = inspect.signature(function)
+    batches = inspect.signature(Batches.__init__).parameters
+    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [batches[name] for name in BatchesOptions.__annotations__]
+    return own.replace(parameters=params)
