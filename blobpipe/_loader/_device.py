@@ -3,7 +3,8 @@ device transform, and the events that say when the slot's buffers are free again
 
 With the device transform, the host does Caffe's crop and mirror only, into
 uint8 (the staging transform); the batch crosses to the device as uint8 (4×
-less traffic than float32) and :func:`_device_transform` does the rest there.
+less traffic than float32) and the transform kernel (``_io/_kernels.py``, the
+host's own, with ``xp`` the device's array module) does the rest there.
 
 Invariant: once anything is queued on a slot's stream, the slot's event covers
 it, so its buffers are not reused (or released) while the device reads them.
@@ -19,6 +20,7 @@ import numpy as np
 from .._backends import COMPLETED, Backend
 from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
+from .._io._kernels import Geometry, KernelSpec, apply
 from .._io._transform import Transform
 from ._ring import Slot
 
@@ -128,13 +130,14 @@ class DeviceWork:
         u8 = slot.staged.mutable_gpu_data()
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         out = slot.out.mutable_gpu_data()
-        params_host = slot.params[: len(plan)].copy()
-        scale = t.scale
-        layout = t.layout
+        params = slot.params[: len(plan)]
+        geometry = Geometry(
+            params[:, 0].astype(np.intp), params[:, 1].astype(np.intp), params[:, 2] != 0
+        )
+        spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
 
-        def kernel() -> None:
-            params = xp.asarray(params_host)
-            _device_transform(xp, u8, params, mean, scale, layout, out)
+        def kernel() -> None:  # the host's kernel, over the device's arrays
+            apply(xp, u8, out, geometry, spec, cropped=True)
 
         backend.launch(kernel, slot.stream)
 
@@ -155,37 +158,3 @@ class DeviceWork:
             self._backend.synchronize()
         with self._lock:
             return self._means.setdefault(key, device)
-
-
-def _device_transform(
-    xp: Any,
-    u8: Any,
-    params: Any,
-    mean: Any,
-    scale: np.float32,
-    layout: str,
-    out: Any,
-) -> None:
-    """Caffe's transform on the device, from a uint8 batch already cropped and mirrored.
-
-    ``mean`` is the uncropped (C, H, W) mean, a (C, 1, 1) column, or None;
-    ``params`` the per-row (h_off, w_off, mirror). Element for element the same
-    float32 operations as the CPU path: ``(float32(x) - mean) * scale``.
-    """
-    x = u8.astype(xp.float32)
-    if mean is not None:
-        if mean.shape[1] == 1 and mean.shape[2] == 1:
-            x -= mean[None]
-        else:
-            _, _, h, w = u8.shape
-            h_off, w_off, mirror = params[:, 0], params[:, 1], params[:, 2]
-            rows = h_off[:, None] + xp.arange(h)[None, :]
-            ar = xp.arange(w)[None, :]
-            cols = w_off[:, None] + xp.where(mirror[:, None] != 0, w - 1 - ar, ar)
-            gathered = mean[:, rows[:, :, None], cols[:, None, :]]  # (C, N, h, w)
-            x -= gathered.transpose(1, 0, 2, 3)
-    if scale != 1:
-        x *= scale
-    if layout == "NHWC":
-        x = x.transpose(0, 2, 3, 1)
-    out[...] = x
