@@ -90,22 +90,3 @@ def cached_db(
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path, True
-
-
-def baseline_copy(path: Path) -> Path:
-    """A byte-identical copy of the LMDB at ``path`` (cached beside it).
-
-    py-lmdb refuses to open one database file twice in a process, and the
-    benchmark keeps Loaders open (warm, as in training) while the baselines
-    read the same bytes: the baselines read this copy.
-    """
-    copy = path.with_name(path.name + "_baseline")
-    if (copy / _COMPLETE).exists():
-        return copy
-    tmp = copy.with_name(copy.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(path, tmp)
-    (tmp / _COMPLETE).touch()
-    shutil.rmtree(copy, ignore_errors=True)
-    tmp.rename(copy)
-    return copy

@@ -21,33 +21,76 @@ def run_quick(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedPr
     return proc
 
 
-@pytest.mark.timeout(90)
-def test_bench_loader_quick(tmp_path: Path) -> None:
+WORKLOAD_ROWS = (
+    "W1 MNIST",
+    "W2 CIFAR-10",
+    "W3 ImageNet raw, TRAIN",
+    "W3-test ImageNet raw, TEST",
+    "W4 ImageNet JPEG, TRAIN",
+    "W5 pass-through, uint8",
+)
+
+
+@pytest.mark.timeout(120)
+def test_bench_workloads_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    proc = run_quick("bench_loader.py", tmp_path, "--json", str(out))
+    proc = run_quick("bench_workloads.py", tmp_path, "--json", str(out), "--markdown")
     text = proc.stdout
-    assert "| row | img/s (median) | ratio | to | target | result |" in text
-    for label in (
-        "memcpy ceiling",
-        "plain protobuf loop",
-        "blobpipe float32, async, workers=2",
-        "blobpipe uint8",
-        "torch DataLoader recipe, num_workers=0",
-        "OpenCV imdecode loop",
-        "blobpipe JPEG float32, async, workers=2",
-    ):
-        assert label in text
-    assert "| workers | float32 raw img/s |" in text
+    assert (
+        "| workload | contender | first epoch img/s | ratio | later epochs img/s | ratio "
+        "| target | result |"
+    ) in text
+    assert "| workload | read B/img | written B/img | moved B/img |" in text
+    for name in WORKLOAD_ROWS:
+        assert f"| {name} | plain loop (1 thread) |" in text or name.startswith("W5")
+        assert f"| {name} | Loader, async for (2 workers) |" in text
+        assert f"| {name} | Loader, blocking for (2 workers) |" in text
+    assert "| W5 pass-through, uint8 | memcpy (one np.copyto) |" in text
+    assert "| W4 ImageNet JPEG, TRAIN | cv2.imdecode only (1 thread) |" in text
+    assert "checked rows PASS" in text
+
     doc = json.loads(out.read_text())
-    rows = {row["key"]: row for row in doc["rows"]}
-    assert rows["plain"]["median"] > 0
-    assert [row["target"] for row in doc["rows"] if row["key"].startswith("bp_f32_w")].count(
-        1.5
-    ) == 1
-    # a second run reuses the cached LMDBs
-    again = run_quick("bench_loader.py", tmp_path, "--no-torch")
-    assert "(cached)" in again.stdout
-    assert "skipped: --no-torch" in again.stdout
+    assert doc["benchmark"] == "bench_workloads" and doc["quick"] and doc["rounds"] == 1
+    assert doc["memcpy"]["copied_gbps_median"] > 0
+    runs = {w["name"]: w for w in doc["workloads"]}
+    assert list(runs) == ["W1", "W2", "W3", "W3-test", "W4", "W5"]
+    targets = {}
+    for name, w in runs.items():
+        assert w["bytes_per_image"]["moved"] > 0 and w["ceiling_img_s"] > 0
+        if name != "W5":  # the plain loop computes what Caffe (blobpipe.Transform) computes
+            assert w["per_record_vs_transform_max_abs_diff"] == pytest.approx(0, abs=1e-3)
+        rows = {c["key"]: c for c in w["contenders"]}
+        for key, row in rows.items():
+            if row["skipped"]:
+                assert row["first"] is None and row["later"] is None
+                continue
+            for kind in ("first", "later"):
+                assert len(row[kind]["img_s"]) == 1 and row[kind]["median"] > 0
+                assert row[kind]["ratio"] > 0
+            if name in ("W1", "W3-test", "W5"):  # deterministic: same first batch as the baseline
+                assert row["same_first_batch"] is True, (name, key)
+        for key in ("async", "blocking"):
+            assert rows[key]["result"] in ("PASS", "MISS")
+            targets[name, key] = {
+                (c["kind"], c["against"]): c["target"] for c in rows[key]["checks"]
+            }
+        assert ("torch" in rows) == (name != "W5")
+    assert targets["W1", "async"] == {
+        ("first", "plain"): 1.3,
+        ("later", "plain"): 1.6,
+        ("first", "blocking"): 0.95,
+        ("later", "blocking"): 0.95,
+    }
+    assert targets["W3", "blocking"] == {("first", "plain"): 1.3, ("later", "plain"): 1.5}
+    assert targets["W5", "blocking"] == {("later", "memcpy"): 0.25}
+    assert doc["summary"]["rows_checked"] >= 12
+
+    # a second run reuses the cached LMDBs; a subset; the plain-text table
+    again = run_quick("bench_workloads.py", tmp_path, "--workloads", "W1")
+    assert "(cached" in again.stdout and "(written" not in again.stdout
+    assert "W1 MNIST" in again.stdout and "W2 CIFAR-10" not in again.stdout
+    header = again.stdout.splitlines()
+    assert any(line.startswith("workload") and "first epoch img/s" in line for line in header)
 
 
 def _has_cupy() -> bool:
@@ -233,19 +276,3 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
     assert doc["pinned_peak_gbps"] > 0
     assert len(doc["loader_throughput"]) == 2
     assert doc["training"][0]["wall_s"] > 0
-
-
-@pytest.mark.timeout(90)
-def test_bench_train_quick(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    proc = run_quick("bench_train.py", tmp_path, "--json", str(out))
-    for label in (
-        "plain loop, TRAIN recipe (raw)",
-        "blobpipe, TRAIN recipe (raw), async, workers=2",
-        "plain loop, TRAIN recipe (JPEG)",
-        "blobpipe, TRAIN recipe (JPEG), async, workers=2, incl. open+close",
-    ):
-        assert label in proc.stdout
-    doc = json.loads(out.read_text())
-    assert doc["crop"] == 56
-    assert len(doc["rows"]) == 6 and all(row["median"] > 0 for row in doc["rows"])
