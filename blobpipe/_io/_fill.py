@@ -208,7 +208,7 @@ class Filler:
             h_off[members], w_off[members], mirror[members] = part
         geometry = Geometry(h_off, w_off, mirror)
         out = data_out[start:stop]
-        spec = t.kernel_spec(record_shape if same else groups[0][0])
+        spec = t.kernel_spec(record_shape)  # validated by next_plan; other shapes share it
         if failed:  # the remaining rows, one by one
             assert pixels is not None
             for _, members in groups:
