@@ -3,7 +3,11 @@
 Every contender offers two measurements, both returning a :class:`Sample`:
 
 * ``first()``: a first epoch: open, one full pass, close (what a short job, an
-  evaluation, or the first epoch of training pays);
+  evaluation, or the first epoch of training pays). The plain loop, the torch recipe and
+  the Loader run it in a fresh Python process (``python _contenders.py SPEC``), its
+  libraries imported before the clock starts: nothing an earlier pass left in the
+  process (pooled batch memory, started threads, one-time checks, warm caches) helps
+  it, as nothing helps a job's first epoch;
 * ``later()``: an epoch of a pipeline kept open across epochs (opened by ``start()``,
   its own first epoch untimed). For the pipelines that work in the background
   (blobpipe, torch workers) one call runs two epochs back to back and times the
@@ -46,9 +50,14 @@ imported.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import json
 import mmap
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -79,6 +88,7 @@ __all__ = [
     "TorchRecipe",
     "check_against_transform",
     "close_shared_envs",
+    "make",
     "private_empty",
     "torch_version",
 ]
@@ -152,6 +162,17 @@ class Recipe:
     def out_shape(self, channels: int, height: int, width: int) -> tuple[int, int, int]:
         return (channels, self.crop, self.crop) if self.crop else (channels, height, width)
 
+    def to_doc(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["mean_file"] = None if self.mean_file is None else str(self.mean_file)
+        doc["mean_value"] = list(self.mean_value)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Recipe:
+        mean_file = None if doc["mean_file"] is None else Path(doc["mean_file"])
+        return cls(**{**doc, "mean_file": mean_file, "mean_value": tuple(doc["mean_value"])})
+
 
 @dataclass(frozen=True)
 class Files:
@@ -183,11 +204,23 @@ class Contender:
     forks = False
     #: why it does not run (None: it runs)
     skipped: str | None = None
+    #: first epochs run in a fresh process (set for the contenders built by ``_make``)
+    fresh_first = False
+    out_shape: tuple[int, int, int] = (0, 0, 0)  # one output row
+    files: Files
+    recipe: Recipe
 
     def start(self) -> None:
         """Open what ``later()`` keeps open, and run its first epoch (untimed)."""
 
     def first(self, keep: bool = False) -> Sample:
+        """A first epoch; ``keep``: return a copy of its first batch."""
+        if self.fresh_first:
+            return _first_in_fresh_process(self, keep)
+        return self.first_here(keep)
+
+    def first_here(self, keep: bool = False) -> Sample:
+        """A first epoch in this process."""
         raise NotImplementedError
 
     def later(self, keep: bool = False) -> Sample:
@@ -426,7 +459,7 @@ class PlainLoop(Contender):
             out.append(batch)
         return np.concatenate(out)
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         t0 = time.perf_counter()
         env = _open_env(self.files.first)
         try:
@@ -503,7 +536,7 @@ class TorchRecipe(Contender):
     forks = True
 
     def __init__(self, files: Files, recipe: Recipe) -> None:
-        self.db = files.first
+        self.files = files
         self.recipe = recipe
         self.kept: Any = None
         if torch_version() is None:
@@ -513,7 +546,7 @@ class TorchRecipe(Contender):
         from torch.utils.data import DataLoader
 
         return DataLoader(
-            LmdbDataset(self.db, keys, self.recipe),  # type: ignore[arg-type]
+            LmdbDataset(self.files.first, keys, self.recipe),  # type: ignore[arg-type]
             batch_size=self.recipe.batch,
             shuffle=self.recipe.shuffle,
             num_workers=WORKERS,
@@ -530,9 +563,9 @@ class TorchRecipe(Contender):
             images += len(data)
         return images, first
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         t0 = time.perf_counter()
-        env = _open_env(self.db)
+        env = _open_env(self.files.first)
         try:
             keys = _list_keys(env)
         finally:
@@ -541,7 +574,7 @@ class TorchRecipe(Contender):
         return Sample(images, time.perf_counter() - t0, batch)
 
     def start(self) -> None:
-        env = _open_env(self.db)
+        env = _open_env(self.files.first)
         try:
             keys = _list_keys(env)
         finally:
@@ -635,7 +668,7 @@ class LoaderAsync(Contender):
         images, batch = await _consume_async(self.loader, keep)
         return Sample(images, time.perf_counter() - t0, batch)
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         sample: Sample = self.host.portal.call(self._first, keep)
         return sample
 
@@ -666,7 +699,7 @@ class LoaderBlocking(Contender):
         self.recipe = recipe
         self.loader: blobpipe.Loader | None = None
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         t0 = time.perf_counter()
         with _make_loader(self.files.first, self.recipe) as loader:
             images, batch = _consume(loader, keep)
@@ -717,7 +750,7 @@ class Memcpy(Contender):
     def start(self) -> None:
         np.copyto(self.dst, self.src)
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         return self.later(keep)
 
     def later(self, keep: bool = False) -> Sample:
@@ -740,7 +773,7 @@ class DecodeOnly(Contender):
     def start(self) -> None:
         self.later()
 
-    def first(self, keep: bool = False) -> Sample:
+    def first_here(self, keep: bool = False) -> Sample:
         return self.later(keep)
 
     def later(self, keep: bool = False) -> Sample:
@@ -748,3 +781,86 @@ class DecodeOnly(Contender):
         for f in self.files:
             cv2.imdecode(f, cv2.IMREAD_COLOR)
         return Sample(len(self.files), time.perf_counter() - t0, None)
+
+
+# -- first epochs in a fresh process ------------------------------------------------------------
+
+
+def make(
+    key: str,
+    files: Files,
+    recipe: Recipe,
+    out_shape: tuple[int, int, int],
+    host: AsyncHost | None = None,
+) -> Contender:
+    """The plain loop ("plain"), the torch recipe ("torch") or the Loader ("async",
+    "blocking") for a workload whose output rows are ``out_shape``; its first epochs run
+    in a fresh process."""
+    contender: Contender
+    if key == "plain":
+        contender = PlainLoop(files, recipe, out_shape)
+    elif key == "torch":
+        contender = TorchRecipe(files, recipe)
+    elif key == "async":
+        assert host is not None
+        contender = LoaderAsync(files, recipe, host)
+    elif key == "blocking":
+        contender = LoaderBlocking(files, recipe)
+    else:
+        raise ValueError(f"no contender {key!r}")
+    contender.fresh_first = True
+    contender.out_shape = out_shape
+    return contender
+
+
+def _first_in_fresh_process(contender: Contender, keep: bool) -> Sample:
+    with tempfile.TemporaryDirectory() as tmp:
+        batch = Path(tmp) / "first.npy"
+        spec = {
+            "key": contender.key,
+            "files": {k: str(v) for k, v in dataclasses.asdict(contender.files).items()},
+            "recipe": contender.recipe.to_doc(),
+            "out_shape": list(contender.out_shape),
+            "batch": str(batch) if keep else None,
+        }
+        proc = subprocess.run(
+            [sys.executable, __file__, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{contender.label}: the first epoch in a fresh process failed "
+                f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        first = np.load(batch) if keep else None
+    return Sample(int(result["images"]), float(result["seconds"]), first)
+
+
+def _child(argv: list[str]) -> int:
+    """``python _contenders.py SPEC``: one first epoch (see ``_first_in_fresh_process``);
+    prints ``{"images": ..., "seconds": ...}``."""
+    spec = json.loads(argv[0])
+    files = Files(**{k: Path(v) for k, v in spec["files"].items()})
+    recipe = Recipe.from_doc(spec["recipe"])
+    if spec["key"] == "torch":
+        import torch.utils.data  # noqa: F401  (imported before the clock, as a script does)
+    host = AsyncHost() if spec["key"] == "async" else None
+    try:
+        contender = make(spec["key"], files, recipe, tuple(spec["out_shape"]), host)
+        sample = contender.first_here(spec["batch"] is not None)
+        contender.close()
+    finally:
+        if host is not None:
+            host.close()
+        close_shared_envs()
+    if spec["batch"] is not None:
+        np.save(spec["batch"], sample.first_batch)
+    print(json.dumps({"images": sample.images, "seconds": sample.seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -28,9 +28,9 @@ Contenders (``_contenders.py``): the plain one-thread loop (the baseline), the P
 DataLoader recipe with 2 workers (when torch is installed; it forks, so its rounds run
 after all the others), the blobpipe Loader with 2 workers on device "cpu" in its
 ``async for`` and blocking forms, and for W5 the memcpy (for W4, the decoder alone, for
-orientation). Each as a **first epoch** (open, one pass, close) and as **later epochs**
-of a pipeline kept open (its first epoch untimed; see ``_contenders.py`` for how an
-epoch of a kept-open pipeline is timed).
+orientation). Each as a **first epoch** (open, one pass, close; in a fresh Python
+process, libraries imported before the clock starts) and as **later epochs** of a
+pipeline kept open (its first epoch untimed); ``_contenders.py`` says how each is timed.
 
 Every round runs every (contender, first/later) pass of a workload once, in an order
 rotated each round, before moving to the next workload; after each pass the benchmark
@@ -308,26 +308,28 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool) -> R
     if w.passthrough:
         rows.append(Row(cs.Memcpy(files, recipe)))
     else:
-        plain = cs.PlainLoop(files, recipe, recipe.out_shape(c, h, wd))
+        plain = cs.make("plain", files, recipe, recipe.out_shape(c, h, wd))
+        assert isinstance(plain, cs.PlainLoop)
         dataset = cs.LmdbDataset(files.first, [], recipe)
         plain_error = max(
             cs.check_against_transform(recipe, files.plain, plain.rows_of),
             cs.check_against_transform(recipe, files.plain, dataset.rows_of),
         )
         rows.append(Row(plain))
-        tr = cs.TorchRecipe(files, recipe)
+        tr = cs.make("torch", files, recipe, recipe.out_shape(c, h, wd))
         if not torch and tr.skipped is None:
             tr.skipped = "skipped (--no-torch)"
         rows.append(Row(tr))
         if recipe.encoded:
             rows.append(Row(cs.DecodeOnly(files)))
-    for contender in (cs.LoaderAsync(files, recipe, host), cs.LoaderBlocking(files, recipe)):
+    for key in ("async", "blocking"):
+        contender = cs.make(key, files, recipe, recipe.out_shape(c, h, wd), host)
         checks = []
         if w.first_target is not None:
             checks.append(Check("first", w.baseline, w.first_target))
         if w.later_target is not None:
             checks.append(Check("later", w.baseline, w.later_target))
-        if contender.key == "async":
+        if key == "async":
             checks += [
                 Check("first", "blocking", ASYNC_TARGET),
                 Check("later", "blocking", ASYNC_TARGET),
@@ -451,8 +453,8 @@ def evaluate(run: Run) -> None:
             continue
         for c in row.checks:
             c.measured = run.ratio(row, c.kind, c.against)
-            if not c.passed:
-                got = _fmt_ratio(c.measured)
+            if not c.passed:  # three decimals: 1.299 must not read as 1.30
+                got = "—" if c.measured is None else f"{c.measured:.3f}×"
                 row.problems.append(f"{c.kind} vs {c.against} {got} < {c.target:.2f}×")
         if row.same_first_batch is False:
             row.problems.append("first batch differs from the baseline's")

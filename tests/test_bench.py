@@ -91,6 +91,11 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
     assert "W1 MNIST" in again.stdout and "W2 CIFAR-10" not in again.stdout
     header = again.stdout.splitlines()
     assert any(line.startswith("workload") and "first epoch img/s" in line for line in header)
+    # --check: the exit status says whether a row missed
+    cmd = [sys.executable, str(BENCH / "bench_workloads.py"), "--quick", "--check"]
+    cmd += ["--data-dir", str(tmp_path / "data"), "--workloads", "W5"]
+    checked = subprocess.run(cmd, capture_output=True, text=True, timeout=80, check=False)
+    assert checked.returncode == (1 if "MISS" in checked.stdout else 0), checked.stderr[-4000:]
 
 
 def _has_cupy() -> bool:
