@@ -204,7 +204,7 @@ class Contender:
     forks = False
     #: why it does not run (None: it runs)
     skipped: str | None = None
-    #: first epochs run in a fresh process (set for the contenders built by ``_make``)
+    #: first epochs run in a fresh process (set for the contenders built by ``make``)
     fresh_first = False
     out_shape: tuple[int, int, int] = (0, 0, 0)  # one output row
     files: Files

@@ -619,13 +619,6 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def recipe_doc(r: cs.Recipe) -> dict[str, Any]:
-    doc = dataclasses.asdict(r)
-    doc["mean_file"] = str(r.mean_file) if r.mean_file is not None else None
-    doc["mean_value"] = list(r.mean_value)
-    return doc
-
-
 def json_doc(
     runs: list[Run],
     args: argparse.Namespace,
@@ -677,7 +670,7 @@ def json_doc(
                 "title": run.workload.title,
                 "records": run.prepared.count,
                 "baseline": run.workload.baseline,
-                "recipe": recipe_doc(run.recipe),
+                "recipe": run.recipe.to_doc(),
                 "database": {
                     "path": str(run.prepared.path),
                     "written": run.prepared.written,
