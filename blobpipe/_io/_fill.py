@@ -19,7 +19,7 @@ raises the error that names it (key, database path, reason).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,8 +28,8 @@ from numpy.lib.stride_tricks import as_strided
 
 from .._errors import BlobpipeError, DataError
 from ._datum import DEFAULT_MAX_PIXELS, parse_datum, view_record
-from ._image import Undecodable, decode_many, imread_flag
-from ._index import BAD, ENCODED, PARSED, RAW, Located, RecordIndex
+from ._image import Undecodable, decode_image, decode_many, imread_flag
+from ._index import ENCODED, PARSED, RAW, Located, RecordIndex
 from ._kernels import Geometry, apply, prefers_block
 from ._lmdb import LmdbReader
 from ._lmdbfile import value_extents
@@ -116,7 +116,7 @@ class Filler:
                 return (c, h, w), None
             if kind == ENCODED:
                 off, length = int(loc.offset[0]), int(loc.length[0])
-                hwc = decode_many([idx.buffer[off : off + length].data], self._flag)[0]
+                hwc = decode_image(idx.buffer[off : off + length].data, self._flag)
                 if not isinstance(hwc, Undecodable):
                     h, w, c = hwc.shape
                     idx.note_shapes(np.array([index], np.intp), np.array([(c, h, w)], np.int32))
@@ -148,80 +148,113 @@ class Filler:
         """Rows ``[start:stop]`` of ``plan`` into the outputs (checked by the caller)."""
         n = stop - start
         index = self.index()
+        persistent = index is not None
         if index is not None:
             rows = np.fromiter(plan.indices[start:stop], np.intp, n)
-            loc = index.locate(rows, plan.record_shape)
         else:
             index = RecordIndex.joined(self._values(plan.keys[start:stop]))
             rows = np.arange(n, dtype=np.intp)
-            loc = index.locate(rows, plan.record_shape)
-            index = None  # nothing to remember
+        loc = index.locate(rows, plan.record_shape)
         label_out[start:stop] = loc.label
-        pixels, shapes, failed = self._pixels(plan, loc, start, index, rows)
         t = self._transform
-        expected = plan.data_shape[1:]
-        record_shape = plan.record_shape
-        same = bool((shapes == record_shape).all())
-        groups: list[tuple[tuple[int, int, int], npt.NDArray[np.intp]]]
-        if same:
-            groups = [(record_shape, np.arange(n, dtype=np.intp))]
-        else:
-            # group rows by shape (rows that failed: shape 0)
-            uniq, inverse = np.unique(shapes, axis=0, return_inverse=True)
-            keyed = inverse.reshape(-1)
-            groups = []
-            for g, shape_row in enumerate(uniq.tolist()):
-                members = np.flatnonzero(keyed == g)
-                if not shape_row[0]:
-                    continue  # rows whose pixels could not be had: in failed already
-                c, h, w = shape_row
-                try:
-                    fits = t.output_shape((c, h, w)) == expected
-                    t.kernel_spec((c, h, w))  # the mean must fit too
-                except BlobpipeError:
-                    fits = False
-                if fits:
-                    groups.append(((c, h, w), members))
-                else:
-                    failed.extend(members.tolist())
-        if t.dtype == _U1:  # float records cannot make uint8 rows
-            if isinstance(pixels, np.ndarray):
-                if pixels.dtype != _U1:
-                    failed.extend(range(n))
-            else:
-                failed.extend(r for r, p in enumerate(pixels) if p is not None and p.dtype != _U1)
-        if failed:
-            bad = sorted(set(failed))
-            for r in bad:
-                self._checked_row(plan, data_out, label_out, start + r, params_out)
-            keep = np.setdiff1d(np.arange(n), np.asarray(bad, np.intp))
-            groups = [(s, np.intersect1d(m, keep)) for s, m in groups]
-            groups = [(s, m) for s, m in groups if len(m)]
-            if not groups:
-                return
+        shape = plan.record_shape
+        spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = np.fromiter(plan.words[start:stop], np.uint64, n)
-        h_off = np.zeros(n, np.intp)
-        w_off = np.zeros(n, np.intp)
-        mirror = np.zeros(n, np.bool_)
-        for shape, members in groups:
-            part = t.geometry(shape, self._phase, words[members])
-            h_off[members], w_off[members], mirror[members] = part
-        geometry = Geometry(h_off, w_off, mirror)
         out = data_out[start:stop]
-        spec = t.kernel_spec(record_shape)  # validated by next_plan; other shapes share it
-        if failed:  # the remaining rows, one by one
-            assert pixels is not None
-            for _, members in groups:
-                for r in members.tolist():
-                    src = pixels[r]
-                    apply(np, [src], out[r : r + 1], geometry.take([r]), spec)
-        else:
-            assert pixels is not None
-            apply(np, pixels, out, geometry, spec)
+        if (loc.kind == RAW).all() and (loc.shape == shape).all():
+            geometry = t.geometry(shape, self._phase, words)
+            apply(np, self._raw_rows(loc, shape, out), out, geometry, spec)
+        else:  # row by row: each decoded image transformed while it is in cache
+            h_off = np.zeros(n, np.intp)
+            w_off = np.zeros(n, np.intp)
+            mirror = np.zeros(n, np.bool_)
+            geometry = Geometry(h_off, w_off, mirror)
+            expected = plan.data_shape[1:]
+            learned: list[tuple[int, tuple[int, ...]]] = []
+            for r, chw in self._rows(plan, loc, start):
+                if chw is None or not self._fits(chw, expected):
+                    self._checked_row(plan, data_out, label_out, start + r, params_out)
+                    continue  # (the checked path raises; a row it fills is done)
+                one = t.geometry(chw.shape, self._phase, words[r : r + 1])
+                h_off[r], w_off[r], mirror[r] = one.row(0)
+                apply(np, [chw], out[r : r + 1], one, spec)
+                if loc.kind[r] == ENCODED:
+                    learned.append((r, chw.shape))
+            if persistent and learned:
+                at = np.fromiter((r for r, _ in learned), np.intp, len(learned))
+                index.note_shapes(rows[at], np.array([s for _, s in learned], np.int32))
         if params_out is not None:
-            params_out[start:stop, 0] = h_off
-            params_out[start:stop, 1] = w_off
-            params_out[start:stop, 2] = mirror
+            params_out[start:stop, 0] = geometry.h_off
+            params_out[start:stop, 1] = geometry.w_off
+            params_out[start:stop, 2] = geometry.mirror
+
+    def _raw_rows(self, loc: Located, shape: tuple[int, int, int], out: np.ndarray) -> Any:
+        """Raw rows of one shape as the kernel's source: one strided view of the
+        buffer when they lie at one stride, else (small rows) one gather, or (large
+        rows) a view per row."""
+        offsets = loc.offset
+        n = len(offsets)
+        c, h, w = shape
+        size = c * h * w
+        buffer = loc.buffer
+        stride = int(offsets[1] - offsets[0]) if n > 1 else size
+        if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
+            return np.ndarray(
+                (n, c, h, w), _U1, buffer=buffer, offset=int(offsets[0]),
+                strides=(stride, h * w, w, 1),
+            )  # fmt: skip
+        if prefers_block(out[0].nbytes):
+            windows = as_strided(buffer, (len(buffer) - size + 1, size), (1, 1))
+            return windows[offsets].reshape(n, c, h, w)
+        return [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()]
+
+    def _rows(self, plan: BatchPlan, loc: Located, start: int) -> Iterator[tuple[int, Any]]:
+        """Each row's uncropped ``(C, H, W)`` pixels (None where they cannot be had),
+        encoded images decoded one at a time, as the caller asks for the next."""
+        buffer = loc.buffer
+        offsets = loc.offset.tolist()
+        lengths = loc.length.tolist()
+        kinds = loc.kind.tolist()
+        images = (
+            buffer[offsets[r] : offsets[r] + lengths[r]].data
+            for r, k in enumerate(kinds)
+            if k == ENCODED and not (start + r == 0 and plan._first is not None)
+        )
+        decoded = decode_many(images, self._flag)
+        for r, k in enumerate(kinds):
+            if k == RAW:
+                c, h, w = loc.shape[r].tolist()
+                yield r, buffer[offsets[r] : offsets[r] + c * h * w].reshape(c, h, w)
+            elif k == ENCODED:
+                if start + r == 0 and plan._first is not None:
+                    yield r, plan._first[0]  # decoded by next_plan
+                    continue
+                hwc = next(decoded)
+                yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
+            elif k == PARSED:
+                try:
+                    chw, _ = view_record(
+                        buffer[offsets[r] : offsets[r] + lengths[r]].data, self._flag,
+                        DEFAULT_MAX_PIXELS, None, None,
+                    )  # fmt: skip
+                except BlobpipeError:
+                    chw = None
+                yield r, chw
+            else:
+                yield r, None
+
+    def _fits(self, chw: np.ndarray, expected: tuple[int, ...]) -> bool:
+        """Whether a record's pixels make a row of this batch (else the checked path
+        names why)."""
+        t = self._transform
+        try:
+            t.check_record(chw)
+            if t.output_shape(chw.shape) != expected:
+                return False
+            t.kernel_spec(chw.shape)  # a mean file must fit the record
+        except BlobpipeError:
+            return False
+        return True
 
     def _values(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None where one cannot be read: the checked path
@@ -234,97 +267,6 @@ class Filler:
             fast_get = getattr(txn, "fast_get", None)
             get = fast_get() if fast_get is not None else txn.get
             return [_bytes(_try(get, k)) for k in keys]
-
-    def _pixels(
-        self,
-        plan: BatchPlan,
-        loc: Located,
-        start: int,
-        index: RecordIndex | None,
-        rows: npt.NDArray[np.intp],
-    ) -> tuple[Any, npt.NDArray[np.int32], list[int]]:
-        """Each row's uncropped ``(C, H, W)`` pixels: one ``(N, C, H, W)`` array when
-        every row is a raw record of the plan's shape, else a list (None where the
-        row failed); each row's shape (zeros where it failed); the failed rows."""
-        kind = loc.kind
-        n = len(kind)
-        buffer = loc.buffer
-        shapes = loc.shape.copy()
-        record_shape = plan.record_shape
-        c, h, w = record_shape
-        size = c * h * w
-        block = prefers_block(int(np.prod(plan.data_shape[1:])) * self._transform.dtype.itemsize)
-        if (kind == RAW).all() and (shapes == record_shape).all():
-            offsets = loc.offset
-            stride = int(offsets[1] - offsets[0]) if n > 1 else size
-            if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
-                view = np.ndarray(
-                    (n, c, h, w), _U1, buffer=buffer, offset=int(offsets[0]),
-                    strides=(stride, h * w, w, 1),
-                )  # fmt: skip
-                return view, shapes, []
-            if block:
-                windows = as_strided(buffer, (len(buffer) - size + 1, size), (1, 1))
-                return windows[offsets].reshape(n, c, h, w), shapes, []
-            views = [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()]
-            return views, shapes, []
-        pixels: list[np.ndarray | None] = [None] * n
-        failed: list[int] = []
-        offsets_l = loc.offset.tolist()
-        lengths_l = loc.length.tolist()
-        kinds = kind.tolist()
-        encoded: list[int] = []
-        for r, k in enumerate(kinds):
-            if k == RAW:
-                cc, hh, ww = shapes[r].tolist()
-                o = offsets_l[r]
-                pixels[r] = buffer[o : o + cc * hh * ww].reshape(cc, hh, ww)
-            elif k == ENCODED:
-                if start + r == 0 and plan._first is not None:
-                    pixels[r] = plan._first[0]
-                    shapes[r] = plan._first[0].shape
-                else:
-                    encoded.append(r)
-            elif k == PARSED:
-                o = offsets_l[r]
-                try:
-                    chw, _ = view_record(
-                        buffer[o : o + lengths_l[r]].data, self._flag,
-                        DEFAULT_MAX_PIXELS, None, None,
-                    )  # fmt: skip
-                except BlobpipeError:
-                    failed.append(r)
-                    shapes[r] = 0
-                    continue
-                pixels[r] = chw
-            else:
-                assert k == BAD
-                failed.append(r)
-                shapes[r] = 0
-        if encoded:
-            images = [
-                buffer[offsets_l[r] : offsets_l[r] + lengths_l[r]].data for r in encoded
-            ]
-            learned: list[int] = []
-            for r, hwc in zip(encoded, decode_many(images, self._flag), strict=True):
-                if isinstance(hwc, Undecodable):
-                    failed.append(r)
-                    shapes[r] = 0
-                    continue
-                chw = hwc.transpose(2, 0, 1)
-                pixels[r] = chw
-                shapes[r] = chw.shape
-                learned.append(r)
-            if index is not None and learned:
-                at = np.asarray(learned, np.intp)
-                index.note_shapes(rows[at], shapes[at])
-        if not failed and block:
-            first = pixels[0]
-            assert first is not None
-            if all(p is not None and p.shape == first.shape and p.dtype == first.dtype
-                   for p in pixels):  # fmt: skip
-                return np.stack(pixels), shapes, failed  # type: ignore[arg-type]
-        return pixels, shapes, failed
 
     def _checked_row(
         self,

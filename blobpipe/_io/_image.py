@@ -40,7 +40,7 @@ import os
 import struct
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -394,10 +394,13 @@ def decode_image(
 
 
 def decode_many(
-    images: Sequence[bytes | memoryview], flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> list[npt.NDArray[np.uint8] | Undecodable]:
-    """:func:`decode_image` for each of ``images``, one after another."""
-    return [decode_image(data, flag, max_pixels) for data in images]
+    images: Iterable[bytes | memoryview], flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> Iterator[npt.NDArray[np.uint8] | Undecodable]:
+    """:func:`decode_image` for each of ``images``, one after another, as the caller
+    asks for the next: a batch's rows are decoded and used one at a time, each
+    image still in cache when it is transformed."""
+    for data in images:
+        yield decode_image(data, flag, max_pixels)
 
 
 def imread_flag(force_color: bool, force_gray: bool) -> int:

@@ -215,17 +215,26 @@ def _apply_one(
             src = src[..., h : h + crop, w : w + crop]
         if mean is not None and mean.shape[1] != 1:
             mean = mean[:, h : h + crop, w : w + crop]
-    if flip and cropped:  # the pixels are flipped already: the mean follows them
-        if mean is not None and mean.shape[2] != 1:
+    flip_out = False
+    if flip:
+        # Pixels and mean read flipped (negative stride), or the output written
+        # flipped: the same elements either way. NumPy's casting loops run
+        # fastest on forward inputs, so rows whose pixels are contiguous along
+        # the width (raw records) are written flipped; pixels that are strided
+        # already (decoded HWC images) are read flipped.
+        if cropped:  # the pixels are flipped already: the mean follows them
+            pass
+        elif abs(src.strides[-1]) == src.itemsize:
+            flip_out = True
+        else:
+            src = src[..., ::-1]
+        if not flip_out and mean is not None and mean.shape[2] != 1:
             mean = mean[..., ::-1]
-        flip = False
     if spec.layout == "NHWC":
         src = src.transpose(0, 2, 3, 1) if batched else src.transpose(1, 2, 0)
         if mean is not None:
             mean = mean.transpose(1, 2, 0)
-    if flip:
-        # Written into the output flipped: the same elements as reading pixels
-        # and mean flipped, but the inputs keep their forward strides.
+    if flip_out:
         row = out
         out = out[..., ::-1, :] if spec.layout == "NHWC" else out[..., ::-1]
     scale = spec.scale
@@ -234,7 +243,7 @@ def _apply_one(
     elif mean is not None:
         xp.subtract(src, mean, out=out, dtype=np.float32)
         if scale != 1:
-            if flip:
+            if flip_out:
                 out = row  # forward strides for the in-place step
             xp.multiply(out, scale, out=out)
     elif scale != 1:
