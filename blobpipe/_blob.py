@@ -530,10 +530,18 @@ class Blob:
                 f"{what}: this Blob has no shape yet (Caffe's default Blob); call reshape() first"
             )
 
-    def _host(self, which: str, mutable: bool) -> np.ndarray[Any, Any]:
+    def _overwrite_cpu_data(self) -> np.ndarray[Any, Any]:
+        """:meth:`mutable_cpu_data` for a caller that overwrites all of it: no zero
+        fill on first use, no copy back from the device (see SyncedMemory)."""
+        return self._host("data", True, overwrite=True)
+
+    def _host(self, which: str, mutable: bool, overwrite: bool = False) -> np.ndarray[Any, Any]:
         mem = self._mem(which)
         self._check_shaped(f"cpu_{which}")
-        raw = mem.mutable_cpu_data() if mutable else mem._host_bytes()
+        if overwrite:
+            raw = mem._overwrite_cpu()
+        else:
+            raw = mem.mutable_cpu_data() if mutable else mem._host_bytes()
         # The typed view of a buffer is made once per (buffer, shape); callers get
         # a fresh view of it, so nothing they do to theirs reaches the next caller.
         cached = self._typed.get(which)

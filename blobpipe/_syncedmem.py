@@ -257,6 +257,18 @@ class SyncedMemory:
         self._head = Head.HEAD_AT_CPU
         return self._cpu  # type: ignore[no-any-return]
 
+    def _overwrite_cpu(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """:meth:`mutable_cpu_data` for a caller that overwrites every byte (a
+        loader refilling a batch slot): the head moves to the CPU without the
+        zero fill of a first use or the copy back from the device, after any
+        pending copy has finished."""
+        self._check_open()
+        self._settle()
+        if self._cpu is None:
+            self._alloc_cpu()
+        self._head = Head.HEAD_AT_CPU
+        return self._cpu  # type: ignore[no-any-return]
+
     def gpu_data(self) -> Any:
         """The bytes on the device (read-only where the array type allows it).
 

@@ -40,6 +40,11 @@ __all__ = ["BAD", "ENCODED", "PARSED", "RAW", "Located", "RecordIndex"]
 
 UNKNOWN, RAW, ENCODED, PARSED, BAD = 0, 1, 2, 3, 4
 
+# Records read in key order are classified ahead, this many at most per pass,
+# and no more than this many bytes of values (whose headers and tails are read).
+_AHEAD = 8192
+_AHEAD_BYTES = 8 << 20
+
 
 class Located(NamedTuple):
     """Rows of one range: per row, kind, payload offset and length, shape, label."""
@@ -110,8 +115,9 @@ class RecordIndex:
         unknown = rows[self._kind[rows] == UNKNOWN]
         if len(unknown):
             if hint is not None:
-                unknown = self._classify_raw(unknown, hint)
-            for i in np.unique(unknown).tolist():
+                unknown = self._classify_raw(self._with_next(unknown), hint)
+                unknown = unknown[np.isin(unknown, rows)]  # the rest: classified later
+            for i in sorted(set(unknown.tolist())):  # (np.unique imports numpy.ma)
                 self._classify_one(i)
         return Located(
             self.buffer,
@@ -121,6 +127,18 @@ class RecordIndex:
             self._shape[rows],
             self._label[rows],
         )
+
+    def _with_next(self, unknown: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+        """``unknown`` and, when they are consecutive records (read in key order),
+        the unknown records that follow them, up to :data:`_AHEAD_BYTES` of
+        values: the next batches' records are then recognised in this pass."""
+        first, last = int(unknown[0]), int(unknown[-1])
+        if last - first != len(unknown) - 1:
+            return unknown
+        lengths = self._value_length[last + 1 : last + 1 + _AHEAD]
+        count = int(np.searchsorted(np.cumsum(lengths), _AHEAD_BYTES))
+        ahead = np.arange(last + 1, last + 1 + count, dtype=np.intp)
+        return np.concatenate([unknown, ahead[self._kind[ahead] == UNKNOWN]])
 
     def _classify_raw(
         self, rows: npt.NDArray[np.intp], shape: tuple[int, int, int]
@@ -133,7 +151,7 @@ class RecordIndex:
         lens = self._value_length[rows]
         rest = []
         buffer = self.buffer
-        for length in np.unique(lens).tolist():
+        for length in sorted(set(lens.tolist())):
             sel = lens == length
             group = rows[sel]
             if length < hl + size + 2 or length > hl + size + 14:

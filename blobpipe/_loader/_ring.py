@@ -71,7 +71,8 @@ class Slot:
             if self.params.shape[0] < len(plan):
                 self.params = np.zeros((len(plan), 3), np.int32)
             params = self.params[: len(plan)]
-        return self.host.mutable_cpu_data(), self.label.mutable_cpu_data(), params
+        # every row and label is written by the fill: no zero fill, no copy back
+        return self.host._overwrite_cpu_data(), self.label._overwrite_cpu_data(), params
 
     def forget(self) -> None:
         """Drop the blobs (a detached batch now owns their memory)."""
@@ -97,7 +98,10 @@ class Ring:
         self._backend = backend
         self._size = size
         self.slots: list[Slot] = []
-        self._free: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        # Last in, first out: the slot the consumer just gave back is refilled
+        # first (its memory is warm); a slot is allocated only when every
+        # allocated one is in use, so a fast consumer keeps fewer alive.
+        self._free: queue.LifoQueue[Slot | None] = queue.LifoQueue()
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
