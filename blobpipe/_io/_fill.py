@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib.stride_tricks import as_strided
 
 from .._errors import BlobpipeError, DataError
 from ._datum import DEFAULT_MAX_PIXELS, parse_datum, view_record
@@ -203,8 +202,8 @@ class Filler:
                 (n, c, h, w), _U1, buffer=buffer, offset=int(offsets[0]),
                 strides=(stride, h * w, w, 1),
             )  # fmt: skip
-        if prefers_block(out[0].nbytes):
-            windows = as_strided(buffer, (len(buffer) - size + 1, size), (1, 1))
+        if prefers_block(out[0].nbytes):  # one gather: every size-byte window of the buffer
+            windows = np.ndarray((len(buffer) - size + 1, size), _U1, buffer, 0, (1, 1))
             return windows[offsets].reshape(n, c, h, w)
         return [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()]
 

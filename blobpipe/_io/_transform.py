@@ -155,6 +155,7 @@ class Transform:
             self._mean_blob.setflags(write=False)
         self._mean_cache: dict[tuple[int, int, int], npt.NDArray[np.float32]] = {}
         self._spec_cache: dict[tuple[int, int, int], KernelSpec] = {}
+        self._fixed: dict[tuple[int, int, int], Geometry] = {}
         self._lock = threading.Lock()
 
     # -- construction from Caffe's parameters -------------------------------------------
@@ -324,7 +325,22 @@ class Transform:
         """
         _, h, w = _chw(record_shape)
         self._check_crop(h, w)
-        return draw_geometry(h, w, self._crop, self._mirror, phase == "train", words)
+        train = phase == "train"
+        if self._mirror or (train and self._crop):
+            return draw_geometry(h, w, self._crop, self._mirror, train, words)
+        # nothing random: the same (read-only) geometry for every batch of this size
+        n = len(words)  # type: ignore[arg-type]
+        key = (h, w, n)
+        fixed = self._fixed.get(key)
+        if fixed is None:
+            fixed = draw_geometry(h, w, self._crop, False, False, np.zeros(n, np.uint64))
+            for part in fixed:
+                part.setflags(write=False)
+            with self._lock:
+                if len(self._fixed) >= _SPEC_CACHE_SIZE:
+                    self._fixed.pop(next(iter(self._fixed)))
+                self._fixed[key] = fixed
+        return fixed
 
     def _check_crop(self, h: int, w: int) -> None:
         if self._crop > h or self._crop > w:
@@ -340,11 +356,16 @@ class Transform:
         Raises:
             ShapeError: the crop is larger than the record, or the mean does not fit.
         """
+        if with_mean and type(record_shape) is tuple:
+            spec = self._spec_cache.get(record_shape)
+            if spec is not None:
+                return spec
         chw = _chw(record_shape)
         self._check_crop(chw[1], chw[2])
         if not with_mean or self._dtype == "uint8":
-            return KernelSpec(self._crop, None, np.float32(1), self._layout)
-        spec = self._spec_cache.get(chw)
+            spec = KernelSpec(self._crop, None, np.float32(1), self._layout)
+        else:
+            spec = self._spec_cache.get(chw)
         if spec is None:
             spec = KernelSpec(self._crop, self.mean_array(chw), self._scale, self._layout)
             with self._lock:
@@ -439,5 +460,4 @@ class Transform:
 def _chw(shape: Sequence[int]) -> tuple[int, int, int]:
     if len(shape) != 3:
         raise ShapeError(f"a record shape must be (C, H, W), got {tuple(shape)}")
-    c, h, w = (int(s) for s in shape)
-    return c, h, w
+    return (int(shape[0]), int(shape[1]), int(shape[2]))

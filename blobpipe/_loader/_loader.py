@@ -44,6 +44,7 @@ else:
 __all__ = ["Loader"]
 
 _Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
+_YIELD_EVERY = 0.001  # seconds: the longest the consumer keeps the event loop from others
 _Item = _Made | End | Failure  # what the hand-off carries
 
 
@@ -149,6 +150,7 @@ class Loader:
         self._plan_lock = threading.Lock()  # numbers and plans batches, in order
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
+        self._yielded = 0.0  # when __anext__ last let the event loop run other tasks
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
         # the task group the fillers run in: open()'s, left by aclose(); or the
@@ -424,15 +426,20 @@ class Loader:
                 DataError naming the record key and the database).
             StateError: the loader is closed or failed earlier.
         """
-        # Every call is a checkpoint, so a consumer whose body never awaits can
-        # still be cancelled (and time out): waiting for a batch is one; a batch
-        # already there gets an explicit one before it leaves the hand-off.
+        # Every call is a cancellation point, so a consumer whose body never
+        # awaits can still be cancelled (and time out): waiting for a batch is a
+        # checkpoint; a batch already there gets one when the loop last ran
+        # other tasks at least _YIELD_EVERY ago, else a cancellation check only
+        # (a turn of the event loop per batch costs more than a small batch).
         t0 = self._begin_next()
         handoff = self._handoff
         if handoff.ready():
-            await anyio.lowlevel.checkpoint()
-            t0 = time.perf_counter()
-            self._lifecycle.check_iterable()
+            if t0 - self._yielded >= _YIELD_EVERY:
+                await anyio.lowlevel.checkpoint()
+                t0 = self._yielded = time.perf_counter()
+                self._lifecycle.check_iterable()
+            else:  # batches arriving faster than this: cancellation is still seen
+                await anyio.lowlevel.checkpoint_if_cancelled()
         item = handoff.take()
         if item is None:
             event = anyio.Event()

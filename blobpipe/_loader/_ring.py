@@ -98,10 +98,7 @@ class Ring:
         self._backend = backend
         self._size = size
         self.slots: list[Slot] = []
-        # Last in, first out: the slot the consumer just gave back is refilled
-        # first (its memory is warm); a slot is allocated only when every
-        # allocated one is in use, so a fast consumer keeps fewer alive.
-        self._free: queue.LifoQueue[Slot | None] = queue.LifoQueue()
+        self._free: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
