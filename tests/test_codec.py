@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import blobpipe
 from blobpipe._backends import Backend, HostBackend
 from blobpipe._blob import Blob
 from blobpipe._codec import (
@@ -296,3 +297,22 @@ def test_codec_imports_only_the_errors_and_the_generated_module() -> None:
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
     }
     assert imported == {"_errors", "_proto.caffe_pb2"}
+
+
+def test_only_the_codec_imports_the_generated_protobuf_module() -> None:
+    """Protobuf stays behind one boundary: no other module of blobpipe imports
+    ``caffe_pb2`` (at module level or inside a function)."""
+    root = Path(blobpipe.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        if path.parent.name == "_proto":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any("caffe_pb2" in n for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"_codec.py"}
