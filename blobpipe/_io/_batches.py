@@ -51,7 +51,6 @@ import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
 from ._fill import Filler, RecordSource
-from ._kernels import draw_words
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
@@ -212,6 +211,12 @@ class Batches:
                 shard_mode, self._pad_shards,
             )  # fmt: skip
             self._shard_len = self._epochs.records_per_epoch
+            self._settings = {
+                **self._epochs.settings(),
+                "shard": (self._rank, self._world),
+                "num_records": self._n,
+            }
+            self._out_shapes: dict[tuple[int, int, int], tuple[int, int, int]] = {}
             if self._shard_len == 0:
                 raise DataError(
                     f"shard rank {self._rank} of {self._world} holds no records "
@@ -302,9 +307,7 @@ class Batches:
             "epoch": epoch,
             "position": pos,
             "key": bytes(key),
-            **self._epochs.settings(),
-            "shard": (self._rank, self._world),
-            "num_records": self._n,
+            **self._settings,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -426,34 +429,45 @@ class Batches:
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
 
-        indices_list: list[int] = []
-        epochs_list: list[int] = []
-        positions_list: list[int] = []
-        for e, a, b in runs:
-            indices_list.extend(self.epoch_order(e)[a:b].tolist())
-            epochs_list.extend([e] * (b - a))
-            positions_list.extend(range(a, b))
-        indices = tuple(indices_list)
-        epochs = tuple(epochs_list)
+        orders = self._epochs
+        random = self._transform.needs_random
+        if len(runs) == 1:  # the usual case: one stretch of one epoch's order
+            e, a, b = runs[0]
+            indices = tuple(orders.order(e)[a:b].tolist())
+            epochs: tuple[int, ...] = (e,) * (b - a)
+            positions = tuple(range(a, b))
+            words = tuple(orders.words(e)[a:b].tolist()) if random else (0,) * (b - a)
+        else:
+            indices_list: list[int] = []
+            epochs_list: list[int] = []
+            positions_list: list[int] = []
+            words_list: list[int] = []
+            for e, a, b in runs:
+                indices_list += orders.order(e)[a:b].tolist()
+                epochs_list += [e] * (b - a)
+                positions_list += range(a, b)
+                words_list += orders.words(e)[a:b].tolist() if random else [0] * (b - a)
+            indices, epochs = tuple(indices_list), tuple(epochs_list)
+            positions, words = tuple(positions_list), tuple(words_list)
         all_keys = self._keys
         keys = itemgetter(*indices)(all_keys) if len(indices) > 1 else (all_keys[indices[0]],)
         t = self._transform
-        if t.needs_random:
-            words = tuple(draw_words(self._seed, epochs, indices).tolist())
-        else:
-            words = (0,) * len(indices)
-        try:
-            record_shape, first = self._filler.first(indices[0])
-            # validates the record against the transform (crop, mean)
-            out_shape = t.output_shape(record_shape)
-            t.kernel_spec(record_shape)
-        except ShapeError as exc:
-            raise DataError(str(exc), path=self._path, key=keys[0]) from exc
+        record_shape, first = self._filler.first(indices[0])
+        out_shape = self._out_shapes.get(record_shape)
+        if out_shape is None:
+            try:
+                # validates the record against the transform (crop, mean)
+                out_shape = t.output_shape(record_shape)
+                t.kernel_spec(record_shape)
+            except ShapeError as exc:
+                raise DataError(str(exc), path=self._path, key=keys[0]) from exc
+            if len(self._out_shapes) < 64:
+                self._out_shapes[record_shape] = out_shape
         return BatchPlan(
             keys=keys,
             indices=indices,
             epochs=epochs,
-            positions=tuple(positions_list),
+            positions=positions,
             words=words,
             valid=valid,
             record_shape=record_shape,

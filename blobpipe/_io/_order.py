@@ -20,6 +20,8 @@ from typing import Any, Literal, cast
 import numpy as np
 import numpy.typing as npt
 
+from ._kernels import draw_words
+
 __all__ = ["EpochOrder", "Order", "ShardMode", "buffer_order", "shard_from"]
 
 Order = Literal["key", "shuffle", "buffer"]
@@ -87,6 +89,7 @@ class EpochOrder:
         self._shard_mode: ShardMode = shard_mode
         self._pad_shards = pad_shards
         self._orders: dict[int, npt.NDArray[np.int64]] = {}
+        self._words: dict[int, npt.NDArray[np.uint64]] = {}
         self.records_per_epoch = len(self._shard_positions(n))
 
     def settings(self) -> dict[str, Any]:
@@ -135,3 +138,16 @@ class EpochOrder:
             self._orders.pop(min(self._orders))
         self._orders[epoch] = order
         return order
+
+    def words(self, epoch: int) -> npt.NDArray[np.uint64]:
+        """The random word of each record of :meth:`order` in ``epoch``
+        (``draw_words(seed, epoch, index)``), drawn for the whole epoch at once."""
+        cached = self._words.get(epoch)
+        if cached is not None:
+            return cached
+        words = draw_words(self._seed, epoch, self.order(epoch))
+        words.setflags(write=False)
+        if len(self._words) >= 2:
+            self._words.pop(min(self._words))
+        self._words[epoch] = words
+        return words
