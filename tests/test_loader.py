@@ -1122,3 +1122,42 @@ async def test_torch_from_dlpack_shares_memory(db30: Path) -> None:
         native = batch.data.cpu_data()
         assert tensor.data_ptr() == native.ctypes.data  # no copy
         assert np.array_equal(tensor.numpy(), want)
+
+
+@pytest.mark.parametrize("form", ["async", "blocking"])
+def test_a_waiting_consumer_fills_small_batches_itself(
+    db30: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing ready and batches that fill in under a millisecond, the
+    consumer's own thread fills the next batch instead of sleeping until a
+    filler posts it; the batches are the same, in the same order."""
+    threads: list[int] = []
+    real_fill = Batches.fill
+
+    def fill(self: Batches, *args: Any, **kwargs: Any) -> None:
+        threads.append(threading.get_ident())
+        real_fill(self, *args, **kwargs)
+
+    monkeypatch.setattr(Batches, "fill", fill)
+    options: dict[str, Any] = {"mode": "epoch", "order": "shuffle", "seed": 4}
+    with Batches(db30, 4, **options) as batches:
+        want = list(batches) + list(batches)
+    consumer: list[int] = []
+    got: list[Got] = []
+
+    async def consume_async() -> None:
+        consumer.append(threading.get_ident())
+        async with Loader(db30, 4, device="cpu", workers=1, **options) as loader:
+            for _ in range(2):
+                got.extend([Got.of(b) async for b in loader])
+
+    if form == "async":
+        anyio.run(consume_async)
+    else:
+        consumer.append(threading.get_ident())
+        with Loader(db30, 4, device="cpu", workers=1, **options) as loader:
+            for _ in range(2):
+                got.extend(Got.of(b) for b in loader)
+    assert_matches(got, want)
+    assert consumer[0] in threads  # the consumer filled some batches itself
+    assert set(threads) - set(consumer)  # and the filler the others

@@ -151,6 +151,7 @@ class Loader:
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
         self._yielded = 0.0  # when __anext__ last let the event loop run other tasks
+        self._last_fill = float("inf")  # seconds the last batch took to fill
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
         # the task group the fillers run in: open()'s, left by aclose(); or the
@@ -344,22 +345,26 @@ class Loader:
         """
         while self._lifecycle.state is State.OPEN:
             slot = self._ring.take()
-            if slot is None:
+            if slot is None or not self._fill_slot(slot):
                 return
-            try:
-                slot.event.synchronize()  # device work still reading the slot's buffers
-                number, item = self._plan_and_fill(slot)
-            except Exception as exc:
-                with self._plan_lock:
-                    number, item = self._failed(self._planned, exc)
-                    self._planned += 1
-            if not isinstance(item, tuple):  # end of epoch, failure, or stopped
-                self._ring.put(slot)
-            if number is None or item is None:
-                return
-            self._handoff.post(number, item)
-            if isinstance(item, Failure):
-                return
+
+    def _fill_slot(self, slot: Slot) -> bool:
+        """Plan the next batch, fill it into ``slot`` and post it (or the end of the
+        epoch, or the failure, in its place); False when the loader stopped or
+        this batch failed."""
+        try:
+            slot.event.synchronize()  # device work still reading the slot's buffers
+            number, item = self._plan_and_fill(slot)
+        except Exception as exc:
+            with self._plan_lock:
+                number, item = self._failed(self._planned, exc)
+                self._planned += 1
+        if not isinstance(item, tuple):  # end of epoch, failure, or stopped
+            self._ring.put(slot)
+        if number is None or item is None:
+            return False
+        self._handoff.post(number, item)
+        return not isinstance(item, Failure)
 
     def _plan_and_fill(self, slot: Slot) -> tuple[int | None, _Item | None]:
         """Number and plan the next batch, fill it, and start its device work.
@@ -386,6 +391,7 @@ class Loader:
             return self._failed(number, exc)
         finally:
             dt = time.perf_counter() - t0
+            self._last_fill = dt
             with self._lock:
                 self._decode_time += dt
         try:
@@ -433,6 +439,12 @@ class Loader:
         # (a turn of the event loop per batch costs more than a small batch).
         t0 = self._begin_next()
         handoff = self._handoff
+        if not handoff.ready() and self._last_fill < _YIELD_EVERY:
+            # nothing ready, and a batch fills in less time than the event loop
+            # may be kept from other tasks: fill one here (see _next_blocking)
+            slot = self._ring.take_nowait()
+            if slot is not None:
+                self._fill_slot(slot)
         if handoff.ready():
             if t0 - self._yielded >= _YIELD_EVERY:
                 await anyio.lowlevel.checkpoint()
@@ -471,6 +483,15 @@ class Loader:
         t0 = self._begin_next()
         handoff = self._handoff
         item = handoff.take()
+        if item is None and self._last_fill < _YIELD_EVERY:
+            # Nothing ready, and batches are small: rather than sleep until a
+            # filler posts (a thread hand-off per batch, which costs a small
+            # batch more than filling it), the calling thread fills one itself.
+            # (Large batches keep the fillers busy on every core already.)
+            slot = self._ring.take_nowait()
+            if slot is not None:
+                self._fill_slot(slot)
+                item = handoff.take()
         if item is None:
             event = threading.Event()
             item = handoff.take(event.set)

@@ -112,6 +112,16 @@ class Ring:
         """A free slot, waiting for one; None once :meth:`stop` was called."""
         return self._free.get()
 
+    def take_nowait(self) -> Slot | None:
+        """A free slot if one is waiting, else None (never a filler's stop signal)."""
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            return None
+        if slot is None:  # a stop signal: it is a filler's
+            self._free.put(None)
+        return slot
+
     def put(self, slot: Slot) -> None:
         """Give a slot back to the fillers."""
         self._free.put(slot)
