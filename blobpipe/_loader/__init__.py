@@ -25,7 +25,7 @@ One job per module:
 * ``_ring``: the slots: buffers fitted to each batch, the free queue.
 * ``_device``: a filled slot's host→device push, device transform and events.
 * ``_handoff``: the numbered mailbox from the fillers to the consumer.
-* ``_blocking``: the blocking form's portal (``with``/``for``).
+* the blocking form (``with``/``for``): plain filler threads, no event loop (``_loader.py``).
 * ``_batch``: :class:`Batch` (views of a slot) and :class:`LoaderStatistics`.
 
 A handed-out :class:`Batch` holds Blobs that share the slot's memory; when the

@@ -7,7 +7,7 @@
         └──────────────────┴─────────── aclose() / close() ─────────────────────────┴──► CLOSED
 
 * UNOPENED: constructed; nothing runs. Closing it releases the database.
-* OPEN: the fillers run (``open()``, ``async with``, or ``with`` through a portal).
+* OPEN: the fillers run (``open()``, ``async with``, or ``with``).
 * FAILING: making a batch raised; nothing after it is planned, and the batches
   before it are still delivered, then its error.
 * FAILED: the consumer received that error; iterating again raises StateError.

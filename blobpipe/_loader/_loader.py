@@ -29,7 +29,6 @@ from .._io._prototxt import read_data_layer
 from .._io._transform import Phase, Transform
 from .._pool import get_pool
 from ._batch import Batch, LoaderStatistics
-from ._blocking import Portal
 from ._device import DeviceWork, wants_device_transform
 from ._handoff import End, Failure, Handoff, threadsafe_caller
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
@@ -159,7 +158,7 @@ class Loader:
         # block may run in another task or cancel scope)
         self._tg: anyio.abc.TaskGroup | None = None
         self._block_tg: anyio.abc.TaskGroup | None = None
-        self._portal: Portal | None = None  # the blocking form's event loop
+        self._threads: list[threading.Thread] | None = None  # the blocking form's fillers
 
     # -- construction helpers ---------------------------------------------------
     @classmethod
@@ -332,10 +331,20 @@ class Loader:
         try:
             await anyio.to_thread.run_sync(self._filler, limiter=self._limiter)
         finally:
-            with self._lock:
-                self._fillers_running -= 1
-                if self._fillers_running == 0:
-                    self._fillers_done.set()
+            self._filler_returned()
+
+    def _thread_filler(self) -> None:
+        """A filler of the blocking form: a plain thread, no event loop."""
+        try:
+            self._filler()
+        finally:
+            self._filler_returned()
+
+    def _filler_returned(self) -> None:
+        with self._lock:
+            self._fillers_running -= 1
+            if self._fillers_running == 0:
+                self._fillers_done.set()
 
     def _filler(self) -> None:
         """One filler's loop (a worker thread); returns once the loader is not OPEN.
@@ -555,29 +564,51 @@ class Loader:
 
     # -- the blocking form ------------------------------------------------------------
     def __enter__(self) -> Loader:
+        """Start the pipeline for ``for batch in loader``: the fillers are plain
+        threads and the calling thread takes the batches, no event loop.
+
+        Raises:
+            StateError: the loader was opened before.
+        """
         self._lifecycle.check_enter()
-        self._portal = Portal(self)
+        self._lifecycle.open()
+        self._ring.open()
+        self._fillers_running = self._n_fillers
+        self._threads = [
+            threading.Thread(target=self._thread_filler, name=f"blobpipe-filler-{k}", daemon=True)
+            for k in range(self._n_fillers)
+        ]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop the pipeline of the blocking form (``with`` does this). Idempotent."""
-        portal, self._portal = self._portal, None
-        if portal is not None:
-            portal.close()
-        elif self._lifecycle.move(State.CLOSED, only_from=State.UNOPENED) is not None:
+        """Stop the pipeline of the blocking form (``with`` does this): no thread left
+        running, every block back in the pool. Idempotent."""
+        threads, self._threads = self._threads, None
+        left = self._lifecycle.move(State.CLOSED)
+        if left is State.UNOPENED:
             self._batches.close()
+        elif left is not None and threads is not None:
+            # each filler finishes its current batch and returns
+            self._ring.stop(self._n_fillers)
+            for thread in threads:
+                thread.join()
+            for slot in self._ring.slots:  # device work still reading a slot
+                slot.event.synchronize()
+            self._release()
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._portal is None:
+        if self._threads is None:
             self._lifecycle.check_iterable(blocking=True)
             raise StateError(CLOSED_ERROR)
         return self
 
     def __next__(self) -> Batch:
-        if self._portal is None:
+        if self._threads is None:
             self._lifecycle.check_iterable(blocking=True)
             raise StateError(CLOSED_ERROR)
         return self._next_blocking()
