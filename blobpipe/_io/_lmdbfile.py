@@ -37,7 +37,7 @@ _F_BIGDATA = 0x01
 _MAGIC = 0xBEEFC0DE
 _DATA_VERSION = 1
 _MAX_DEPTH = 64
-_LEAVES = 64  # leaf pages per step (bounds the per-node arrays' memory)
+_STEP_NODES = 8192  # leaf nodes per step, about (bounds the per-node arrays' memory)
 
 I64 = npt.NDArray[np.int64]
 
@@ -147,9 +147,14 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
     lengths = np.empty(n, np.uint32)  # LMDB stores a value's size in 32 bits
     done = 0
     key_lens = np.fromiter(map(len, keys), np.int64, n)
-    for c in range(0, len(level), _LEAVES):
-        nodes, page = _nodes(file, level[c : c + _LEAVES], psize, _P_LEAF, n - done)
+    c = 0
+    step = 64  # leaf pages; then as many as hold about _STEP_NODES nodes
+    while c < len(level):
+        nodes, page = _nodes(file, level[c : c + step], psize, _P_LEAF, n - done)
         m = len(nodes)
+        pages = min(step, len(level) - c)
+        c += pages
+        step = max(16, min(4096, _STEP_NODES * pages // max(m, 1)))
         flags = _u16(file, nodes + 4)
         ksize = _u16(file, nodes + 6)
         dsize = _u16(file, nodes) | (_u16(file, nodes + 2) << 16)
