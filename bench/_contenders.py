@@ -75,6 +75,7 @@ import blobpipe
 
 __all__ = [
     "AsyncHost",
+    "BatchesLoop",
     "Contender",
     "Datum",
     "DecodeOnly",
@@ -642,6 +643,63 @@ def _consume(loader: blobpipe.Loader, keep: bool) -> tuple[int, np.ndarray | Non
     return images, first
 
 
+class BatchesLoop(Contender):
+    """``blobpipe.Batches`` driven by hand in one thread: ``next_plan`` and ``fill`` into
+    one preallocated array per shape, no Loader, no other thread. Not a target: it
+    shows what the batch work costs without a pipeline's thread hand-offs."""
+
+    key = "batches"
+    label = "Batches, one thread (no pipeline)"
+
+    def __init__(self, files: Files, recipe: Recipe) -> None:
+        self.files = files
+        self.recipe = recipe
+        self.batches: blobpipe.Batches | None = None
+
+    def _open(self, db: Path) -> blobpipe.Batches:
+        r = self.recipe
+        order = "shuffle" if r.shuffle else "key"
+        return blobpipe.Batches(
+            db, r.batch, transform=r.transform(), phase=r.phase, order=order, mode="epoch"
+        )
+
+    @staticmethod
+    def _epoch(batches: blobpipe.Batches, keep: bool) -> tuple[int, np.ndarray | None]:
+        images = 0
+        first = None
+        data: np.ndarray | None = None
+        label = np.empty(batches.batch_size, np.float32)
+        while (plan := batches.next_plan()) is not None:
+            if data is None or data.shape != plan.data_shape:
+                data = np.empty(plan.data_shape, plan.dtype)
+            batches.fill(plan, data, label[: len(plan)])
+            if keep and first is None:
+                first = data.copy()
+            images += len(plan)
+        return images, first
+
+    def first_here(self, keep: bool = False) -> Sample:
+        t0 = time.perf_counter()
+        with self._open(self.files.first) as batches:
+            images, batch = self._epoch(batches, keep)
+        return Sample(images, time.perf_counter() - t0, batch)
+
+    def start(self) -> None:
+        self.batches = self._open(self.files.loader)
+        self._epoch(self.batches, False)
+
+    def later(self, keep: bool = False) -> Sample:
+        assert self.batches is not None
+        t0 = time.perf_counter()
+        images, batch = self._epoch(self.batches, keep)
+        return Sample(images, time.perf_counter() - t0, batch)
+
+    def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+
+
 class LoaderAsync(Contender):
     """``async with blobpipe.Loader(...)`` / ``async for``, on the :class:`AsyncHost`."""
 
@@ -793,9 +851,9 @@ def make(
     out_shape: tuple[int, int, int],
     host: AsyncHost | None = None,
 ) -> Contender:
-    """The plain loop ("plain"), the torch recipe ("torch") or the Loader ("async",
-    "blocking") for a workload whose output rows are ``out_shape``; its first epochs run
-    in a fresh process."""
+    """The plain loop ("plain"), the torch recipe ("torch"), the Loader ("async",
+    "blocking") or Batches by hand ("batches") for a workload whose output rows are
+    ``out_shape``; its first epochs run in a fresh process."""
     contender: Contender
     if key == "plain":
         contender = PlainLoop(files, recipe, out_shape)
@@ -806,6 +864,8 @@ def make(
         contender = LoaderAsync(files, recipe, host)
     elif key == "blocking":
         contender = LoaderBlocking(files, recipe)
+    elif key == "batches":
+        contender = BatchesLoop(files, recipe)
     else:
         raise ValueError(f"no contender {key!r}")
     contender.fresh_first = True

@@ -28,7 +28,10 @@ Contenders (``_contenders.py``): the plain one-thread loop (the baseline), the P
 DataLoader recipe with 2 workers (when torch is installed; it forks, so its rounds run
 after all the others), the blobpipe Loader with 2 workers on device "cpu" in its
 ``async for`` and blocking forms, and for W5 the memcpy (for W4, the decoder alone, for
-orientation). Each as a **first epoch** (open, one pass, close; in a fresh Python
+orientation). A last row, ``Batches`` driven by hand in one thread (``next_plan`` and
+``fill``, no Loader), has no target: it shows what the batch work itself costs, so a
+Loader row below it is limited by the pipeline (thread hand-offs, the GIL), one above it
+by the work. Each as a **first epoch** (open, one pass, close; in a fresh Python
 process, libraries imported before the clock starts) and as **later epochs** of a
 pipeline kept open (its first epoch untimed); ``_contenders.py`` says how each is timed.
 
@@ -335,6 +338,7 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool) -> R
                 Check("later", "blocking", ASYNC_TARGET),
             ]
         rows.append(Row(contender, checks))
+    rows.append(Row(cs.make("batches", files, recipe, recipe.out_shape(c, h, wd))))
     return Run(w, prepared, recipe, rows, plain_error=plain_error)
 
 

@@ -45,6 +45,7 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
         assert f"| {name} | plain loop (1 thread) |" in text or name.startswith("W5")
         assert f"| {name} | Loader, async for (2 workers) |" in text
         assert f"| {name} | Loader, blocking for (2 workers) |" in text
+        assert f"| {name} | Batches, one thread (no pipeline) |" in text
     assert "| W5 pass-through, uint8 | memcpy (one np.copyto) |" in text
     assert "| W4 ImageNet JPEG, TRAIN | cv2.imdecode only (1 thread) |" in text
     assert "checked rows PASS" in text
