@@ -151,6 +151,10 @@ class Loader:
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
         self._yielded = 0.0  # when __anext__ last let the event loop run other tasks
         self._last_fill = float("inf")  # seconds the last batch took to fill
+        # set while batches take _YIELD_EVERY or more to fill: every filler runs;
+        # clear (small batches): filler 0 and the consumer alone (see _filler)
+        self._wide = threading.Event()
+        self._wide.set()
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
         # the task group the fillers run in: open()'s, left by aclose(); or the
@@ -285,8 +289,8 @@ class Loader:
         self._fillers_running = self._n_fillers
         tg = anyio.create_task_group()
         await tg.__aenter__()
-        for _ in range(self._n_fillers):
-            tg.start_soon(self._run_filler)
+        for k in range(self._n_fillers):
+            tg.start_soon(self._run_filler, k)
         return tg
 
     async def aclose(self) -> None:
@@ -309,6 +313,7 @@ class Loader:
         with anyio.CancelScope(shield=True):
             # Fillers are loops in worker threads: each finishes its current
             # batch and returns; no thread is abandoned.
+            self._wide.set()  # parked fillers see the loader is closed
             self._ring.stop(self._n_fillers)
             await anyio.to_thread.run_sync(self._fillers_done.wait)
             await self._ring.settle()
@@ -327,16 +332,16 @@ class Loader:
     def _n_fillers(self) -> int:
         return min(self._workers, self._prefetch)
 
-    async def _run_filler(self) -> None:
+    async def _run_filler(self, k: int) -> None:
         try:
-            await anyio.to_thread.run_sync(self._filler, limiter=self._limiter)
+            await anyio.to_thread.run_sync(self._filler, k, limiter=self._limiter)
         finally:
             self._filler_returned()
 
-    def _thread_filler(self) -> None:
+    def _thread_filler(self, k: int) -> None:
         """A filler of the blocking form: a plain thread, no event loop."""
         try:
-            self._filler()
+            self._filler(k)
         finally:
             self._filler_returned()
 
@@ -346,13 +351,18 @@ class Loader:
             if self._fillers_running == 0:
                 self._fillers_done.set()
 
-    def _filler(self) -> None:
-        """One filler's loop (a worker thread); returns once the loader is not OPEN.
+    def _filler(self, k: int) -> None:
+        """Filler ``k``'s loop (a worker thread); returns once the loader is not OPEN.
 
         Whatever it raises is posted as a failure at the next batch number, so
         the consumer gets it in order, as itself, never as an exception group.
+        While batches are small (``_wide`` clear), only filler 0 fills, with the
+        consumer's help: more threads would spend the time on the GIL.
         """
         while self._lifecycle.state is State.OPEN:
+            if k and not self._wide.is_set():
+                self._wide.wait()  # set again by a large batch, or by close
+                continue
             slot = self._ring.take()
             if slot is None or not self._fill_slot(slot):
                 return
@@ -401,6 +411,8 @@ class Loader:
         finally:
             dt = time.perf_counter() - t0
             self._last_fill = dt
+            if (dt >= _YIELD_EVERY) != self._wide.is_set():
+                (self._wide.set if dt >= _YIELD_EVERY else self._wide.clear)()
             with self._lock:
                 self._decode_time += dt
         try:
@@ -575,7 +587,9 @@ class Loader:
         self._ring.open()
         self._fillers_running = self._n_fillers
         self._threads = [
-            threading.Thread(target=self._thread_filler, name=f"blobpipe-filler-{k}", daemon=True)
+            threading.Thread(
+                target=self._thread_filler, args=(k,), name=f"blobpipe-filler-{k}", daemon=True
+            )
             for k in range(self._n_fillers)
         ]
         for thread in self._threads:
@@ -594,6 +608,7 @@ class Loader:
             self._batches.close()
         elif left is not None and threads is not None:
             # each filler finishes its current batch and returns
+            self._wide.set()  # parked fillers see the loader is closed
             self._ring.stop(self._n_fillers)
             for thread in threads:
                 thread.join()
