@@ -460,12 +460,9 @@ class Loader:
         # (a turn of the event loop per batch costs more than a small batch).
         t0 = self._begin_next()
         handoff = self._handoff
-        if not handoff.ready() and self._last_fill < _YIELD_EVERY:
-            # nothing ready, and a batch fills in less time than the event loop
-            # may be kept from other tasks: fill one here (see _next_blocking)
-            slot = self._ring.take_nowait()
-            if slot is not None:
-                self._fill_slot(slot)
+        # nothing ready, and batches fill in less time than the event loop may be
+        # kept from other tasks: fill them here meanwhile (see _help)
+        self._help(t0)
         if handoff.ready():
             if t0 - self._yielded >= _YIELD_EVERY:
                 await anyio.lowlevel.checkpoint()
@@ -503,16 +500,8 @@ class Loader:
         """:meth:`__anext__` for the blocking form: waits in the calling thread."""
         t0 = self._begin_next()
         handoff = self._handoff
+        self._help(t0)
         item = handoff.take()
-        if item is None and self._last_fill < _YIELD_EVERY:
-            # Nothing ready, and batches are small: rather than sleep until a
-            # filler posts (a thread hand-off per batch, which costs a small
-            # batch more than filling it), the calling thread fills one itself.
-            # (Large batches keep the fillers busy on every core already.)
-            slot = self._ring.take_nowait()
-            if slot is not None:
-                self._fill_slot(slot)
-                item = handoff.take()
         if item is None:
             event = threading.Event()
             item = handoff.take(event.set)
@@ -527,6 +516,22 @@ class Loader:
             raise StopIteration
         made[0].event.synchronize()
         return self._deliver(*made, t0)
+
+    def _help(self, t0: float) -> None:
+        """While the next batch is not ready and batches are small, fill batches
+        into free slots in the consumer's thread (for at most about _YIELD_EVERY)
+        rather than sleep until a filler posts one: for small records a thread
+        hand-off per batch costs more than the batch. (Large batches keep the
+        fillers busy on every core already.)"""
+        handoff = self._handoff
+        while (
+            not handoff.ready()
+            and self._last_fill < _YIELD_EVERY
+            and time.perf_counter() - t0 < _YIELD_EVERY
+        ):
+            slot = self._ring.take_nowait()
+            if slot is None or not self._fill_slot(slot):
+                return
 
     def _begin_next(self) -> float:
         self._lifecycle.check_next()
