@@ -33,7 +33,7 @@ from ._kernels import Geometry, apply, prefers_block
 from ._lmdb import LmdbReader
 from ._lmdbfile import value_extents
 from ._plan import BatchPlan
-from ._transform import Phase, Transform
+from ._transform import Phase, RecordParams, Transform
 
 __all__ = ["Filler", "RecordSource"]
 
@@ -172,8 +172,10 @@ class Filler:
             learned: list[tuple[int, tuple[int, ...]]] = []
             for r, chw in self._rows(plan, loc, start):
                 if chw is None or not self._fits(chw, expected):
-                    self._checked_row(plan, data_out, label_out, start + r, params_out)
-                    continue  # (the checked path raises; a row it fills is done)
+                    # the checked path raises; a row it fills after all is done
+                    p = self._checked_row(plan, data_out, label_out, start + r)
+                    h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
+                    continue
                 one = t.geometry(chw.shape, self._phase, words[r : r + 1])
                 h_off[r], w_off[r], mirror[r] = one.row(0)
                 apply(np, [chw], out[r : r + 1], one, spec)
@@ -273,10 +275,10 @@ class Filler:
         data_out: np.ndarray,
         label_out: npt.NDArray[np.float32],
         row: int,
-        params_out: npt.NDArray[np.int32] | None,
-    ) -> None:
+    ) -> RecordParams:
         """Row ``row`` read, checked and transformed record by record: raises the
-        error that names it (the only reason a row comes here)."""
+        error that names it (the only reason a row comes here); returns the crop and
+        flip it used if the record turns out fine after all."""
         t = self._transform
         key = plan.keys[row]
         if row == 0 and plan._first is not None:
@@ -303,8 +305,7 @@ class Filler:
         except BlobpipeError as exc:
             raise DataError(str(exc), path=self._path, key=key) from exc
         label_out[row] = label
-        if params_out is not None:
-            params_out[row] = (params.h_off, params.w_off, params.mirror)
+        return params
 
 
 def _try(get: Callable[[bytes], Any], key: bytes) -> Any:
