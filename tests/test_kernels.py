@@ -87,7 +87,7 @@ def _mean(kind: str | None, shape: tuple[int, int, int]) -> np.ndarray | None:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", [np.float32, np.uint8])
-@pytest.mark.parametrize("form", ["block", "rows", "cropped", "big"])
+@pytest.mark.parametrize("form", ["block", "rows", "cropped", "cropped_block", "big"])
 def test_kernel_equals_caffe(xp: Any, case: str, layout: str, dtype: Any, form: str) -> None:
     cfg = CASES[case]
     crop, scale = int(cfg["crop"]), float(cfg["scale"])  # type: ignore[call-overload]
@@ -96,7 +96,7 @@ def test_kernel_equals_caffe(xp: Any, case: str, layout: str, dtype: Any, form: 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
     mean = _mean(cfg["mean"], shape)  # type: ignore[arg-type]
-    train = form != "block"  # the block form: one (centre) offset for all rows
+    train = form not in ("block", "cropped_block")  # block forms: one (centre) offset
     words = draw_words(3, np.zeros(n, np.int64), np.arange(n))
     geo = draw_geometry(shape[1], shape[2], crop, True, train, words)
     if dtype == np.uint8:
@@ -106,7 +106,7 @@ def test_kernel_equals_caffe(xp: Any, case: str, layout: str, dtype: Any, form: 
     )
     spec = KernelSpec(crop, None if mean is None else xp.asarray(mean), np.float32(scale), layout)
     out = xp.zeros(want.shape, dtype)
-    if form == "cropped":
+    if form in ("cropped", "cropped_block"):
         # the host half: crop and flip into uint8 NCHW; the device half: the rest
         staged = np.stack([reference(x[i], *geo.row(i), crop, None, 1, "NCHW", np.uint8)
                            for i in range(n)])  # fmt: skip

@@ -182,9 +182,11 @@ def apply(
         flips = geometry.mirror
         any_flip = bool(flips.any())
         all_flip = any_flip and bool(flips.all())
-        if same_offset and (not cropped or not any_flip or all_flip):
+        mean = spec.mean
+        flat_mean = mean is None or mean.shape[2] == 1  # no flip changes it
+        if same_offset and (not cropped or flat_mean or not any_flip or all_flip):
             _apply_one(xp, src, out, h0, w0, all_flip, spec, cropped, batched=True)
-            if any_flip and not all_flip:
+            if any_flip and not all_flip and not cropped:
                 # the transform is elementwise: flipping the output equals
                 # transforming the flipped input (pixels and mean alike)
                 axis = 3 if spec.layout == "NCHW" else 2
