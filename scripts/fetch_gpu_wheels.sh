@@ -5,11 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 # The versions this project is developed and tested with (protobuf >= 7.35.1 is required
-# by the generated caffe_pb2; the GPU image ships an older protobuf and no lmdb or trio;
-# simplejpeg, a dependency since the JPEG fast path, is carried in case it lacks it too).
+# by the generated caffe_pb2; the GPU image ships an older protobuf and no lmdb or trio).
 for spec in "lmdb==3.0.0" "trio==0.35.0" "outcome==1.3.0.post0" "sniffio==1.3.1" \
             "protobuf==7.36.2" "anyio==4.16.0" "pytest-asyncio==1.5.0" "pytest-timeout==2.4.0" \
-            "typing_extensions==4.16.0" "simplejpeg==1.9.0"; do
+            "typing_extensions==4.16.0"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \

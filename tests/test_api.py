@@ -96,7 +96,7 @@ PINNED = (
 PINNED_TESTING = ("EmulatedBackend", "EmulatedEvent", "EmulatedStream")
 
 #: Imported lazily, on first use of a device or an image decoder, never by ``import blobpipe``.
-HEAVY = ("cupy", "cv2", "simplejpeg", "torch")
+HEAVY = ("cupy", "cv2", "torch")
 
 
 def _reexports(path: Path) -> dict[str, str]:

@@ -1,64 +1,46 @@
-"""JPEG decoding through libjpeg-turbo (simplejpeg): OpenCV's pixels, or OpenCV itself.
+"""Decoding encoded images: OpenCV's ``imdecode`` with Caffe's flags, and a size guard.
 
-Every image blobpipe decodes must equal ``cv2.imdecode`` with Caffe's flag; the
-fast decoder is only a shortcut, taken where it is exact and checked in-process.
+Every image blobpipe decodes must equal ``cv2.imdecode`` with Caffe's flag, however
+it is reached: ``decode_image``, ``decode_datum``, or a batch.
 """
 
 from __future__ import annotations
 
 import struct
-import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import cv2
 import numpy as np
 import pytest
-import simplejpeg
 
 import blobpipe
-from blobpipe._errors import BlobpipeError, DataError
-from blobpipe._io import _image
+from blobpipe._errors import DataError
 from blobpipe._io._batches import Batches
 from blobpipe._io._datum import parse_datum
-from blobpipe._io._image import JpegFrame, decode_jpeg, jpeg_channels, jpeg_frame
+from blobpipe._io._image import (
+    Undecodable,
+    decode_image,
+    decode_many,
+    image_header,
+    imread_flag,
+    jpeg_frame,
+)
 from blobpipe._io._transform import Transform
-from tests._helpers import encoded_db, image, key, write_lmdb
-from tests.test_index import assert_same, epochs
+from tests._helpers import image, key, write_lmdb
+from tests.test_index import epochs
 
 DATA = Path(__file__).parent / "data"
 FLAGS = (1, 0, -1)  # IMREAD_COLOR, IMREAD_GRAYSCALE, IMREAD_UNCHANGED
 
 
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The fast decoder starts over (self-test, sample) in each test and after it."""
-    monkeypatch.delenv("BLOBPIPE_JPEG_DECODER", raising=False)
-    _image._reset()
-    yield
-    _image._reset()
-
-
-class Counting:
-    """simplejpeg.decode_jpeg, counted, optionally altering what it returns."""
-
-    def __init__(self, alter: Callable[[bytes], bool] = lambda data: False) -> None:
-        self.calls = 0
-        self.alter = alter
-        self.real = simplejpeg.decode_jpeg
-
-    def __call__(self, data: bytes, **kwargs: Any) -> np.ndarray:
-        self.calls += 1
-        img = self.real(data, **kwargs)
-        if self.alter(data):
-            img[0, 0, 0] ^= 1
-        return img
-
-
 def opencv(data: bytes, flag: int) -> Any:
     """OpenCV's answer: an array, or None when it cannot decode."""
     return cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+
+
+def hwc(img: np.ndarray) -> np.ndarray:
+    return img[..., np.newaxis] if img.ndim == 2 else img
 
 
 def caffe_jpegs() -> list[bytes]:
@@ -69,14 +51,24 @@ def caffe_jpegs() -> list[bytes]:
     return out
 
 
-def generated_jpegs() -> list[bytes]:
-    out = [data for _, data in _image._test_images()]
-    for i, (h, w) in enumerate([(1, 1), (8, 8), (16, 9), (33, 65), (64, 64), (5, 200)]):
-        pix = image(i, (3, h, w)).transpose(1, 2, 0)
-        for quality in (30, 90, 100):
-            ok, buf = cv2.imencode(".jpg", pix, [cv2.IMWRITE_JPEG_QUALITY, quality])
-            assert ok
-            out.append(buf.tobytes())
+def generated_images() -> list[bytes]:
+    """JPEGs of odd sizes, qualities, subsamplings, progressive and gray; PNGs of 1, 3
+    and 4 channels and 16 bits."""
+    out = []
+    for i, (h, w) in enumerate([(1, 1), (8, 8), (16, 9), (33, 65), (5, 200)]):
+        pix = np.ascontiguousarray(image(i, (3, h, w)).transpose(1, 2, 0))
+        for params in (
+            [cv2.IMWRITE_JPEG_QUALITY, 30],
+            [cv2.IMWRITE_JPEG_QUALITY, 100, cv2.IMWRITE_JPEG_PROGRESSIVE, 1],
+            [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444],
+        ):
+            out.append(cv2.imencode(".jpg", pix, params)[1].tobytes())
+        out.append(cv2.imencode(".jpg", pix[..., 0])[1].tobytes())  # gray
+        out.append(cv2.imencode(".png", pix)[1].tobytes())
+        out.append(cv2.imencode(".png", pix[..., 0])[1].tobytes())
+        bgra = np.concatenate([pix, pix[..., :1]], axis=2)
+        out.append(cv2.imencode(".png", bgra)[1].tobytes())
+        out.append(cv2.imencode(".png", pix.astype(np.uint16) * 257)[1].tobytes())
     return out
 
 
@@ -87,236 +79,98 @@ def with_exif_orientation(jpeg: bytes, orientation: int) -> bytes:
     return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpeg[2:]
 
 
-@pytest.mark.usefixtures("fresh")
-def test_fast_decoding_equals_opencv() -> None:
-    jpegs = caffe_jpegs() + generated_jpegs()
-    for data in jpegs:
+def test_decode_image_is_opencvs_with_each_flag() -> None:
+    cmyk = (DATA / "jpeg" / "cmyk.jpg").read_bytes()
+    exif = with_exif_orientation(caffe_jpegs()[0], 6)
+    for data in [*caffe_jpegs()[:10], *generated_images(), cmyk, exif]:
         for flag in FLAGS:
             want = opencv(data, flag)
-            got = decode_jpeg(data, flag)
-            assert got is not None, (len(data), flag)  # taken: every one is a plain JPEG
-            assert got.dtype == np.uint8 and got.shape == want.shape
-            assert np.array_equal(got, want)
-    assert _image._fast.decode is not None  # nothing differed: still on
+            got = decode_image(data, flag)
+            if want.dtype != np.uint8:  # 16-bit PNG, unchanged: not an 8-bit image
+                assert isinstance(got, Undecodable) and not got.damaged
+                assert "re-encode it as 8-bit" in got.reason
+                continue
+            assert isinstance(got, np.ndarray), (len(data), flag)
+            assert got.dtype == np.uint8 and np.array_equal(got, hwc(want)), (len(data), flag)
 
 
-@pytest.mark.usefixtures("fresh")
-def test_decoding_datums_equals_opencv_with_caffes_flags() -> None:
-    for data in caffe_jpegs()[:10] + generated_jpegs()[:10]:
+def test_decode_many_decodes_each_when_asked() -> None:
+    datas = caffe_jpegs()[:3]
+    images = iter(datas)
+    decoded = decode_many(images, 1)
+    first = next(decoded)
+    assert isinstance(first, np.ndarray) and np.array_equal(first, opencv(datas[0], 1))
+    assert next(images) is datas[1]  # the second is not read before it is asked for
+    assert [np.array_equal(d, opencv(x, 1)) for d, x in zip(decoded, datas[2:], strict=True)]
+
+
+def test_datums_decode_with_caffes_flags() -> None:
+    eight_bit = [d for d in generated_images() if opencv(d, -1).dtype == np.uint8]
+    for data in caffe_jpegs()[:10] + eight_bit:
         datum = blobpipe.encode_encoded_datum(data, 3)
         for flags, flag in (({"force_color": True}, 1), ({"force_gray": True}, 0), ({}, -1)):
+            assert (
+                imread_flag(flags.get("force_color", False), flags.get("force_gray", False)) == flag
+            )
             chw, label = blobpipe.decode_datum(datum, **flags)
-            want = opencv(data, flag)
-            want = want[np.newaxis] if want.ndim == 2 else want.transpose(2, 0, 1)
+            want = hwc(opencv(data, flag)).transpose(2, 0, 1)
             assert label == 3 and np.array_equal(chw, want)
 
 
-@pytest.mark.usefixtures("fresh")
 @pytest.mark.parametrize("orientation", [3, 6, 8])
-def test_exif_orientation_is_left_to_opencv(orientation: int) -> None:
-    plain = generated_jpegs()[-2]  # 200×5: a rotation shows in the shape
+def test_exif_orientation_is_applied_as_opencv_does(orientation: int) -> None:
+    pix = np.ascontiguousarray(image(4, (3, 5, 200)).transpose(1, 2, 0))
+    plain = cv2.imencode(".jpg", pix)[1].tobytes()
     data = with_exif_orientation(plain, orientation)
-    assert opencv(data, 1).shape != opencv(plain, 1).shape or orientation == 3
     assert not np.array_equal(opencv(data, 1), opencv(plain, 1))  # OpenCV rotates
-    for flag in (1, 0):
-        assert decode_jpeg(data, flag) is None
-    assert np.array_equal(decode_jpeg(data, -1), opencv(data, -1))  # UNCHANGED: no rotation
-    chw, _ = blobpipe.decode_datum(blobpipe.encode_encoded_datum(data, 0), force_color=True)
-    assert np.array_equal(chw, opencv(data, 1).transpose(2, 0, 1))
-
-
-@pytest.mark.usefixtures("fresh")
-def test_cmyk_and_other_frames_are_left_to_opencv() -> None:
-    cmyk = (DATA / "jpeg" / "cmyk.jpg").read_bytes()
-    frame = jpeg_frame(cmyk)
-    assert frame is not None and frame.components == 4
     for flag in FLAGS:
-        assert decode_jpeg(cmyk, flag) is None
-    for flags, flag in (({"force_color": True}, 1), ({"force_gray": True}, 0), ({}, -1)):
-        chw, _ = blobpipe.decode_datum(blobpipe.encode_encoded_datum(cmyk, 0), **flags)
-        want = opencv(cmyk, flag)
-        assert np.array_equal(chw, want[np.newaxis] if want.ndim == 2 else want.transpose(2, 0, 1))
-    base = JpegFrame(0xC0, 8, 10, 10, 3)
-    assert [jpeg_channels(f, base) for f in FLAGS] == [3, 1, 3]
-    assert [jpeg_channels(f, base._replace(components=1)) for f in FLAGS] == [3, 1, 1]
-    assert jpeg_channels(-1, base._replace(marker=0xC2)) == 3  # progressive
-    for other in (
-        base._replace(components=4),
-        base._replace(components=2),
-        base._replace(precision=12),
-        base._replace(marker=0xC3),  # lossless
-        base._replace(marker=0xC9),  # arithmetic
-        base._replace(marker=0xC5),  # hierarchical
-    ):
-        assert [jpeg_channels(f, other) for f in FLAGS] == [0, 0, 0]
+        got = decode_image(data, flag)
+        assert isinstance(got, np.ndarray) and np.array_equal(got, hwc(opencv(data, flag)))
 
 
-@pytest.mark.usefixtures("fresh")
-def test_broken_jpegs_get_opencvs_answer() -> None:
-    good = generated_jpegs()[-4]
-    n = len(good)
-    cases = {
-        "truncated header": good[:40],
-        "truncated data": good[: n // 2],
-        "no EOI": good[:-2],
-        "garbage in scan": good[: n // 2] + bytes(range(7, 40)) + good[n // 2 + 33 :],
-        "trailing bytes": good + b"\x00" * 9,
-        "SOI only": b"\xff\xd8",
-    }
-    for name, data in cases.items():
-        for flags, flag in (({"force_color": True}, 1), ({}, -1)):
-            want = opencv(data, flag)
-            got = decode_jpeg(data, flag)
-            if got is not None:  # taken only when it decodes exactly as OpenCV does
-                assert want is not None and np.array_equal(got, want), name
-            datum = blobpipe.encode_encoded_datum(data, 0)
-            if want is None:
-                with pytest.raises(DataError, match="cannot decode"):
-                    blobpipe.decode_datum(datum, **flags)
-            else:
-                chw, _ = blobpipe.decode_datum(datum, **flags)
-                assert np.array_equal(chw, want.transpose(2, 0, 1)), name
-
-
-def test_a_decoder_that_differs_is_turned_off_by_the_self_test(
-    fresh: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = Counting(alter=lambda data: True)
-    monkeypatch.setattr(simplejpeg, "decode_jpeg", fake)
+def test_broken_and_refused_images_say_why() -> None:
     data = caffe_jpegs()[0]
-    with pytest.warns(RuntimeWarning, match="differs from this OpenCV"):
-        assert decode_jpeg(data, 1) is None
-    assert decode_jpeg(data, 1) is None  # off for the process, no second warning
-    chw, _ = blobpipe.decode_datum(blobpipe.encode_encoded_datum(data, 0))
-    assert np.array_equal(chw, opencv(data, -1).transpose(2, 0, 1))
-    assert fake.calls == 1  # the first test image, then never again
+    truncated = decode_image(data[:20], 1)
+    assert isinstance(truncated, Undecodable) and truncated.damaged
+    assert "OpenCV cannot decode the encoded image (20 bytes" in truncated.reason
+    empty = decode_image(b"", 1)
+    assert isinstance(empty, Undecodable) and "holds no image bytes" in empty.reason
+    big = bytearray(cv2.imencode(".png", np.zeros((4, 4, 3), np.uint8))[1].tobytes())
+    big[16:24] = struct.pack(">II", 1 << 20, 1 << 20)  # IHDR width, height
+    refused = decode_image(bytes(big), 1)
+    assert isinstance(refused, Undecodable) and not refused.damaged
+    assert "announces 1048576×1048576 pixels" in refused.reason
+    with pytest.raises(DataError, match=r"OpenCV cannot decode.*record key b'k'"):
+        blobpipe.decode_datum(blobpipe.encode_encoded_datum(data[:20], 0), key=b"k")
 
 
-def test_a_difference_in_the_sample_turns_it_off(
-    tmp_path: Path, fresh: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # right on the built-in test images, wrong on the dataset's: the first
-    # images decoded are compared with OpenCV, and the batches stay OpenCV's
-    known = {data for _, data in _image._test_images()}
-    fake = Counting(alter=lambda data: data not in known)
-    monkeypatch.setattr(simplejpeg, "decode_jpeg", fake)
-    path = encoded_db(tmp_path / "db", 40, ".jpg")
-    kwargs: dict[str, Any] = {"transform": Transform(dtype="uint8"), "mode": "epoch"}
-    with pytest.warns(RuntimeWarning, match="decodes differently"), Batches(path, 8, **kwargs) as b:
-        got = epochs(b, 2)
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "opencv")
-    _image._reset()
-    with Batches(path, 8, **kwargs) as b:
-        want = epochs(b, 2)
-    for e in range(2):
-        assert_same(got[e], want[e])
-    assert _image._fast.decode is None
+def test_image_header_reads_png_and_jpeg_sizes() -> None:
+    pix = np.zeros((7, 11, 3), np.uint8)
+    assert image_header(cv2.imencode(".png", pix)[1].tobytes())[:2] == (11, 7)  # type: ignore[index]
+    jpg = cv2.imencode(".jpg", pix)[1].tobytes()
+    header = image_header(memoryview(jpg))
+    assert header is not None and header[:2] == (11, 7)
+    frame = jpeg_frame(jpg)
+    assert frame is not None and (frame.width, frame.height, frame.components) == (11, 7, 3)
+    assert image_header(cv2.imencode(".bmp", pix)[1].tobytes()) is None  # OpenCV's own limit
 
 
-@pytest.mark.parametrize("config", ["float32", "uint8", "mean_crop", "gray", "color"])
-def test_batches_decode_with_it_and_equal_opencv(
-    tmp_path: Path, fresh: None, monkeypatch: pytest.MonkeyPatch, config: str
-) -> None:
-    transforms = {
-        "float32": Transform(scale=1 / 256),
-        "uint8": Transform(dtype="uint8"),
-        "mean_crop": Transform(mean_value=(104, 117, 123), crop_size=8),
-        "gray": Transform(force_gray=True),
-        "color": Transform(force_color=True),
-    }
-
-    def encode(i: int) -> bytes:  # gray and color images, 4:2:0 and 4:4:4
-        pix = image(i, (3, 10, 12)).transpose(1, 2, 0)
-        pix = pix[..., 0] if i % 3 == 0 else np.ascontiguousarray(pix)
-        params = [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444]
-        ok, buf = cv2.imencode(".jpg", pix, params if i % 2 else [])
-        assert ok
-        return blobpipe.encode_encoded_datum(buf.tobytes(), i)
-
-    items = [(key(i), encode(i)) for i in range(48)]
-    if config in ("gray", "color"):
-        path = write_lmdb(tmp_path / "db", items)
-    else:  # without a force flag a batch holds one shape: color images only
-        path = write_lmdb(tmp_path / "db", [(k, v) for i, (k, v) in enumerate(items) if i % 3])
-    kwargs: dict[str, Any] = {"transform": transforms[config], "mode": "epoch", "phase": "test"}
-    fake = Counting()
-    monkeypatch.setattr(simplejpeg, "decode_jpeg", fake)
-    with Batches(path, 8, **kwargs) as b:
-        first = epochs(b, 1)
-        calls_first = fake.calls
-        later = epochs(b, 2)
-    # the first reads (checked) and the index both decode with simplejpeg
-    assert calls_first > 0 and fake.calls > calls_first + 16
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "opencv")
-    _image._reset()
-    with Batches(path, 8, **kwargs) as b:
-        want = epochs(b, 3)
-    for got, exp in zip(first + later, want, strict=True):
-        assert_same(got, exp)
-
-
-def test_the_environment_chooses(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = caffe_jpegs()[0]
-    fake = Counting()
-    monkeypatch.setattr(simplejpeg, "decode_jpeg", fake)
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "opencv")
-    assert decode_jpeg(data, 1) is None
-    assert fake.calls == 0
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "turbo")
-    _image._reset()
-    with pytest.raises(BlobpipeError, match=r"BLOBPIPE_JPEG_DECODER='turbo'.*'opencv'"):
-        decode_jpeg(data, 1)
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "auto")
-    _image._reset()
-    assert np.array_equal(decode_jpeg(data, 1), opencv(data, 1))
-
-
-def test_without_simplejpeg_opencv_decodes(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # import fails
-    data = caffe_jpegs()[0]
-    assert decode_jpeg(data, 1) is None
-    chw, _ = blobpipe.decode_datum(blobpipe.encode_encoded_datum(data, 0))
-    assert np.array_equal(chw, opencv(data, -1).transpose(2, 0, 1))
-
-
-@pytest.mark.parametrize("flags", [{}, {"force_color": True}])
-def test_only_exact_images_go_to_simplejpeg(
-    tmp_path: Path, fresh: None, monkeypatch: pytest.MonkeyPatch, flags: dict[str, bool]
-) -> None:
+@pytest.mark.parametrize("flags", [{}, {"force_color": True}, {"force_gray": True}])
+def test_batches_of_mixed_images_equal_opencv(tmp_path: Path, flags: dict[str, bool]) -> None:
+    """A batch path decoding JPEGs, PNGs, EXIF-rotated and CMYK images gives OpenCV's
+    pixels in every epoch (the first reads and the indexed ones)."""
     cmyk = (DATA / "jpeg" / "cmyk.jpg").read_bytes()  # 9×7
     pix = np.ascontiguousarray(image(5, (3, 7, 9)).transpose(1, 2, 0))
     jpeg = cv2.imencode(".jpg", pix)[1].tobytes()
-    kinds = {
-        "jpeg": (jpeg, 3),
-        "exif": (with_exif_orientation(jpeg, 1), 3 if not flags else 0),
-        "cmyk": (cmyk, 0),
-        "png": (cv2.imencode(".png", pix)[1].tobytes(), 0),
-    }
-    names = [name for name in kinds for _ in range(4)]
-    items = [
-        (key(i), blobpipe.encode_encoded_datum(kinds[name][0], i)) for i, name in enumerate(names)
-    ]
+    kinds = [jpeg, with_exif_orientation(jpeg, 1), cmyk, cv2.imencode(".png", pix)[1].tobytes()]
+    datas = [kinds[i % 4] for i in range(16)]
+    items = [(key(i), blobpipe.encode_encoded_datum(d, i)) for i, d in enumerate(datas)]
     path = write_lmdb(tmp_path / "db", items)
-    kwargs: dict[str, Any] = {"transform": Transform(**flags), "mode": "epoch", "phase": "test"}
-    _image._fast.get()  # started (and self-tested) before counting
-    _image._fast.sampled = _image.SAMPLE  # past the sample: one decoder per image
-    seen: list[bytes] = []
-    real = simplejpeg.decode_jpeg
-
-    def spy(data: bytes, **kwargs: Any) -> np.ndarray:
-        seen.append(bytes(data))
-        return real(data, **kwargs)
-
-    monkeypatch.setattr(_image._fast, "decode", spy)
-    with Batches(path, 4, **kwargs) as b:
+    flag = imread_flag(flags.get("force_color", False), flags.get("force_gray", False))
+    assert len({hwc(opencv(d, flag)).shape for d in kinds}) == 1  # a batch holds one shape
+    t = Transform(**flags)
+    with Batches(path, 4, transform=t, mode="epoch", phase="test") as b:
         got = epochs(b, 3)
-    by_name = {kinds[name][0]: name for name in kinds}
-    went = [by_name[data] for data in seen]
-    for name, (_, channels) in kinds.items():  # three epochs: 4 records each, 3 times
-        assert went.count(name) == (12 if channels else 0), name
-    monkeypatch.setenv("BLOBPIPE_JPEG_DECODER", "opencv")
-    _image._reset()
-    with Batches(path, 4, **kwargs) as b:
-        want = epochs(b, 3)
-    for g, w in zip(got, want, strict=True):
-        assert_same(g, w)
+    want = np.stack([hwc(opencv(d, flag)).transpose(2, 0, 1) for d in datas]).astype(np.float32)
+    for epoch in got:
+        assert np.array_equal(np.concatenate([x.data for x in epoch]), want)
