@@ -41,6 +41,7 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
         "| target | result |"
     ) in text
     assert "| workload | read B/img | written B/img | moved B/img |" in text
+    assert "| workload | open ms | ring MB | ring first touch ms | plain first epoch ms |" in text
     for name in WORKLOAD_ROWS:
         assert f"| {name} | plain loop (1 thread) |" in text or name.startswith("W5")
         assert f"| {name} | Loader, async for (2 workers) |" in text
