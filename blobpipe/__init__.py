@@ -19,6 +19,7 @@ from ._backends import get_backend as get_backend
 from ._backends import set_default_backend as set_default_backend
 from ._blob import MAX_BLOB_AXES as MAX_BLOB_AXES
 from ._blob import Blob as Blob
+from ._codec import load_mean_file as load_mean_file
 from ._codec import read_blobproto as read_blobproto
 from ._codec import read_caffemodel as read_caffemodel
 from ._codec import write_blobproto as write_blobproto
@@ -51,7 +52,6 @@ from ._io._prototxt import DataLayerConfig as DataLayerConfig
 from ._io._prototxt import read_data_layer as read_data_layer
 from ._io._transform import RecordParams as RecordParams
 from ._io._transform import Transform as Transform
-from ._io._transform import load_mean_file as load_mean_file
 from ._layout import nchw_offset as nchw_offset
 from ._layout import nchw_to_nhwc as nchw_to_nhwc
 from ._layout import nhwc_offset as nhwc_offset

@@ -8,7 +8,7 @@ of blobpipe works on NumPy arrays and Python values:
   is set, else ``shape.dim``) and :func:`blob_values` (``double_data`` when it
   is not empty, else ``data``; the diff likewise; every count checked against
   the shape before anything the shape sizes is allocated). ``Blob.from_proto``
-  and :func:`read_mean_file` use them; :func:`fill_blobproto` and
+  and :func:`load_mean_file` use them; :func:`fill_blobproto` and
   :func:`blobproto_bytes` write one (``Blob.to_proto``, ``compute_mean``).
 * ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`read_caffemodel`)
   and a net prototxt's ``Data`` layer (:func:`parse_net`,
@@ -66,10 +66,10 @@ __all__ = [
     "data_layer_fields",
     "decode_blobproto",
     "fill_blobproto",
+    "load_mean_file",
     "parse_net",
     "read_blobproto",
     "read_caffemodel",
-    "read_mean_file",
     "transform_fields",
     "write_blobproto",
 ]
@@ -172,7 +172,7 @@ def blob_values(
     return _as_array(proto, data_field), diff
 
 
-def read_mean_file(path: StrPath) -> npt.NDArray[np.float32]:
+def load_mean_file(path: StrPath) -> npt.NDArray[np.float32]:
     """Read a Caffe mean file (a binary ``BlobProto``) as a float32 ``(C, H, W)`` array.
 
     The blob's shape comes from the legacy ``num/channels/height/width`` fields

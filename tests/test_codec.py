@@ -14,9 +14,9 @@ from blobpipe._backends import Backend, HostBackend
 from blobpipe._blob import Blob
 from blobpipe._codec import (
     blobproto_bytes,
+    load_mean_file,
     read_blobproto,
     read_caffemodel,
-    read_mean_file,
     transform_fields,
     write_blobproto,
 )
@@ -216,8 +216,8 @@ def test_integer_dtype_is_refused(host: HostBackend, tmp_path: Path) -> None:
 # -- the array-level codec ------------------------------------------------------------------
 
 
-def test_read_mean_file_is_the_mean_blob_as_chw(host: HostBackend, tmp_path: Path) -> None:
-    mean = read_mean_file(MEAN)
+def test_load_mean_file_is_the_mean_blob_as_chw(host: HostBackend, tmp_path: Path) -> None:
+    mean = load_mean_file(MEAN)
     assert (mean.shape, mean.dtype) == ((3, 32, 40), np.float32)
     assert mean.flags.c_contiguous
     with read_blobproto(MEAN, backend=host) as blob:
@@ -225,38 +225,38 @@ def test_read_mean_file_is_the_mean_blob_as_chw(host: HostBackend, tmp_path: Pat
     # A shape-field file, and double_data (read, then cast to float32).
     values = np.arange(6, dtype=np.float64).reshape(1, 2, 3) / 3
     (tmp_path / "d.binaryproto").write_bytes(blobproto_bytes(values))
-    got = read_mean_file(tmp_path / "d.binaryproto")
+    got = load_mean_file(tmp_path / "d.binaryproto")
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, values.astype(np.float32))
 
 
-def test_read_mean_file_errors_name_the_file(tmp_path: Path) -> None:
+def test_load_mean_file_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        read_mean_file(tmp_path / "missing.binaryproto")
+        load_mean_file(tmp_path / "missing.binaryproto")
     (tmp_path / "junk.binaryproto").write_bytes(b"\xff\xff\xff")
     with pytest.raises(
         ProtoError,
         match=r"mean file '.*junk.binaryproto' is not a serialized caffe\.BlobProto: .*; "
         r"expected a binary caffe\.BlobProto .*blobpipe compute-mean",
     ):
-        read_mean_file(tmp_path / "junk.binaryproto")
+        load_mean_file(tmp_path / "junk.binaryproto")
     two = caffe_pb2.BlobProto(num=2, channels=1, height=1, width=1, data=[1, 2])
     (tmp_path / "two.binaryproto").write_bytes(two.SerializeToString())
     with pytest.raises(ProtoError, match=r"holds 2 images \(shape \(2, 1, 1, 1\)\)"):
-        read_mean_file(tmp_path / "two.binaryproto")
+        load_mean_file(tmp_path / "two.binaryproto")
     short = caffe_pb2.BlobProto(num=1, channels=1, height=2, width=2, data=[1])
     (tmp_path / "short.binaryproto").write_bytes(short.SerializeToString())
     with pytest.raises(ProtoError, match=r"shape \(1, 1, 2, 2\) with 1 values"):
-        read_mean_file(tmp_path / "short.binaryproto")
+        load_mean_file(tmp_path / "short.binaryproto")
     flat = caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[4]), data=[1, 2, 3, 4])
     (tmp_path / "flat.binaryproto").write_bytes(flat.SerializeToString())
     with pytest.raises(ProtoError, match=r"expected a \(1, C, H, W\) or \(C, H, W\) blob"):
-        read_mean_file(tmp_path / "flat.binaryproto")
+        load_mean_file(tmp_path / "flat.binaryproto")
 
 
 def test_legacy_blobproto_bytes_are_caffes_mean_file() -> None:
     # compute_image_mean writes num=1, channels, height, width and float data.
-    assert blobproto_bytes(read_mean_file(MEAN)[np.newaxis], legacy=True) == MEAN.read_bytes()
+    assert blobproto_bytes(load_mean_file(MEAN)[np.newaxis], legacy=True) == MEAN.read_bytes()
     raw = caffe_pb2.BlobProto.FromString(blobproto_bytes(np.zeros((2, 3), np.float32)))
     assert list(raw.shape.dim) == [2, 3]
     assert not raw.HasField("num")

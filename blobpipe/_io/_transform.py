@@ -39,11 +39,11 @@ from typing import Literal, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._codec import TransformationParameter, read_mean_file, transform_fields
+from .._codec import TransformationParameter, load_mean_file, transform_fields
 from .._errors import ProtoError, ShapeError
 from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
-__all__ = ["Phase", "RecordParams", "Transform"]
+__all__ = ["Phase", "RecordParams", "Transform", "load_mean_file"]
 
 Phase = Literal["train", "test"]
 Layout = Literal["NCHW", "NHWC"]
@@ -69,21 +69,6 @@ def _check_phase(phase: str) -> Phase:
     if phase not in ("train", "test"):
         raise ValueError(f"phase must be 'train' or 'test', got {phase!r}")
     return cast(Phase, phase)
-
-
-def load_mean_file(path: str | os.PathLike[str]) -> npt.NDArray[np.float32]:
-    """Read a Caffe mean file (a binary ``BlobProto``) as a float32 ``(C, H, W)`` array.
-
-    The blob's shape comes from the legacy ``num/channels/height/width`` fields
-    when any is set (as ``compute_image_mean`` writes them), else from ``shape``;
-    ``double_data`` is used when present, as in Caffe's ``Blob::FromProto``.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ProtoError: the file is not a BlobProto, its data count does not match
-            its shape, or it holds more than one image (num > 1).
-    """
-    return read_mean_file(path)
 
 
 class Transform:
