@@ -544,3 +544,28 @@ def test_train_crops_over_images_of_several_sizes(tmp_path: Path, ext: str) -> N
         assert_same(got[e], expected[e])
     assert (loc.kind == ENCODED).all()
     assert {tuple(s) for s in loc.shape.tolist()} == {(3, h, w) for h, w in sizes}
+
+
+def test_the_walker_reads_the_meta_page_lmdb_reads(tmp_path: Path) -> None:
+    """When both meta pages claim the same transaction (one bit flipped in a txnid),
+    LMDB reads meta 0: so must the page walker, or batches hold the other tree's data."""
+    path = tmp_path / "db"
+    with open_lmdb(path) as env:
+        for generation in (0, 100):  # two commits: meta 1, then meta 0, two trees
+            with env.begin(write=True) as txn:
+                for i in range(12):
+                    txn.put(key(i), blobpipe.encode_raw_datum(image(i), generation + i))
+    data = path / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    psize = int.from_bytes(raw[40:44], "little")
+    txnid = slice(144, 152)
+    older = min(
+        raw[txnid], raw[psize + 144 : psize + 152], key=lambda b: int.from_bytes(b, "little")
+    )
+    raw[txnid] = raw[psize + 144 : psize + 152] = older  # a tie: LMDB reads meta 0
+    data.write_bytes(bytes(raw))
+    want = [blobpipe.parse_datum(v).label for _, v in lmdb_items(path)]
+    with Batches(path, 12, mode="epoch") as b:
+        got = next(iter(b))
+        assert b._filler._index is not None  # read through the walker's offsets
+    assert got.label.tolist() == want

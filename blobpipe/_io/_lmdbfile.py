@@ -125,7 +125,9 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
         if _u32(file, m + 16) != _MAGIC or _u32(file, m + 20) != _DATA_VERSION:
             raise _Bad("bad meta page")
         metas.append((_u64(file, m + 144), m))  # (mm_txnid, page)
-    meta = max(metas)[1]  # LMDB's pick: the newer transaction
+    # LMDB's pick (mdb_env_pick_meta): meta 1 only when its transaction is newer
+    # than meta 0's; on a tie, meta 0
+    meta = metas[1][1] if metas[0][0] < metas[1][0] else metas[0][1]
     main = meta + 88  # mm_dbs[MAIN_DBI]
     if _u32(file, main + 4) & 0xFFFF:  # md_flags
         raise _Bad("a main database with flags (DUPSORT, INTEGERKEY, ...)")
