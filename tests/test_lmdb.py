@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import shutil
 import stat
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -410,3 +412,63 @@ def test_fork_inside_a_transaction_and_close_in_child(raw: LmdbReader) -> None:
 
         assert _child(child) == 0
         assert bytes(txn.get(key)) == RAW_ITEMS[3][1]
+
+
+def _read_in_a_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
+    """Open ``path`` with blobpipe and read one batch, in a fresh interpreter: a crash
+    (SIGBUS) shows as a negative return code instead of killing the test run."""
+    code = (
+        "import sys, blobpipe\n"
+        "try:\n"
+        "    with blobpipe.Batches(sys.argv[1], 4) as b:\n"
+        "        next(iter(b))\n"
+        "except blobpipe.BlobpipeError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+        "    sys.exit(3)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_truncated_data_file_is_a_clean_error(tmp_path: Path) -> None:
+    """A data.mdb cut short (a copy interrupted) is refused before LMDB maps it: no SIGBUS."""
+    path = write_lmdb(tmp_path / "db", RAW_ITEMS[:40])
+    data = path / "data.mdb"
+    whole = data.read_bytes()
+    data.write_bytes(whole[: len(whole) // 2])
+    proc = _read_in_a_subprocess(path)
+    assert proc.returncode == 3, proc
+    assert "DataError" in proc.stdout and "is cut short" in proc.stdout
+    assert str(path) in proc.stdout
+
+
+def test_an_empty_or_odd_data_file_is_a_clean_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "data.mdb").write_bytes(b"")
+    with pytest.raises(DatabaseNotFoundError, match=r"not an LMDB database .*holds 0 bytes"):
+        LmdbReader(tmp_path / "empty")
+    if hasattr(os, "mkfifo"):
+        (tmp_path / "fifo").mkdir()
+        os.mkfifo(tmp_path / "fifo" / "data.mdb")  # opening it for reading would hang
+        with pytest.raises(DataError, match="is not a regular file"):
+            LmdbReader(tmp_path / "fifo")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_closing_releases_the_map_of_the_data_file(tmp_path: Path) -> None:
+    from blobpipe._io._batches import Batches
+
+    path = write_lmdb(tmp_path / "db", RAW_ITEMS[:40])
+    data = str((path / "data.mdb").resolve())
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(line.rstrip().endswith(data) for line in f)
+
+    with Batches(path, 4) as b:
+        next(iter(b))
+        assert b._filler._index is not None  # blobpipe's own map of the file is in use
+        assert mapped() >= 1
+    gc.collect()
+    assert mapped() == 0

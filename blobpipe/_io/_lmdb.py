@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -72,6 +73,8 @@ T = TypeVar("T")
 # With lock=False LMDB keeps no reader table, so this bounds nothing at run time; it
 # is only what LMDB would allocate if the flag were ever dropped.
 _MAX_READERS: Final = 1024
+_MAX_PAGE: Final = 1 << 16  # LMDB's largest page size
+_LMDB_MAGIC: Final = 0xBEEFC0DE
 
 _FileId = tuple[int, int]
 
@@ -173,7 +176,49 @@ def _locate(path: str) -> tuple[bool, _FileId, str]:
         ) from None
     except OSError as exc:
         raise DataError(f"cannot read the database: {exc}", path=path) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(
+            f"{data_file!r} is not a regular file; an LMDB's data.mdb is one", path=path
+        )
+    _check_size(data_file, st.st_size, path)
     return subdir, (st.st_dev, st.st_ino), data_file
+
+
+def _check_size(data_file: str, size: int, path: str) -> None:
+    """Refuse a data file shorter than its meta page says it is (a truncated copy):
+    LMDB would map it and die of SIGBUS on the first page past its end. A file
+    whose meta pages this cannot read is left to LMDB, which names the problem."""
+    try:
+        with open(data_file, "rb") as f:
+            head = f.read(2 * _MAX_PAGE)
+    except OSError as exc:
+        raise DataError(f"cannot read the database: {exc}", path=path) from exc
+    if len(head) < 160:
+        raise DatabaseNotFoundError(
+            f"not an LMDB database ({data_file!r} holds {size} bytes, fewer than an LMDB's "
+            "meta page: an empty or cut-off copy?); give the directory that "
+            "convert_imageset created, or rebuild the database",
+            path=path,
+        )
+    psize = int.from_bytes(head[40:44], "little")  # mm_dbs[FREE_DBI].md_pad
+    if psize < 512 or psize > _MAX_PAGE or psize & (psize - 1) or len(head) < psize + 160:
+        return
+    metas = []
+    for m in (0, psize):
+        if int.from_bytes(head[m + 16 : m + 20], "little") != _LMDB_MAGIC:
+            return
+        last_page = int.from_bytes(head[m + 136 : m + 144], "little")  # mm_last_pg
+        metas.append((int.from_bytes(head[m + 144 : m + 152], "little"), last_page))
+    # the meta LMDB reads: meta 1 only when its transaction is newer (see _lmdbfile)
+    last_page = metas[1][1] if metas[0][0] < metas[1][0] else metas[0][1]
+    need = (last_page + 1) * psize
+    if size < need:
+        raise DataError(
+            f"{data_file!r} is cut short: its meta page says the database fills {need} "
+            f"bytes ({last_page + 1} pages of {psize}) but the file holds {size}; copy it "
+            "again or rebuild it",
+            path=path,
+        )
 
 
 def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
@@ -236,6 +281,9 @@ def _release(shared: _SharedEnv) -> None:
         del _registry[shared.file_id]
         # Closed under the lock, so nobody can reopen the files before they are closed.
         shared.env.close()
+        # our map of the file goes once the arrays made from it are gone (Batches
+        # drops its record index on close): no mapping outlives the last reader
+        shared.mapped = None
 
 
 _OPEN: Final = "open"
