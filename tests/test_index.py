@@ -569,3 +569,37 @@ def test_the_walker_reads_the_meta_page_lmdb_reads(tmp_path: Path) -> None:
         got = next(iter(b))
         assert b._filler._index is not None  # read through the walker's offsets
     assert got.label.tolist() == want
+
+
+def test_a_database_rewritten_while_read_is_refused_not_torn(tmp_path: Path) -> None:
+    """A writer rewriting every record between two epochs: the second epoch must not mix
+    one generation's labels with another's pixels (what a stale index of offsets would
+    read); blobpipe reads one snapshot and says the database changed."""
+    import subprocess
+    import sys
+
+    path = raw_db(tmp_path / "db", 24)
+    with Batches(path, 8, mode="epoch") as b:
+        first = epochs(b, 1)[0]
+        assert [x.label.tolist() for x in first] == [list(range(k, k + 8)) for k in (0, 8, 16)]
+        rewrite = (
+            "import sys, lmdb, blobpipe, numpy as np\n"
+            "env = lmdb.open(sys.argv[1], map_size=1 << 28)\n"
+            "for g in range(1, 4):  # generations: freed pages get reused\n"
+            "    with env.begin(write=True) as txn:\n"
+            "        for i in range(24):\n"
+            "            pix = np.full((3, 10, 12), 200 - i - g, np.uint8)\n"
+            "            txn.put(b'%08d' % i, blobpipe.encode_raw_datum(pix, 1000 * g + i))\n"
+            "env.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", rewrite, str(path)], check=True, timeout=60)
+
+        def second_epoch() -> None:
+            for batch in iter(b):
+                # without the check: the index's old labels, and whatever the pages hold now
+                for r, i in enumerate(batch.indices):
+                    assert batch.label[r] == i
+                    assert np.array_equal(batch.data[r], image(i, (3, 10, 12)).astype(np.float32))
+
+        with pytest.raises(DataError, match="the database changed while it was being read"):
+            second_epoch()

@@ -88,7 +88,9 @@ class Filler:
                         file = reader._mapped_file()
                         extents = value_extents(file, self._keys) if file is not None else None
                         if file is not None and extents is not None:
-                            self._index = RecordIndex(file, extents.offsets, extents.lengths)
+                            self._index = RecordIndex(
+                                file, extents.offsets, extents.lengths, extents.txnid
+                            )
                     self._index_tried = True
         return self._index
 
@@ -188,6 +190,26 @@ class Filler:
             params_out[start:stop, 0] = geometry.h_off
             params_out[start:stop, 1] = geometry.w_off
             params_out[start:stop, 2] = geometry.mirror
+        if persistent:
+            self._check_snapshot(index)
+
+    def _check_snapshot(self, index: RecordIndex) -> None:
+        """After a range was read from the file map: refuse it if a writer committed
+        since the index was made (its rows may mix two versions of the database).
+
+        Raises:
+            DataError: the database changed; names it.
+        """
+        changed = index.changed()
+        if changed is not None:
+            then, now = changed
+            raise DataError(
+                f"the database changed while it was being read (transaction {then}, now "
+                f"{now}): blobpipe reads one snapshot of it, as Caffe's DataLayer does; "
+                "do not write to a database while a Loader or Batches reads it, or open a "
+                "new one to read the new data",
+                path=self._path,
+            )
 
     def _raw_rows(self, loc: Located, shape: tuple[int, int, int], out: np.ndarray) -> Any:
         """Raw rows of one shape as the kernel's source: one strided view of the

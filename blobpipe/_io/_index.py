@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError
 from ._datum import match_raw_layout, parse_datum, raw_header
+from ._lmdbfile import meta_txnid
 
 __all__ = ["BAD", "ENCODED", "PARSED", "RAW", "Located", "RecordIndex"]
 
@@ -68,9 +69,11 @@ class RecordIndex:
         buffer: npt.NDArray[np.uint8],
         offsets: npt.NDArray[np.int64],
         lengths: npt.NDArray[np.int64] | npt.NDArray[np.uint32],
+        txnid: int | None = None,
     ) -> None:
         n = len(offsets)
         self.buffer = buffer
+        self.txnid = txnid  # an LMDB file's: the transaction the offsets were read from
         self._value_offset = np.asarray(offsets, np.int64)
         self._value_length = np.asarray(lengths, np.int64)
         self._kind = np.zeros(n, np.int8)
@@ -91,6 +94,15 @@ class RecordIndex:
 
     def __len__(self) -> int:
         return len(self._kind)
+
+    def changed(self) -> tuple[int, int | None] | None:
+        """For the index of an LMDB file: ``(then, now)`` when a writer committed a
+        new transaction since the offsets were read (the file's meta pages moved
+        on), else None. The check reads two 8-byte fields."""
+        if self.txnid is None:
+            return None
+        now = meta_txnid(self.buffer)
+        return None if now == self.txnid else (self.txnid, now)
 
     def shape_of(self, i: int) -> tuple[int, int, int] | None:
         """The ``(C, H, W)`` record ``i`` yields, if known."""

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Extents", "value_extents"]
+__all__ = ["Extents", "meta_txnid", "value_extents"]
 
 _PAGEHDRSZ = 16
 _NODESIZE = 8
@@ -43,10 +43,12 @@ I64 = npt.NDArray[np.int64]
 
 
 class Extents(NamedTuple):
-    """Per value, in key order: its file offset and its length in bytes."""
+    """Per value, in key order: its file offset and its length in bytes; and the
+    transaction whose tree they were read from (the meta page's ``mm_txnid``)."""
 
     offsets: I64
     lengths: npt.NDArray[np.uint32]
+    txnid: int
 
 
 class _Bad(Exception):
@@ -99,6 +101,16 @@ def _nodes(
     if ((ptrs < upper[owner]) | (ptrs + _NODESIZE > psize)).any():
         raise _Bad("a node outside its page")
     return starts[owner] + ptrs, starts[owner]
+
+
+def meta_txnid(file: npt.NDArray[np.uint8]) -> int | None:
+    """The transaction of the meta page LMDB reads now (None if the file is not one)."""
+    try:
+        psize = _u32(file, 40)
+        ids = [_u64(file, m + 144) for m in (0, psize)]
+    except (IndexError, ValueError):
+        return None
+    return ids[1] if ids[0] < ids[1] else ids[0]
 
 
 def value_extents(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents | None:
@@ -188,4 +200,4 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
         done += m
     if done != n:
         raise _Bad("fewer nodes than entries")
-    return Extents(offsets, lengths)
+    return Extents(offsets, lengths, _u64(file, meta + 144))
