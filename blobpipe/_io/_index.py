@@ -35,7 +35,6 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError
 from ._datum import match_raw_layout, parse_datum, raw_header
-from ._lmdbfile import meta_txnid
 
 __all__ = ["BAD", "ENCODED", "PARSED", "RAW", "Located", "RecordIndex"]
 
@@ -74,6 +73,13 @@ class RecordIndex:
         n = len(offsets)
         self.buffer = buffer
         self.txnid = txnid  # an LMDB file's: the transaction the offsets were read from
+        self._metas: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None = None
+        if txnid is not None:  # each meta page's mm_txnid, as a view: cheap to re-read
+            psize = int(buffer[40:44].view("<u4")[0])
+            self._metas = (
+                buffer[144:152].view("<u8"),
+                buffer[psize + 144 : psize + 152].view("<u8"),
+            )
         self._value_offset = np.asarray(offsets, np.int64)
         self._value_length = np.asarray(lengths, np.int64)
         self._kind = np.zeros(n, np.int8)
@@ -95,13 +101,14 @@ class RecordIndex:
     def __len__(self) -> int:
         return len(self._kind)
 
-    def changed(self) -> tuple[int, int | None] | None:
+    def changed(self) -> tuple[int, int] | None:
         """For the index of an LMDB file: ``(then, now)`` when a writer committed a
         new transaction since the offsets were read (the file's meta pages moved
         on), else None. The check reads two 8-byte fields."""
-        if self.txnid is None:
+        if self._metas is None or self.txnid is None:
             return None
-        now = meta_txnid(self.buffer)
+        t0, t1 = int(self._metas[0][0]), int(self._metas[1][0])
+        now = t1 if t0 < t1 else t0  # the meta LMDB reads (see _lmdbfile)
         return None if now == self.txnid else (self.txnid, now)
 
     def shape_of(self, i: int) -> tuple[int, int, int] | None:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Extents", "meta_txnid", "value_extents"]
+__all__ = ["Extents", "value_extents"]
 
 _PAGEHDRSZ = 16
 _NODESIZE = 8
@@ -101,16 +101,6 @@ def _nodes(
     if ((ptrs < upper[owner]) | (ptrs + _NODESIZE > psize)).any():
         raise _Bad("a node outside its page")
     return starts[owner] + ptrs, starts[owner]
-
-
-def meta_txnid(file: npt.NDArray[np.uint8]) -> int | None:
-    """The transaction of the meta page LMDB reads now (None if the file is not one)."""
-    try:
-        psize = _u32(file, 40)
-        ids = [_u64(file, m + 144) for m in (0, psize)]
-    except (IndexError, ValueError):
-        return None
-    return ids[1] if ids[0] < ids[1] else ids[0]
 
 
 def value_extents(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents | None:
