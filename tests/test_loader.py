@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import re
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -1161,3 +1163,29 @@ def test_a_waiting_consumer_fills_small_batches_itself(
     assert_matches(got, want)
     assert consumer[0] in threads  # the consumer filled some batches itself
     assert set(threads) - set(consumer)  # and the filler the others
+
+
+def test_an_open_blocking_loader_is_closed_at_exit(tmp_path: Path) -> None:
+    """Leaving the interpreter with a blocking-form Loader still open: an atexit hook
+    closes it, so no filler thread is left inside native code while the interpreter
+    finalizes (which could abort the process)."""
+    from tests._helpers import encoded_db
+
+    db = encoded_db(tmp_path / "db", 64, ".jpg", shape=(3, 120, 160))
+    code = (
+        "import atexit, sys, threading, blobpipe\n"
+        "def check():  # registered first, so it runs after blobpipe's hook\n"
+        "    alive = [t.name for t in threading.enumerate() if t.name.startswith('blobpipe')]\n"
+        "    print('alive:', alive)\n"
+        "atexit.register(check)\n"
+        "loader = blobpipe.Loader(sys.argv[1], 8, device='cpu', workers=2, mode='wrap')\n"
+        "loader.__enter__()\n"
+        "next(iter(loader))\n"
+        "sys.exit(0)  # no close()\n"
+    )
+    for _ in range(5):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "alive: []" in proc.stdout

@@ -10,10 +10,13 @@ the producer; the consumer takes batches by number.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
@@ -599,6 +602,7 @@ class Loader:
         ]
         for thread in self._threads:
             thread.start()
+        _close_at_exit(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -608,6 +612,7 @@ class Loader:
         """Stop the pipeline of the blocking form (``with`` does this): no thread left
         running, every block back in the pool. Idempotent."""
         threads, self._threads = self._threads, None
+        _open_blocking.discard(self)
         left = self._lifecycle.move(State.CLOSED)
         if left is State.UNOPENED:
             self._batches.close()
@@ -632,6 +637,28 @@ class Loader:
             self._lifecycle.check_iterable(blocking=True)
             raise StateError(CLOSED_ERROR)
         return self._next_blocking()
+
+
+# Blocking-form loaders still open: closed by an atexit hook, so that no filler thread
+# is inside native code (OpenCV, NumPy) while the interpreter finalizes.
+_open_blocking: weakref.WeakSet[Loader] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hooked = False
+
+
+def _close_at_exit(loader: Loader) -> None:
+    global _exit_hooked
+    _open_blocking.add(loader)
+    with _exit_hook:
+        if not _exit_hooked:
+            atexit.register(_close_open_loaders)
+            _exit_hooked = True
+
+
+def _close_open_loaders() -> None:
+    for loader in list(_open_blocking):
+        with contextlib.suppress(Exception):  # exiting: close what can be closed
+            loader.close()
 
 
 # help() and IDEs show Batches' options as Loader's keywords, with their defaults
