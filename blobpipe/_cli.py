@@ -541,11 +541,80 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Caffe's tools take gflags: -flag=v or --flag=v or --flag v, booleans as --flag,
+# --noflag or --flag=true|false. Per tool: its boolean flags and its other flags.
+_GFLAGS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "convert-imageset": (
+        frozenset({"gray", "shuffle", "check_size", "encoded"}),
+        frozenset({"resize_width", "resize_height", "encode_type", "backend"}),
+    ),
+    "compute-mean": (frozenset(), frozenset({"backend"})),
+}
+_TRUE = frozenset({"true", "t", "yes", "y", "1"})
+_FALSE = frozenset({"false", "f", "no", "n", "0"})
+
+
+def _caffe_spellings(argv: list[str]) -> list[str]:
+    """``argv`` with the gflags spellings of Caffe's own tools (as its scripts, e.g.
+    ``create_imagenet.sh``, write them) turned into this CLI's: ``-resize_height=32``,
+    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend=lmdb`` is
+    accepted (LMDB is all blobpipe reads and writes) and any other backend refused."""
+    if not argv or argv[0] not in _GFLAGS:
+        return argv
+    booleans, others = _GFLAGS[argv[0]]
+    out = [argv[0]]
+    tokens = iter(argv[1:])
+    for token in tokens:
+        name, eq, value = token.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if not token.startswith("-") or token in ("-", "--") or token.startswith("---"):
+            out.append(token)
+            continue
+        negated = name.startswith("no") and name[2:] in booleans and not eq
+        if name in booleans or negated:
+            if negated:
+                flag = False
+            elif not eq:
+                flag = True
+            elif value.lower() in _TRUE | _FALSE:
+                flag = value.lower() in _TRUE
+            else:
+                raise _UsageError(f"--{name} takes true or false, got {value!r}")
+            if flag:
+                out.append(f"--{name[2:] if negated else name}")
+            continue
+        if name in others:
+            if not eq:
+                value = next(tokens, "")
+            if name == "backend":
+                if value.lower() != "lmdb":
+                    raise _UsageError(
+                        f"--backend={value}: blobpipe reads and writes LMDB only; convert "
+                        "a LEVELDB with Caffe's tools or write the dataset as LMDB"
+                    )
+                continue
+            out.append(f"--{name}={value}")
+            continue
+        out.append(token)
+    return out
+
+
+class _UsageError(Exception):
+    """A command line that cannot mean anything (exit status 2)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``blobpipe`` command line; returns the exit code (0, 1, 2 or 130)."""
     parser = _build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        raw = _caffe_spellings(raw)
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"blobpipe {raw[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args = parser.parse_args(raw)
     except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     handler: _Handler = args.handler

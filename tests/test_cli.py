@@ -350,3 +350,71 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     assert err.startswith("blobpipe convert-imageset: interrupted: ")
     assert "rerun the same command to resume" in err
     assert not out.exists()
+
+
+# -- Caffe's own scripts ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "flags"),
+    [
+        ("raw_color", ["-resize_height=32", "--resize_width", "40", "--shuffle=false"]),
+        ("raw_color", ["--backend=lmdb", "--gray=false", "-resize_width=40", "-resize_height=32"]),
+        (
+            "encoded_jpg",
+            ["--resize_height=32", "--resize_width=40", "--encoded=true", "-encode_type=jpg"],
+        ),
+        ("raw_color", ["--noshuffle", "--check_size=0", *RAW_FLAGS]),
+    ],
+)
+def test_convert_takes_caffes_gflags_spellings(tmp_path: Path, name: str, flags: list[str]) -> None:
+    out = tmp_path / name
+    assert main(["convert-imageset", "-q", *flags, ROOT, LIST, str(out)]) == 0
+    assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / name)
+
+
+def test_caffes_create_script_runs_with_the_tools_name_changed(tmp_path: Path) -> None:
+    """The lines of Caffe's examples/imagenet/create_imagenet.sh and make_imagenet_mean.sh,
+    with ``$TOOLS/convert_imageset`` and ``$TOOLS/compute_image_mean`` replaced by the
+    blobpipe commands (and the paths by the test data's)."""
+    script = tmp_path / "create.sh"
+    script.write_text(
+        "set -e\n"
+        "RESIZE_HEIGHT=32\n"
+        "RESIZE_WIDTH=40\n"
+        'TOOLS="$PYTHON -m blobpipe"\n'
+        "GLOG_logtostderr=1 $TOOLS convert-imageset \\\n"
+        "    --resize_height=$RESIZE_HEIGHT \\\n"
+        "    --resize_width=$RESIZE_WIDTH \\\n"
+        "    --shuffle=false \\\n"
+        "    --backend=lmdb \\\n"
+        f"    {ROOT} \\\n"
+        f"    {LIST} \\\n"
+        f"    {tmp_path}/train_lmdb\n"
+        f"$TOOLS compute-mean -backend=lmdb {tmp_path}/train_lmdb {tmp_path}/mean.binaryproto\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert lmdb_items(tmp_path / "train_lmdb") == lmdb_items(CAFFE / "lmdb" / "raw_color")
+    mean = (tmp_path / "mean.binaryproto").read_bytes()
+    assert mean == (CAFFE / "raw_color_mean.binaryproto").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert-imageset", "--backend=leveldb", "a/", "l.txt", "db"],
+        ["compute-mean", "-backend=leveldb", "db"],
+        ["convert-imageset", "--shuffle=maybe", "a/", "l.txt", "db"],
+    ],
+)
+def test_gflags_that_cannot_mean_anything_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"blobpipe {argv[0]}: error:" in err
+    assert ("LMDB only" in err) == ("leveldb" in " ".join(argv))
