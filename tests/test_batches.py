@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
 from itertools import islice
@@ -305,6 +306,7 @@ def test_shards_are_disjoint_and_complete(db10: Path, shard_mode: str, order: st
             shard_mode=shard_mode,
             mode="epoch",  # type: ignore[arg-type]
             seed=5,
+            pad_shards=False,
             **extra,
         ) as b:
             per_rank.append([lab for batch in labels(b) for lab in batch])
@@ -329,7 +331,10 @@ def test_shard_auto(db10: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert b.shard == (1, 4)
         assert labels(take(b, 2)) == [[1, 5], [9, 1]]
     monkeypatch.setenv("RANK", "x")
-    with pytest.raises(ValueError, match="integer RANK and WORLD_SIZE, got RANK='x'"):
+    with pytest.raises(ValueError, match=r"both RANK and WORLD_SIZE as integers.*RANK='x'"):
+        Batches(db10, 2, shard="auto")
+    monkeypatch.delenv("RANK")  # half set: refused, not silently unsharded
+    with pytest.raises(ValueError, match=r"RANK=None WORLD_SIZE='4'"):
         Batches(db10, 2, shard="auto")
 
 
@@ -339,10 +344,15 @@ def test_shard_errors(db10: Path, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="shard must be None, 'auto' or"):
         Batches(db10, 2, shard=[0, 1])  # type: ignore[arg-type]
     small = write_lmdb(tmp_path / "small", [(b"k", raw_datum(image(0)))])
-    with pytest.raises(
-        DataError, match=r"shard rank 1 of 2 holds no records \(the database has 1\)"
-    ):
-        Batches(small, 1, shard=(1, 2))
+    for pad in (False, "drop"):
+        with pytest.raises(
+            DataError, match=r"shard rank 1 of 2 holds no records \(the database has 1\)"
+        ):
+            Batches(small, 1, shard=(1, 2), pad_shards=pad)  # type: ignore[arg-type]
+    with Batches(small, 1, shard=(1, 2), mode="epoch") as b:  # padded: the record again
+        assert [x.keys for x in b] == [[b"k"]]
+    with pytest.raises(ValueError, match="pad_shards must be True, False or 'drop'"):
+        Batches(small, 1, pad_shards="pad")  # type: ignore[arg-type]
 
 
 # -- randomness ---------------------------------------------------------------------------------
@@ -690,7 +700,7 @@ def test_padded_shards_have_equal_batch_counts(tmp_path: Path, shard_mode: str) 
     with Batches(db, 2, mode="epoch", shard=(0, 3), pad_shards=True) as it:
         state = next(iter(it)).state
     with pytest.raises(ValueError, match="pad_shards=True"):
-        Batches(db, 2, mode="epoch", shard=(0, 3), state=state)
+        Batches(db, 2, mode="epoch", shard=(0, 3), pad_shards=False, state=state)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -941,3 +951,63 @@ def test_train_crops_name_the_record_that_does_not_fit(tmp_path: Path, odd: str)
     t = Transform(crop_size=8, mirror=True)
     with Batches(db, 6, transform=t, phase="train") as b, pytest.raises(DataError, match=message):
         next(iter(b))
+
+
+@pytest.mark.parametrize("pad", ["default", True, "drop"])
+@pytest.mark.parametrize("shard_mode", ["strided", "contiguous"])
+@pytest.mark.parametrize("last", ["keep", "drop", "pad"])
+def test_every_rank_gets_the_same_number_of_batches(
+    tmp_path: Path, pad: Any, shard_mode: str, last: str
+) -> None:
+    """What keeps distributed training from hanging at an all-reduce: with the default
+    equal shards (padded, or with the tail dropped), every rank's epoch has the same
+    number of batches, for record counts and batch sizes that do not divide evenly,
+    in shuffled epochs and after a resume."""
+    for n, world, batch in [(103, 2, 17), (103, 4, 5), (10, 3, 3), (7, 3, 2)]:
+        db = raw_db(tmp_path / f"db{n}", n, shape=(1, 2, 2))
+        options: dict[str, Any] = {
+            "mode": "epoch", "last": last, "order": "shuffle", "seed": 3,
+            "shard_mode": shard_mode,
+            **({} if pad == "default" else {"pad_shards": pad}),
+        }  # fmt: skip
+        counts, seen = [], []
+        for rank in range(world):
+            with Batches(db, batch, shard=(rank, world), **options) as b:
+                epochs = [list(b), list(b)]
+                assert len(epochs[0]) == len(epochs[1]) == len(b)
+                counts.append(len(b))
+                seen.append([i for x in epochs[0] for i in x.indices[: x.valid]])
+                if len(epochs[0]) > 1:  # resumed after the first batch: the same rest
+                    with Batches(db, batch, shard=(rank, world), **options) as again:
+                        first = next(iter(again))
+                    with Batches(db, batch, shard=(rank, world), state=first.state, **options) as r:
+                        assert [x.keys for x in r] == [x.keys for x in epochs[0][1:]]
+        assert len(set(counts)) == 1, (n, world, batch, counts)
+        records = [i for r in seen for i in r]
+        if pad != "drop":  # every record, some twice (as DistributedSampler pads)
+            assert sorted(set(records)) == list(range(n)) or last == "drop"
+        else:  # "drop": disjoint shards of n // world records each
+            assert len(records) == len(set(records))
+            assert all(len(r) == len(seen[0]) for r in seen) or last == "drop"
+
+
+def test_shard_auto_reads_an_initialised_torch_process_group(
+    db10: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mp.spawn + init_process_group(rank=..., world_size=...) sets no environment
+    variables: "auto" reads the process group (torch itself is never imported)."""
+    import types
+
+    dist = types.ModuleType("torch.distributed")
+    dist.is_available = lambda: True  # type: ignore[attr-defined]
+    dist.is_initialized = lambda: True  # type: ignore[attr-defined]
+    dist.get_rank = lambda: 2  # type: ignore[attr-defined]
+    dist.get_world_size = lambda: 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with Batches(db10, 2, shard="auto") as b:
+        assert b.shard == (2, 3)
+    dist.is_initialized = lambda: False  # type: ignore[attr-defined]
+    with Batches(db10, 2, shard="auto") as b:
+        assert b.shard == (0, 1)

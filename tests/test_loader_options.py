@@ -12,7 +12,8 @@ from blobpipe._loader._lifecycle import Lifecycle, State
 from blobpipe._loader._options import BatchesOptions
 from tests._helpers import raw_db
 
-# The Loader's keywords and defaults, as its public signature has always had them.
+# The Loader's keywords and defaults (pad_shards: equal shards by default since
+# distributed training hung without them, issue 12).
 LOADER_SIGNATURE = {
     "source": inspect.Parameter.empty,
     "batch_size": 64,
@@ -26,7 +27,7 @@ LOADER_SIGNATURE = {
     "seed": 0,
     "shard": None,
     "shard_mode": "strided",
-    "pad_shards": False,
+    "pad_shards": True,
     "mode": "wrap",
     "last": "keep",
     "workers": None,

@@ -105,16 +105,21 @@ class Batches:
             records over key order: reads stay near each other).
         buffer_size: the shuffle buffer's size; only with ``order="buffer"``.
         seed: seeds the shuffle and the per-record randomness.
-        shard: ``None``, ``(rank, world_size)`` or "auto" (``RANK``/``WORLD_SIZE``
-            environment variables as torchrun sets them; absent: no sharding).
+        shard: ``None``, ``(rank, world_size)`` or "auto": an initialised
+            ``torch.distributed`` process group's rank and size, else torchrun's
+            ``RANK``/``WORLD_SIZE`` environment variables, else no sharding.
         shard_mode: "strided" (record position ``i`` goes to rank ``i % world``)
             or "contiguous".
-        pad_shards: give every rank ``ceil(n / world)`` records, repeating records
-            from the start of the epoch's order, as torch's DistributedSampler
-            does, so all ranks see the same number of batches (distributed
-            training needs it: a rank with one batch fewer blocks the others at
-            the last all-reduce). Off: shards are disjoint and cover every record
-            once, and may differ in length by one.
+        pad_shards: how sharded epochs are made equal. True (default): every rank
+            gets ``ceil(n / world)`` records, the epoch's order wrapping around to
+            repeat its first records, as torch's DistributedSampler does; "drop":
+            every rank gets ``floor(n / world)``, the last ``n % world`` positions
+            of the epoch's order unread (DistributedSampler's ``drop_last``).
+            Either way every rank sees the same number of batches, which
+            distributed training needs (a rank with one batch fewer leaves the
+            others waiting at an all-reduce). False: shards are disjoint and cover
+            every record once, and may differ in length by one. No effect without
+            shards.
         mode: "wrap" (Caffe: the cursor wraps to the start mid-batch, every batch
             is full, iteration is endless) or "epoch" (iteration stops at the end
             of each epoch; iterate again for the next epoch).
@@ -153,7 +158,7 @@ class Batches:
         seed: int = 0,
         shard: tuple[int, int] | Literal["auto"] | None = None,
         shard_mode: ShardMode = "strided",
-        pad_shards: bool = False,
+        pad_shards: bool | Literal["drop"] = True,
         mode: Mode = "wrap",
         last: Last = "keep",
         readahead: bool = False,
@@ -183,7 +188,9 @@ class Batches:
         self._batch_size = int(batch_size)
         self._transform = transform if transform is not None else Transform()
         self._seed = int(seed)
-        self._pad_shards = bool(pad_shards)
+        if pad_shards not in (True, False, "drop"):
+            raise ValueError(f"pad_shards must be True, False or 'drop', got {pad_shards!r}")
+        self._pad_shards: bool | Literal["drop"] = pad_shards
         self._mode: Mode = mode
         self._last: Last = last
 
@@ -336,13 +343,19 @@ class Batches:
             version = state["version"]
             epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
             saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
-            saved["pad_shards"] = bool(state.get("pad_shards", False))
             saved_shard = tuple(state["shard"])
+            pad = state.get("pad_shards", False)
+            saved["pad_shards"] = pad if saved_shard[1] > 1 else False
             n = int(state["num_records"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported Batches state version {version!r}")
+        if saved_shard != (self._rank, self._world):
+            raise ValueError(
+                f"the state was saved for shard {saved_shard} but these Batches are shard "
+                f"{(self._rank, self._world)}"
+            )
         mine = self._epochs.settings()
         for name, value in saved.items():
             if mine[name] != value:
@@ -350,11 +363,6 @@ class Batches:
                     f"the state was saved with {name}={value!r} but these Batches have "
                     f"{name}={mine[name]!r}; use the same settings to resume"
                 )
-        if saved_shard != (self._rank, self._world):
-            raise ValueError(
-                f"the state was saved for shard {saved_shard} but these Batches are shard "
-                f"{(self._rank, self._world)}"
-            )
         if n != self._n:
             raise DataError(
                 f"the dataset changed: the state was saved with {n} records, the database "

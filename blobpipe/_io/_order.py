@@ -15,6 +15,7 @@ world)``, the order wrapping around, as DistributedSampler pads).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -29,25 +30,55 @@ ShardMode = Literal["strided", "contiguous"]
 
 
 def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int]:
+    """``(rank, world_size)`` of a ``shard`` argument.
+
+    "auto": an initialised ``torch.distributed`` process group's (``mp.spawn`` with
+    ``init_process_group``, or torchrun), else torchrun's ``RANK``/``WORLD_SIZE``
+    environment variables, else no sharding.
+
+    Raises:
+        ValueError: a rank outside ``[0, world_size)``, or only one of ``RANK`` and
+            ``WORLD_SIZE`` set (or not integers).
+        TypeError: ``shard`` of another type.
+    """
     if shard is None:
         return (0, 1)
     if shard == "auto":
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank is None or world is None:
-            return (0, 1)
-        try:
-            shard = (int(rank), int(world))
-        except ValueError:
-            raise ValueError(
-                f"shard='auto' needs integer RANK and WORLD_SIZE, got RANK={rank!r} "
-                f"WORLD_SIZE={world!r}"
-            ) from None
+        group = _torch_process_group()
+        if group is not None:
+            shard = group
+        else:
+            rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+            if rank is None and world is None:
+                return (0, 1)
+            try:
+                shard = (int(rank), int(world))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"shard='auto' needs both RANK and WORLD_SIZE as integers (torchrun sets "
+                    f"them), got RANK={rank!r} WORLD_SIZE={world!r}; set both, or pass "
+                    "shard=(rank, world_size)"
+                ) from None
     if not (isinstance(shard, tuple) and len(shard) == 2):
         raise TypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
     rank_i, world_i = int(shard[0]), int(shard[1])
     if world_i < 1 or not 0 <= rank_i < world_i:
         raise ValueError(f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}")
     return (rank_i, world_i)
+
+
+def _torch_process_group() -> tuple[int, int] | None:
+    """The default process group's ``(rank, world_size)`` if the program initialised one
+    (torch is never imported here: only a program that uses it has it loaded)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if dist.is_available() and dist.is_initialized():
+            return (int(dist.get_rank()), int(dist.get_world_size()))
+    except Exception:  # a torch build without distributed support, say
+        return None
+    return None
 
 
 def buffer_order(n: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
@@ -79,7 +110,7 @@ class EpochOrder:
         seed: int,
         shard: tuple[int, int],
         shard_mode: ShardMode,
-        pad_shards: bool,
+        pad_shards: bool | Literal["drop"],
     ) -> None:
         self._n = n
         self._order: Order = order
@@ -99,16 +130,19 @@ class EpochOrder:
             "order": self._order,
             "buffer_size": self._buffer_size,
             "shard_mode": self._shard_mode,
-            "pad_shards": self._pad_shards,
+            # without shards the choice changes nothing (and resumes either way)
+            "pad_shards": self._pad_shards if self._world > 1 else False,
         }
 
     def _shard_positions(self, n: int) -> npt.NDArray[np.int64]:
         """Positions of the epoch's global order that this shard visits, in order."""
         rank, world = self._rank, self._world
-        if self._pad_shards:
+        if self._pad_shards and world > 1:
             # torch's DistributedSampler: every rank gets ceil(n / world) positions,
-            # the order wrapping around to its start to fill the last ones.
-            per = -(-n // world)
+            # the order wrapping around to its start to fill the last ones; with
+            # "drop", floor(n / world), the epoch's last n % world positions unread
+            # (DistributedSampler's drop_last=True).
+            per = n // world if self._pad_shards == "drop" else -(-n // world)
             if self._shard_mode == "strided":
                 return np.arange(rank, per * world, world, dtype=np.int64) % n
             return (rank * per + np.arange(per, dtype=np.int64)) % n

@@ -85,11 +85,12 @@ class Loader:
             - phase: "train" (random crops) or "test" (centre crops).
             - buffer_size: the shuffle buffer's size (``order="buffer"``).
             - seed: seeds the order and the per-record randomness.
-            - shard: None, ``(rank, world_size)`` or "auto" (torchrun's
-              RANK/WORLD_SIZE).
+            - shard: None, ``(rank, world_size)`` or "auto" (an initialised
+              torch.distributed process group, else torchrun's RANK/WORLD_SIZE).
             - shard_mode: "strided" or "contiguous".
-            - pad_shards: equal-length shards for distributed training, as
-              torch's DistributedSampler.
+            - pad_shards: True (default): equal shards, padded as torch's
+              DistributedSampler; "drop": equal, the tail dropped; False:
+              disjoint shards that may differ by one record.
             - mode: "wrap" (Caffe: endless, every batch full) or "epoch"
               (``async for`` ends at the end of each epoch; iterate again for
               the next).

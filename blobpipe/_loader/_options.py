@@ -28,7 +28,7 @@ class BatchesOptions(TypedDict, total=False):
     seed: int
     shard: tuple[int, int] | Literal["auto"] | None
     shard_mode: Literal["strided", "contiguous"]
-    pad_shards: bool
+    pad_shards: bool | Literal["drop"]
     mode: Literal["wrap", "epoch"]
     last: Literal["keep", "drop", "pad"]
     readahead: bool

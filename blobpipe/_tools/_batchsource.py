@@ -45,6 +45,7 @@ def open_batches(
             mode="epoch",
             last="keep",
             shard=shard,
+            pad_shards=False,  # a shard of the dataset: each of its records once
         ) as batches,
     ):
         yield batches
