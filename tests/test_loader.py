@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -1189,3 +1190,39 @@ def test_an_open_blocking_loader_is_closed_at_exit(tmp_path: Path) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         assert "alive: []" in proc.stdout
+
+
+def test_load_state_dict_before_open_resumes_there(db30: Path) -> None:
+    options: dict[str, Any] = {"mode": "epoch", "order": "shuffle", "seed": 2}
+    with Loader(db30, 4, device="cpu", **options) as loader:
+        first = [b.keys for b in islice(loader, 3)]
+        state = loader.state_dict()
+    with Loader(db30, 4, device="cpu", **options) as loader:
+        want = [b.keys for b in loader]
+    assert want[:3] == first
+    later = Loader(db30, 4, device="cpu", **options)
+    later.load_state_dict(state)
+    assert later.state_dict() == state
+    with later:
+        assert [b.keys for b in later] == want[3:]
+        with pytest.raises(StateError, match="load_state_dict needs a Loader that was not opened"):
+            later.load_state_dict(state)
+    other = Loader(db30, 4, device="cpu", mode="epoch", order="shuffle", seed=3)
+    with pytest.raises(ValueError, match="saved with seed=2"):
+        other.load_state_dict(state)
+    other.close()
+
+
+def test_breaking_out_of_an_epoch_and_iterating_again_continues_it(db30: Path) -> None:
+    with Batches(db30, 4, mode="epoch") as batches:
+        want = [b.keys for b in batches]
+    with Loader(db30, 4, device="cpu", mode="epoch") as loader:
+        head = []
+        for batch in loader:
+            head.append(batch.keys)
+            if len(head) == 2:
+                break
+        rest = [b.keys for b in loader]
+        again = [b.keys for b in loader]  # the next epoch, from its start
+    assert head + rest == want
+    assert again == want

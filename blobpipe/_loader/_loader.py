@@ -262,6 +262,25 @@ class Loader:
         """
         return dict(self._resume_state)
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict` or ``batch.state``): the same as
+        ``Loader(..., state=state)``, for code that builds the loader before it loads
+        its checkpoint. Only before the loader is opened: an open one has batches of
+        the old position prefetched already.
+
+        Raises:
+            StateError: the loader was opened already.
+            ValueError, DataError: as ``Batches.load_state_dict`` (another seed,
+                order or shard; a database that changed).
+        """
+        if self._lifecycle.state is not State.UNOPENED:
+            raise StateError(
+                f"load_state_dict needs a Loader that was not opened yet (this one is "
+                f"{self._lifecycle!r}); create a new Loader with state=..."
+            )
+        self._batches.load_state_dict(state)
+        self._resume_state = self._batches.state_dict()
+
     # -- async lifetime ------------------------------------------------------------
     async def __aenter__(self) -> Loader:
         self._block_tg = await self._start()
