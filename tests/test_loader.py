@@ -1215,7 +1215,7 @@ def test_load_state_dict_before_open_resumes_there(db30: Path) -> None:
 
 def test_breaking_out_of_an_epoch_and_iterating_again_continues_it(db30: Path) -> None:
     with Batches(db30, 4, mode="epoch") as batches:
-        want = [b.keys for b in batches]
+        want = [tuple(b.keys) for b in batches]
     with Loader(db30, 4, device="cpu", mode="epoch") as loader:
         head = []
         for batch in loader:
