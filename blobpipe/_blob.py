@@ -31,7 +31,7 @@ Differences from Caffe, all of them raising where Caffe aborts or misbehaves:
 * ``set_cpu_data`` with a different size replaces data and diff by memories of
   exactly ``count`` elements and sets ``capacity`` to match (Caffe leaves its
   capacity stale).
-* Integer blobs (int32, uint32, and uint8 for raw pixel batches) have no
+* Integer blobs (int32, uint32; uint8 for raw pixel batches, int64 for labels) have no
   math and no proto form (Caffe has neither): both raise UnsupportedOperationError.
 """
 
@@ -69,8 +69,10 @@ SUPPORTED_DTYPES: Final = (
     np.dtype(np.float64),
     np.dtype(np.int32),
     np.dtype(np.uint32),
-    # Not one of Caffe's; raw pixel batches (Transform(dtype="uint8")) use it.
+    # Not Caffe's: raw pixel batches (Transform(dtype="uint8")) and class-index
+    # labels (label_dtype="int64", as torch's losses take them) use these.
     np.dtype(np.uint8),
+    np.dtype(np.int64),
 )
 
 _FLOAT_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
@@ -83,11 +85,12 @@ def _check_dtype(dtype: Any) -> np.dtype[Any]:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise ShapeError(
-            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32, uint32 or uint8"
+            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32, uint32, "
+            "uint8 or int64"
         ) from exc
     if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
         raise ShapeError(
-            f"unsupported blob dtype {dt}: expected float32, float64, int32, uint32 or uint8"
+            f"unsupported blob dtype {dt}: expected float32, float64, int32, uint32, uint8 or int64"
         )
     result: np.dtype[Any] = dt
     return result
@@ -188,7 +191,8 @@ class Blob:
     ``shape`` is a sequence of at most 32 non-negative ints, or None for
     Caffe's default blob (no axes, count 0; array accessors raise StateError
     until :meth:`reshape`). ``dtype`` is float32 (default), float64, int32 or
-    uint32 (or uint8, for raw pixel batches). ``backend`` is a Backend or a device name (see
+    uint32 (or uint8 for raw pixel batches, int64 for labels). ``backend`` is a
+    Backend or a device name (see
     :func:`blobpipe.get_backend`); None means the default backend.
 
     Memory is allocated lazily, from the backend's pools, on first access, and

@@ -1011,3 +1011,22 @@ def test_shard_auto_reads_an_initialised_torch_process_group(
     dist.is_initialized = lambda: False  # type: ignore[attr-defined]
     with Batches(db10, 2, shard="auto") as b:
         assert b.shard == (0, 1)
+
+
+def test_labels_as_int64_are_the_records_exact_labels(tmp_path: Path) -> None:
+    """label_dtype="int64": class indices as CrossEntropyLoss takes them, exact even where
+    float32 (Caffe's output) rounds (2**24 + 1)."""
+    big = [0, 7, 2**24 + 1, -3, 2**31 - 1]
+    items = [(f"{i:08d}".encode(), raw_datum(image(i), lab)) for i, lab in enumerate(big)]
+    db = write_lmdb(tmp_path / "db", items)
+    with Batches(db, 5, mode="epoch", label_dtype="int64") as b:
+        batch = next(iter(b))
+        assert batch.label.dtype == np.int64 and batch.label.tolist() == big
+        plan = b.next_plan() or b.next_plan()
+        assert plan is not None and plan.label_dtype == np.int64
+        with pytest.raises(ShapeError, match=r"label_out has shape .* the plan needs .* int64"):
+            b.fill(plan, np.empty(plan.data_shape, plan.dtype), np.empty(5, np.float32))
+    with Batches(db, 5, mode="epoch") as b:  # Caffe's float32, rounded as Caffe rounds
+        assert next(iter(b)).label.tolist() == [float(np.float32(x)) for x in big]
+    with pytest.raises(ValueError, match="label_dtype must be 'float32' or 'int64'"):
+        Batches(db, 5, label_dtype="int32")  # type: ignore[arg-type]

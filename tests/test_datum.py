@@ -580,7 +580,7 @@ def test_the_record_index_agrees_with_protobuf(records: list[bytes]) -> None:
             assert index.buffer[off : off + len(pixels or b"")].tobytes() == pixels
             assert tuple(loc.shape[i]) == shape
         if kind != _index.BAD:
-            assert loc.label[i] == np.float32(label)
+            assert loc.label[i] == label  # exact: int32 labels, as in the record
 
 
 def test_the_record_index_takes_caffe_records_of_mixed_label_sizes() -> None:

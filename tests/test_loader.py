@@ -1226,3 +1226,11 @@ def test_breaking_out_of_an_epoch_and_iterating_again_continues_it(db30: Path) -
         again = [b.keys for b in loader]  # the next epoch, from its start
     assert head + rest == want
     assert again == want
+
+
+def test_int64_labels_through_the_loader(db30: Path) -> None:
+    with Loader(db30, 4, device="cpu", mode="epoch", label_dtype="int64") as loader:
+        labels = [b.label.cpu_data().copy() for b in loader]
+    assert all(x.dtype == np.int64 for x in labels)
+    with Batches(db30, 4, mode="epoch") as batches:
+        assert [x.tolist() for x in labels] == [b.label.astype(np.int64).tolist() for b in batches]

@@ -34,6 +34,7 @@ LOADER_SIGNATURE = {
     "device_transform": None,
     "state": None,
     "readahead": False,
+    "label_dtype": "float32",
 }
 
 

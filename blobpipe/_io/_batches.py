@@ -70,7 +70,8 @@ class ArrayBatch:
 
     Attributes:
         data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``.
-        label: ``(N,)`` float32 labels, as Caffe outputs them.
+        label: ``(N,)`` labels: float32, as Caffe outputs them, or int64
+            (``label_dtype``).
         keys: the records' keys, row by row.
         indices: the records' global indices (position in key order).
         epoch: the epoch of the first row (in ``mode="wrap"`` a batch may run into
@@ -81,7 +82,7 @@ class ArrayBatch:
     """
 
     data: np.ndarray
-    label: npt.NDArray[np.float32]
+    label: np.ndarray
     keys: list[bytes]
     indices: tuple[int, ...]
     epoch: int
@@ -128,6 +129,8 @@ class Batches:
             (``batch.valid`` counts the real rows).
         readahead: passed to the LMDB reader (OS readahead; off suits random
             access).
+        label_dtype: "float32" (Caffe's DataLayer output) or "int64" (the exact
+            int32 labels, as class indices: ``CrossEntropyLoss`` takes them).
         state: a :meth:`state_dict` to resume from.
 
     Raises:
@@ -163,6 +166,7 @@ class Batches:
         last: Last = "keep",
         readahead: bool = False,
         state: dict[str, Any] | None = None,
+        label_dtype: Literal["float32", "int64"] = "float32",
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -182,6 +186,9 @@ class Batches:
             raise ValueError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
         if shard_mode not in ("strided", "contiguous"):
             raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
+        if label_dtype not in ("float32", "int64"):
+            raise ValueError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
+        self._label_dtype = np.dtype(label_dtype)
         if int(seed) != seed or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self._rank, self._world = shard_from(shard)
@@ -482,6 +489,7 @@ class Batches:
             data_shape=(len(indices), *out_shape),
             dtype=t.dtype,
             state=state,
+            label_dtype=self._label_dtype,
             _first=first,
         )
 
@@ -489,7 +497,7 @@ class Batches:
         self,
         plan: BatchPlan,
         data_out: np.ndarray,
-        label_out: npt.NDArray[np.float32],
+        label_out: np.ndarray,
         start: int = 0,
         stop: int | None = None,
         *,
@@ -497,8 +505,8 @@ class Batches:
     ) -> None:
         """Read, decode and transform rows ``[start:stop]`` of ``plan`` into the outputs.
 
-        ``data_out`` has ``plan.data_shape`` and ``plan.dtype``; ``label_out`` is
-        float32 with ``len(plan)`` rows. Only rows ``[start:stop]`` are written, so
+        ``data_out`` has ``plan.data_shape`` and ``plan.dtype``; ``label_out`` has
+        ``plan.label_dtype`` and ``len(plan)`` rows. Only rows ``[start:stop]`` are written, so
         threads may fill disjoint ranges of the same arrays concurrently.
         ``params_out`` (``(len(plan), 3)`` int32), when given, receives each row's
         ``(h_off, w_off, mirror)`` — what a device transform needs to apply the
@@ -519,10 +527,10 @@ class Batches:
                 f"data_out has shape {data_out.shape} dtype {data_out.dtype}; the plan needs "
                 f"shape {plan.data_shape} dtype {plan.dtype}"
             )
-        if label_out.shape != (n,) or label_out.dtype != np.float32:
+        if label_out.shape != (n,) or label_out.dtype != plan.label_dtype:
             raise ShapeError(
                 f"label_out has shape {label_out.shape} dtype {label_out.dtype}; the plan "
-                f"needs shape ({n},) dtype float32"
+                f"needs shape ({n},) dtype {plan.label_dtype}"
             )
         if params_out is not None and params_out.shape != (n, 3):
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
@@ -538,7 +546,7 @@ class Batches:
             DataError: as :meth:`fill`.
         """
         data = np.empty(plan.data_shape, dtype=plan.dtype)
-        label = np.empty(len(plan.keys), dtype=np.float32)
+        label = np.empty(len(plan.keys), dtype=plan.label_dtype)
         self.fill(plan, data, label)
         return ArrayBatch(
             data=data,

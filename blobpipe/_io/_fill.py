@@ -141,7 +141,7 @@ class Filler:
         self,
         plan: BatchPlan,
         data_out: np.ndarray,
-        label_out: npt.NDArray[np.float32],
+        label_out: np.ndarray,
         start: int,
         stop: int,
         params_out: npt.NDArray[np.int32] | None,
@@ -295,7 +295,7 @@ class Filler:
         self,
         plan: BatchPlan,
         data_out: np.ndarray,
-        label_out: npt.NDArray[np.float32],
+        label_out: np.ndarray,
         row: int,
     ) -> RecordParams:
         """Row ``row`` read, checked and transformed record by record: raises the

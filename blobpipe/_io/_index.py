@@ -54,7 +54,7 @@ class Located(NamedTuple):
     offset: npt.NDArray[np.int64]
     length: npt.NDArray[np.int64]
     shape: npt.NDArray[np.int32]  # (n, 3): C, H, W; zeros where not known
-    label: npt.NDArray[np.float32]
+    label: npt.NDArray[np.int32]
 
 
 class RecordIndex:
@@ -86,7 +86,7 @@ class RecordIndex:
         self._offset = np.zeros(n, np.int64)
         self._length = np.zeros(n, np.int64)
         self._shape = np.zeros((n, 3), np.int32)
-        self._label = np.zeros(n, np.float32)
+        self._label = np.zeros(n, np.int32)  # Caffe's int32 labels, exactly
 
     @classmethod
     def joined(cls, values: Sequence[bytes | memoryview | None]) -> RecordIndex:

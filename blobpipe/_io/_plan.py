@@ -26,6 +26,7 @@ class BatchPlan:
         record_shape: the first record's ``(C, H, W)`` before the transform.
         data_shape: the batch array's shape, ``(N, C, h, w)`` or ``(N, h, w, C)``.
         dtype: the batch array's dtype (float32, or uint8 for raw pixels).
+        label_dtype: the labels' dtype (float32, as Caffe, or int64).
         state: the resume state after this batch (see :meth:`Batches.state_dict`).
     """
 
@@ -39,6 +40,7 @@ class BatchPlan:
     data_shape: tuple[int, ...]
     dtype: np.dtype[Any]
     state: dict[str, Any]
+    label_dtype: np.dtype[Any] = field(default=np.dtype(np.float32))
     _first: tuple[np.ndarray, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:

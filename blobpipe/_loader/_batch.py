@@ -104,7 +104,8 @@ class Batch:
 
     @property
     def label(self) -> Blob:
-        """The labels, a float32 Blob of shape (N,)."""
+        """The labels, a Blob of shape (N,): float32 (Caffe's), or int64 with
+        ``label_dtype="int64"``."""
         self._label._check_open()
         return self._label
 

@@ -97,6 +97,7 @@ class Loader:
             - last: with ``mode="epoch"``: "keep", "drop" or "pad" the last batch.
             - state: a resume state (``batch.state`` or :meth:`state_dict`).
             - readahead: OS readahead for the LMDB (off suits random access).
+            - label_dtype: "float32" (Caffe's) or "int64" (class indices).
 
     Raises:
         ValueError, TypeError: bad arguments (see :class:`~blobpipe.Batches`).

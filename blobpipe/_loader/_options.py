@@ -33,6 +33,7 @@ class BatchesOptions(TypedDict, total=False):
     last: Literal["keep", "drop", "pad"]
     readahead: bool
     state: dict[str, Any] | None
+    label_dtype: Literal["float32", "int64"]
 
 
 def check_options(options: Mapping[str, object], owner: str) -> None:

@@ -54,7 +54,7 @@ class Slot:
 
     def prepare(
         self, plan: BatchPlan, out_shape: tuple[int, ...] | None
-    ) -> tuple[np.ndarray, npt.NDArray[np.float32], npt.NDArray[np.int32] | None]:
+    ) -> tuple[np.ndarray, np.ndarray, npt.NDArray[np.int32] | None]:
         """Fit the slot's buffers to ``plan``; the host arrays to fill.
 
         ``out_shape`` is the device transform's output shape (None: no device
@@ -63,7 +63,7 @@ class Slot:
         """
         backend = self.backend
         self.host = _fit(self.host, plan.data_shape, plan.dtype, backend)
-        self.label = _fit(self.label, (len(plan),), np.dtype(np.float32), backend)
+        self.label = _fit(self.label, (len(plan),), plan.label_dtype, backend)
         params = None
         if out_shape is not None:
             self.staged = _fit(self.staged, plan.data_shape, plan.dtype, backend)
