@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from blobpipe import PoolMemoryError
-from blobpipe._backends import Backend, HostBackend
+from blobpipe._backends import Backend, EmulatedBackend, HostBackend
+from blobpipe._blob import Blob
 from blobpipe._pool import MemoryPool, get_pool, size_class
 from tests._helpers import GatedBackend
 
@@ -237,3 +238,19 @@ def test_pools_do_not_keep_their_backend_alive() -> None:
     del backend
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 100, 4097, 1 << 20, (1 << 20) + 3])
+def test_host_buffers_are_64_byte_aligned(nbytes: int) -> None:
+    """JAX imports 64-byte aligned DLPack buffers without a copy and copies the others:
+    every pooled host buffer starts aligned, so a batch's behaviour does not depend on
+    where the allocator put it."""
+    for backend in (HostBackend(), EmulatedBackend()):
+        pool = get_pool(backend, "host")
+        block = pool.malloc(nbytes)
+        assert block.buffer.ctypes.data % 64 == 0
+        assert block.buffer.nbytes >= nbytes
+        pool.free(block)
+        blob = Blob((3, nbytes), np.uint8, backend=backend)
+        assert blob.mutable_cpu_data().ctypes.data % 64 == 0
+        blob.close()

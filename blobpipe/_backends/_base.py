@@ -42,6 +42,19 @@ __all__ = [
     "wait_event",
 ]
 
+HOST_ALIGN = 64  # bytes: host buffers start at a multiple of this
+
+
+def aligned(
+    raw: np.ndarray[Any, np.dtype[np.uint8]], nbytes: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The ``nbytes`` of ``raw`` (``HOST_ALIGN - 1`` longer) from its first
+    ``HOST_ALIGN``-aligned byte. JAX (XLA) imports 64-byte aligned DLPack buffers
+    without a copy and copies the others: aligned, a batch never depends on where
+    the allocator put it (and SIMD loops like it too)."""
+    skip = -raw.ctypes.data % HOST_ALIGN
+    return raw[skip : skip + nbytes]
+
 
 class Event(abc.ABC):
     """Marks a point in a stream; completes when the work before it has."""
@@ -150,7 +163,8 @@ class Backend:
 
     # -- allocation ----------------------------------------------------------
     def alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """A new 1-D uint8 host buffer of ``nbytes`` (pinned where supported).
+        """A new 1-D uint8 host buffer of ``nbytes`` (pinned where supported), its
+        first byte 64-byte aligned.
 
         Raises MemoryError when the system cannot provide it.
         """
@@ -171,7 +185,7 @@ class Backend:
         return buf
 
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return np.empty(nbytes, dtype=np.uint8)
+        return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)
 
     def _alloc_device(self, nbytes: int) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

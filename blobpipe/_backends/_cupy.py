@@ -95,8 +95,9 @@ class CupyBackend(Backend):
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         cp = self._cp
         try:
-            # Straight from CUDA (cudaHostAlloc), not through CuPy's pinned pool,
-            # which rounds to powers of two: blobpipe's own pool does the caching.
+            # Straight from CUDA (cudaHostAlloc, page-aligned: HOST_ALIGN holds),
+            # not through CuPy's pinned pool, which rounds to powers of two:
+            # blobpipe's own pool does the caching.
             mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
         except cp.cuda.runtime.CUDARuntimeError as exc:
             raise MemoryError(
