@@ -76,5 +76,6 @@ from ._tools import convert_imageset as convert_imageset
 from ._tools import export as export
 from ._tools import inspect_db as inspect_db
 from ._tools import read_list_file as read_list_file
+from ._tools import write_lmdb as write_lmdb
 
 __version__ = "0.1.0"

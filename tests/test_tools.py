@@ -609,3 +609,52 @@ def test_progress_render_without_total() -> None:
     )
     bar.done = 10
     assert bar.render(now=bar._start + 2.0) == "bench  10 batches  5.0 batches/s  elapsed 0:00:02"
+
+
+# -- write_lmdb ----------------------------------------------------------------------------
+
+
+def test_write_lmdb_writes_what_caffes_tools_write(tmp_path: Path) -> None:
+    import cv2
+
+    from tests._helpers import image
+
+    raw = [image(i, (3, 8, 10)) for i in range(5)]
+    n = blobpipe.write_lmdb(tmp_path / "raw", ((x, i) for i, x in enumerate(raw)))
+    assert n == 5
+    items = lmdb_items(tmp_path / "raw")
+    assert [k for k, _ in items] == [b"%08d" % i for i in range(5)]
+    assert [v for _, v in items] == [blobpipe.encode_raw_datum(x, i) for i, x in enumerate(raw)]
+    floats = [x.astype(np.float32) / 7 for x in raw]
+    keys = [b"b", b"a", b"c", b"d", b"e"]
+    blobpipe.write_lmdb(tmp_path / "f", [(x, 1) for x in floats], keys=keys)
+    with blobpipe.Batches(tmp_path / "f", 5, mode="epoch") as b:
+        batch = next(iter(b))
+    assert batch.keys == [b"a", b"b", b"c", b"d", b"e"]  # LMDB's byte order
+    assert np.array_equal(batch.data[0], floats[1])
+    jpg = [cv2.imencode(".jpg", x.transpose(1, 2, 0).copy())[1].tobytes() for x in raw]
+    blobpipe.write_lmdb(tmp_path / "jpg", [(j, 3) for j in jpg])
+    chw, label = blobpipe.decode_datum(lmdb_items(tmp_path / "jpg")[2][1])
+    want = cv2.imdecode(np.frombuffer(jpg[2], np.uint8), cv2.IMREAD_UNCHANGED)
+    assert label == 3 and np.array_equal(chw, want.transpose(2, 0, 1))
+
+
+def test_write_lmdb_grows_the_map_refuses_overwrites_and_leaves_nothing_half_done(
+    tmp_path: Path,
+) -> None:
+    big = [np.full((3, 64, 64), i, np.uint8) for i in range(40)]  # ~490 KB
+    out = tmp_path / "db"
+    assert blobpipe.write_lmdb(out, ((x, i) for i, x in enumerate(big)), map_size=1 << 16,
+                               commit_every=7) == 40  # fmt: skip
+    assert len(lmdb_items(out)) == 40
+    with pytest.raises(blobpipe.OutputExistsError, match="already exists"):
+        blobpipe.write_lmdb(out, [(big[0], 0)])
+    blobpipe.write_lmdb(out, [(big[0], 9)], force=True)
+    assert len(lmdb_items(out)) == 1
+    with pytest.raises(blobpipe.DataError, match=r"two records have the key b'k'"):
+        blobpipe.write_lmdb(tmp_path / "dup", [(big[0], 0), (big[1], 1)], keys=[b"k", b"k"])
+    with pytest.raises(ValueError, match="keys ran out after 1"):
+        blobpipe.write_lmdb(tmp_path / "short", [(big[0], 0), (big[1], 1)], keys=[b"k"])
+    with pytest.raises(blobpipe.ShapeError):
+        blobpipe.write_lmdb(tmp_path / "bad", [(np.zeros((2, 2), np.uint8), 0)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]  # no partial left behind

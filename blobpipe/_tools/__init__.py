@@ -13,6 +13,7 @@ from ._export import ExportResult, export
 from ._inspect import DatabaseInfo, inspect_db
 from ._mean import MeanResult, compute_mean
 from ._progress import Progress
+from ._write import write_lmdb
 
 __all__ = [
     "BenchResult",
@@ -29,4 +30,5 @@ __all__ = [
     "export",
     "inspect_db",
     "read_list_file",
+    "write_lmdb",
 ]

@@ -55,10 +55,12 @@ class LmdbWriter:
         """Number of records committed so far."""
         return int(self._env.stat()["entries"])
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], *, unique: bool = False) -> None:
         """Put every ``(key, value)`` in one transaction, doubling the map until it fits.
 
-        Putting a key that exists replaces its value (so replaying a chunk is harmless).
+        Putting a key that exists replaces its value (so replaying a chunk is
+        harmless); with ``unique``, it is a DataError instead (nothing of the chunk
+        is written).
         """
         if not items:
             return
@@ -66,7 +68,11 @@ class LmdbWriter:
             try:
                 with self._env.begin(write=True) as txn:
                     for key, value in items:
-                        txn.put(key, value)
+                        if not txn.put(key, value, overwrite=not unique):
+                            raise DataError(
+                                f"two records have the key {key!r}; keys must be unique",
+                                path=self.path,
+                            )
                 return
             except lmdb.MapFullError:
                 self._grow()
