@@ -472,3 +472,32 @@ def test_closing_releases_the_map_of_the_data_file(tmp_path: Path) -> None:
         assert mapped() >= 1
     gc.collect()
     assert mapped() == 0
+
+
+def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Path) -> None:
+    path = write_lmdb(tmp_path / "db", RAW_ITEMS[:10])
+    with LmdbReader(path) as reader:
+        keys = reader.keys()
+        delete = (
+            "import sys, lmdb\n"
+            "env = lmdb.open(sys.argv[1])\n"
+            "with env.begin(write=True) as txn:\n"
+            "    txn.delete(bytes.fromhex(sys.argv[2]))\n"
+            "env.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", delete, str(path), keys[3].hex()], check=True)
+        errors: list[BaseException] = []
+
+        def read(key: bytes) -> None:  # a new thread: a read transaction of its own
+            try:
+                reader.get(key)
+            except BaseException as exc:
+                errors.append(exc)
+
+        for key in (keys[3], b"not-a-key"):
+            thread = threading.Thread(target=read, args=(key,))
+            thread.start()
+            thread.join()
+    assert [type(e) for e in errors] == [RecordNotFoundError, RecordNotFoundError]
+    assert "listed but cannot be read now" in str(errors[0])
+    assert "no record under this key; list" in str(errors[1])

@@ -518,6 +518,15 @@ class LmdbReader:
             self._exit(generation)
 
     def _missing(self, key: bytes) -> RecordNotFoundError:
+        listed = self._keys
+        if listed is not None and key in listed:  # (an error path: a scan is fine)
+            return RecordNotFoundError(
+                "the record is listed but cannot be read now: the database was changed "
+                "(the record deleted) since it was opened, or its B-tree is damaged; do "
+                "not write a database while it is read, or rebuild it",
+                path=self._path,
+                key=key,
+            )
         return RecordNotFoundError(
             "no record under this key; list the keys with keys() (they are bytes, e.g. "
             "b'00000000_path/to/image.jpg')",
