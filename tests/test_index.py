@@ -603,3 +603,19 @@ def test_a_database_rewritten_while_read_is_refused_not_torn(tmp_path: Path) -> 
 
         with pytest.raises(DataError, match="the database changed while it was being read"):
             second_epoch()
+
+
+def test_records_in_a_named_sub_database_are_a_clear_error(tmp_path: Path) -> None:
+    """Records written into a named sub-database leave the main database holding only its
+    name: said so, not "not a valid caffe.Datum: field number 0"."""
+    path = tmp_path / "db"
+    with open_lmdb(path, max_dbs=2) as env:
+        sub = env.open_db(b"train")
+        with env.begin(write=True, db=sub) as txn:
+            for i in range(4):
+                txn.put(key(i), blobpipe.encode_raw_datum(image(i), i))
+    with (
+        pytest.raises(DataError, match=r"named sub-databases \(b'train'\), not records"),
+        Batches(path, 2) as b,
+    ):
+        next(iter(b))

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Extents", "value_extents"]
+__all__ = ["Extents", "NamedDatabases", "value_extents"]
 
 _PAGEHDRSZ = 16
 _NODESIZE = 8
@@ -34,6 +34,7 @@ _P_BRANCH = 0x01
 _P_LEAF = 0x02
 _P_LEAF2 = 0x20
 _F_BIGDATA = 0x01
+_F_SUBDATA = 0x02  # the node's value is a named sub-database
 _MAGIC = 0xBEEFC0DE
 _DATA_VERSION = 1
 _MAX_DEPTH = 64
@@ -49,6 +50,11 @@ class Extents(NamedTuple):
     offsets: I64
     lengths: npt.NDArray[np.uint32]
     txnid: int
+
+
+class NamedDatabases(Exception):
+    """The main database holds named sub-databases, not records (their names are
+    the exception's ``args``)."""
 
 
 class _Bad(Exception):
@@ -106,7 +112,11 @@ def _nodes(
 def value_extents(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents | None:
     """Each value's ``(offset, length)`` in ``file`` (an LMDB data file), in the order of
     ``keys`` (all keys, as LMDB lists them); None when the file cannot be read this way
-    or does not hold exactly ``keys``."""
+    or does not hold exactly ``keys``.
+
+    Raises:
+        NamedDatabases: the main database holds named sub-databases, not records.
+    """
     try:
         return _walk(file, keys)
     except (_Bad, IndexError, ValueError, OverflowError, MemoryError):
@@ -162,8 +172,11 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
         flags = _u16(file, nodes + 4)
         ksize = _u16(file, nodes + 6)
         dsize = _u16(file, nodes) | (_u16(file, nodes + 2) << 16)
+        if (flags & _F_SUBDATA).any():
+            names = [bytes(keys[done + int(j)]) for j in np.flatnonzero(flags & _F_SUBDATA)]
+            raise NamedDatabases(*names)
         if (flags & ~_F_BIGDATA).any():
-            raise _Bad("sub-databases or duplicate values")
+            raise _Bad("duplicate values")
         if (ksize != key_lens[done : done + m]).any():
             raise _Bad("keys differ")
         data_at = nodes + _NODESIZE + ksize
