@@ -22,7 +22,7 @@ import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._index import ENCODED, PARSED, RAW
-from blobpipe._io._lmdbfile import value_extents
+from blobpipe._io._lmdbfile import NamedDatabases, value_extents
 from blobpipe._io._transform import Transform
 from tests._helpers import (
     encoded_db,
@@ -131,8 +131,10 @@ def test_extents_refuse_what_they_do_not_understand(tmp_path: Path) -> None:
     with blobpipe.LmdbReader(named) as reader:
         file = reader._mapped_file()
         assert file is not None
-        # the main database holds the sub-database's record: not a plain database
-        assert value_extents(file, reader.keys()) is None
+        # the main database holds the sub-database's record: not records, and said so
+        with pytest.raises(NamedDatabases) as info:
+            value_extents(file, reader.keys())
+        assert info.value.args == (b"sub",)
 
 
 # -- batches from the index equal the checked path --------------------------------------------
