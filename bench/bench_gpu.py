@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             "passed": ok,
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    return 0
+    if not ok:
+        print(f"\nstarvation target (< {STARVATION_TARGET:.0%}) missed", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

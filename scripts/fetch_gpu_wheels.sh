@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download (here, with network) the wheels the GPU machine's image lacks, for its
-# Python 3.12 / x86_64, into .whl/ (git-ignored); scripts/gpu_check.sh installs them.
+# Python (PYVER, default 3.12: the device image's) on x86_64, into .whl/ (git-ignored);
+# scripts/gpu_check.sh installs them. Usage: PYVER=3.11 bash scripts/fetch_gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -9,7 +10,7 @@ mkdir -p .whl
 for spec in "lmdb==3.0.0" "trio==0.35.0" "outcome==1.3.0.post0" "sniffio==1.3.1" \
             "protobuf==7.36.2" "anyio==4.16.0" "pytest-asyncio==1.5.0" "pytest-timeout==2.4.0" \
             "typing_extensions==4.16.0"; do
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
     -d .whl "$spec"

@@ -29,6 +29,28 @@ BLOBPIPE_REQUIRE_GPU=1 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider
   -o addopts="-ra --strict-markers" tests 2>&1 | tee "$OUTDIR/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 
-timeout 120 "$PY" bench/bench_gpu.py 2>&1 | tee "$OUTDIR/bench-gpu.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+tests_rc=$rc
+timeout 120 "$PY" bench/bench_gpu.py --json "$OUTDIR/bench-gpu.json" 2>&1 | tee "$OUTDIR/bench-gpu.txt"
+bench_rc=${PIPESTATUS[0]}
+[ "$bench_rc" -eq 0 ] || rc=1
+
+# One summary for whoever collects $OUT: each part, its exit status, and the benchmark's
+# figures when it got that far (it exits 1 on a missed target, 2+ on an error).
+"$PY" - "$OUTDIR" "$tests_rc" "$bench_rc" <<'PYEOF'
+import json, pathlib, sys
+out, tests_rc, bench_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+bench = out / "bench-gpu.json"
+summary = {
+    "gpu_tests": {"passed": tests_rc == 0, "log": "gpu-tests.txt"},
+    "gpu_bench": {
+        "exit_status": bench_rc,
+        "passed": bench_rc == 0,
+        "results": json.loads(bench.read_text()) if bench.exists() else None,
+        "log": "bench-gpu.txt",
+    },
+    "passed": tests_rc == 0 and bench_rc == 0,
+}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(f"summary: {out / 'summary.json'} (passed: {summary['passed']})")
+PYEOF
 exit "$rc"
