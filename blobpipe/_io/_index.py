@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError
 from ._datum import match_raw_layout, parse_datum, raw_header
+from ._lmdbfile import picked_meta
 
 __all__ = ["BAD", "ENCODED", "PARSED", "RAW", "Located", "RecordIndex"]
 
@@ -107,8 +108,8 @@ class RecordIndex:
         on), else None. The check reads two 8-byte fields."""
         if self._metas is None or self.txnid is None:
             return None
-        t0, t1 = int(self._metas[0][0]), int(self._metas[1][0])
-        now = t1 if t0 < t1 else t0  # the meta LMDB reads (see _lmdbfile)
+        ids = int(self._metas[0][0]), int(self._metas[1][0])
+        now = ids[picked_meta(*ids)]
         return None if now == self.txnid else (self.txnid, now)
 
     def shape_of(self, i: int) -> tuple[int, int, int] | None:

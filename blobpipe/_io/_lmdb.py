@@ -65,6 +65,7 @@ from .._errors import (
     StateError,
 )
 from ._datum import ParsedDatum, parse_datum
+from ._lmdbfile import picked_meta
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -209,8 +210,7 @@ def _check_size(data_file: str, size: int, path: str) -> None:
             return
         last_page = int.from_bytes(head[m + 136 : m + 144], "little")  # mm_last_pg
         metas.append((int.from_bytes(head[m + 144 : m + 152], "little"), last_page))
-    # the meta LMDB reads: meta 1 only when its transaction is newer (see _lmdbfile)
-    last_page = metas[1][1] if metas[0][0] < metas[1][0] else metas[0][1]
+    last_page = metas[picked_meta(metas[0][0], metas[1][0])][1]
     need = (last_page + 1) * psize
     if size < need:
         raise DataError(

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Extents", "NamedDatabases", "value_extents"]
+__all__ = ["Extents", "NamedDatabases", "picked_meta", "value_extents"]
 
 _PAGEHDRSZ = 16
 _NODESIZE = 8
@@ -50,6 +50,12 @@ class Extents(NamedTuple):
     offsets: I64
     lengths: npt.NDArray[np.uint32]
     txnid: int
+
+
+def picked_meta(txnid0: int, txnid1: int) -> int:
+    """Which meta page (0 or 1) LMDB reads, given their transaction ids: meta 1 only
+    when its transaction is newer, meta 0 on a tie (``mdb_env_pick_meta``)."""
+    return 1 if txnid0 < txnid1 else 0
 
 
 class NamedDatabases(Exception):
@@ -137,9 +143,7 @@ def _walk(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents:
         if _u32(file, m + 16) != _MAGIC or _u32(file, m + 20) != _DATA_VERSION:
             raise _Bad("bad meta page")
         metas.append((_u64(file, m + 144), m))  # (mm_txnid, page)
-    # LMDB's pick (mdb_env_pick_meta): meta 1 only when its transaction is newer
-    # than meta 0's; on a tie, meta 0
-    meta = metas[1][1] if metas[0][0] < metas[1][0] else metas[0][1]
+    meta = metas[picked_meta(metas[0][0], metas[1][0])][1]
     main = meta + 88  # mm_dbs[MAIN_DBI]
     if _u32(file, main + 4) & 0xFFFF:  # md_flags
         raise _Bad("a main database with flags (DUPSORT, INTEGERKEY, ...)")
