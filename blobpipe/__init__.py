@@ -17,7 +17,6 @@ from __future__ import annotations
 from ._backends import Backend as Backend
 from ._backends import get_backend as get_backend
 from ._backends import set_default_backend as set_default_backend
-from ._blob import MAX_BLOB_AXES as MAX_BLOB_AXES
 from ._blob import Blob as Blob
 from ._codec import load_mean_file as load_mean_file
 from ._codec import read_blobproto as read_blobproto
@@ -62,6 +61,7 @@ from ._loader import LoaderStatistics as LoaderStatistics
 from ._pool import MemoryPool as MemoryPool
 from ._pool import PoolStatistics as PoolStatistics
 from ._pool import get_pool as get_pool
+from ._shape import MAX_BLOB_AXES as MAX_BLOB_AXES
 from ._syncedmem import Head as Head
 from ._syncedmem import SyncedMemory as SyncedMemory
 from ._tools import BenchResult as BenchResult

@@ -37,9 +37,6 @@ Differences from Caffe, all of them raising where Caffe aborts or misbehaves:
 
 from __future__ import annotations
 
-import operator
-import sys
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -56,116 +53,21 @@ from ._errors import (
     StateError,
     UnsupportedOperationError,
 )
-from ._syncedmem import Head, SyncedMemory
+from ._shape import (
+    FLOAT_DTYPES,
+    MAX_BLOB_AXES,
+    SUPPORTED_DTYPES,
+    as_dim,
+    check_dtype,
+    format_shape,
+    validate_shape,
+)
+from ._syncedmem import Head, SharedMemory, SyncedMemory
 
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
-#: Caffe's ``kMaxBlobAxes``.
-MAX_BLOB_AXES: Final = 32
-
-#: The element types a Blob can hold (Caffe instantiates Blob for the first four).
-SUPPORTED_DTYPES: Final = (
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-    np.dtype(np.int32),
-    np.dtype(np.uint32),
-    # Not Caffe's: raw pixel batches (Transform(dtype="uint8")) and class-index
-    # labels (label_dtype="int64", as torch's losses take them) use these.
-    np.dtype(np.uint8),
-    np.dtype(np.int64),
-)
-
-_FLOAT_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
 _LEGACY_NAMES: Final = ("num", "channels", "height", "width")
 _DLPACK_CPU: Final = 1  # DLDeviceType.kDLCPU
-
-
-def _check_dtype(dtype: Any) -> np.dtype[Any]:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise ShapeError(
-            f"unsupported blob dtype {dtype!r}: expected float32, float64, int32, uint32, "
-            "uint8 or int64"
-        ) from exc
-    if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
-        raise ShapeError(
-            f"unsupported blob dtype {dt}: expected float32, float64, int32, uint32, uint8 or int64"
-        )
-    result: np.dtype[Any] = dt
-    return result
-
-
-def _as_dim(value: object, what: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _format_shape(shape: Sequence[int], count: int) -> str:
-    # Caffe's shape_string(): every dim followed by a space, then "(count)".
-    return "".join(f"{d} " for d in shape) + f"({count})"
-
-
-def _validate_shape(dims: object, itemsize: int) -> tuple[tuple[int, ...], int]:
-    """The shape as a tuple of ints and its count; raises ShapeError/TypeError."""
-    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__len__"):
-        raise TypeError(
-            f"a blob shape must be a sequence of ints such as (2, 3, 4, 5), got {dims!r}"
-        )
-    values = list(dims)  # type: ignore[call-overload]
-    if len(values) > MAX_BLOB_AXES:
-        raise ShapeError(
-            f"a blob has at most {MAX_BLOB_AXES} axes, got {len(values)} "
-            f"(shape {_format_shape(values, 0)})"
-        )
-    shape = tuple(_as_dim(v, f"dimension {i}") for i, v in enumerate(values))
-    count = 1
-    for d in shape:
-        count *= d
-    for i, d in enumerate(shape):
-        if d < 0:
-            raise ShapeError(
-                f"dimension {i} of a blob shape must be >= 0, got {d} "
-                f"(shape {_format_shape(shape, count)})"
-            )
-    if count * itemsize > sys.maxsize:
-        raise ShapeError(
-            f"a blob of shape {_format_shape(shape, count)} needs {count * itemsize} bytes, "
-            f"more than this platform can address ({sys.maxsize})"
-        )
-    return shape, count
-
-
-class _SharedMemory:
-    """A SyncedMemory with a reference count: each blob using it holds one.
-
-    The last :meth:`release` closes the SyncedMemory, returning its blocks.
-    """
-
-    __slots__ = ("_lock", "mem", "refs")
-
-    def __init__(self, mem: SyncedMemory) -> None:
-        self.mem = mem
-        self.refs = 1
-        self._lock = threading.Lock()
-
-    def acquire(self) -> _SharedMemory:
-        with self._lock:
-            if self.refs == 0:
-                raise StateError(f"{self.mem!r} was already released")
-            self.refs += 1
-        return self
-
-    def release(self) -> None:
-        with self._lock:
-            self.refs -= 1
-            last = self.refs == 0
-        if last:
-            self.mem.close()
 
 
 class _Holder:
@@ -173,9 +75,9 @@ class _Holder:
 
     __slots__ = ("data", "diff")
 
-    def __init__(self, data: _SharedMemory, diff: _SharedMemory) -> None:
-        self.data: _SharedMemory | None = data
-        self.diff: _SharedMemory | None = diff
+    def __init__(self, data: SharedMemory, diff: SharedMemory) -> None:
+        self.data: SharedMemory | None = data
+        self.diff: SharedMemory | None = diff
 
     def release(self) -> None:
         data, diff, self.data, self.diff = self.data, self.diff, None, None
@@ -211,14 +113,14 @@ class Blob:
         *,
         backend: Backend | str | None = None,
     ) -> None:
-        self._dtype = _check_dtype(dtype)
+        self._dtype = check_dtype(dtype)
         self._itemsize = self._dtype.itemsize
         if shape is None:
             self._shape: tuple[int, ...] = ()
             self._count = 0
             self._shaped = False
         else:
-            self._shape, self._count = _validate_shape(shape, self._itemsize)
+            self._shape, self._count = validate_shape(shape, self._itemsize)
             self._shaped = True
         self._backend = get_backend(backend)
         nbytes = self._count * self._itemsize
@@ -260,8 +162,8 @@ class Blob:
         if self._finalizer is None and not self._closed:
             self._finalizer = weakref.finalize(self, self._holder.release)
 
-    def _new_memory(self, nbytes: int) -> _SharedMemory:
-        return _SharedMemory(SyncedMemory(nbytes, self._backend))
+    def _new_memory(self, nbytes: int) -> SharedMemory:
+        return SharedMemory(SyncedMemory(nbytes, self._backend))
 
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:
@@ -377,7 +279,7 @@ class Blob:
                 "reshape takes one shape sequence, e.g. reshape((2, 3, 4, 5)), or the four "
                 f"legacy ints reshape(n, c, h, w); got {len(shape)} arguments"
             )
-        new_shape, count = _validate_shape(dims, self._itemsize)
+        new_shape, count = validate_shape(dims, self._itemsize)
         if count > self.capacity:
             nbytes = count * self._itemsize
             data, diff = self._new_memory(nbytes), self._new_memory(nbytes)
@@ -392,14 +294,14 @@ class Blob:
 
     def shape_string(self) -> str:
         """Caffe's shape string, e.g. ``"2 3 4 5 (120)"``."""
-        return _format_shape(self._shape, self._count)
+        return format_shape(self._shape, self._count)
 
     def canonical_axis_index(self, axis_index: int) -> int:
         """``axis_index`` in ``[0, num_axes)``; negative values count from the end.
 
         Raises BlobIndexError outside ``[-num_axes, num_axes)``.
         """
-        axis = _as_dim(axis_index, "axis")
+        axis = as_dim(axis_index, "axis")
         n = self.num_axes
         if not -n <= axis < n:
             raise BlobIndexError(
@@ -424,8 +326,8 @@ class Blob:
         """
         if start_axis is None and end_axis is None:
             return self._count
-        start = 0 if start_axis is None else _as_dim(start_axis, "start_axis")
-        end = self.num_axes if end_axis is None else _as_dim(end_axis, "end_axis")
+        start = 0 if start_axis is None else as_dim(start_axis, "start_axis")
+        end = self.num_axes if end_axis is None else as_dim(end_axis, "end_axis")
         if not 0 <= start <= end <= self.num_axes:
             raise BlobIndexError(
                 f"count({start}, {end}) needs 0 <= start_axis <= end_axis <= num_axes "
@@ -443,7 +345,7 @@ class Blob:
         Raises ShapeError for a blob of more than 4 axes, BlobIndexError for an
         index outside ``[-4, 4)``.
         """
-        idx = _as_dim(index, "index")
+        idx = as_dim(index, "index")
         if self.num_axes > 4:
             raise ShapeError(
                 "cannot use legacy accessors (num/channels/height/width, legacy_shape, "
@@ -497,7 +399,7 @@ class Blob:
         dims = (self.num, self.channels, self.height, self.width)
         result = 0
         for name, dim, value in zip(_LEGACY_NAMES, dims, (n, c, h, w), strict=True):
-            idx = _as_dim(value, name)
+            idx = as_dim(value, name)
             if not 0 <= idx < dim:
                 raise BlobIndexError(
                     f"index {name}={idx} out of range [0, {dim}) for Blob with shape "
@@ -509,7 +411,7 @@ class Blob:
     def _offset_indices(self, indices: Any) -> int:
         if isinstance(indices, (str, bytes)) or not hasattr(indices, "__len__"):
             raise TypeError(f"offset expects ints or a sequence of ints, got {indices!r}")
-        idx = [_as_dim(v, f"index {i}") for i, v in enumerate(indices)]
+        idx = [as_dim(v, f"index {i}") for i, v in enumerate(indices)]
         if len(idx) > self.num_axes:
             raise BlobIndexError(
                 f"{len(idx)} indices given for a {self.num_axes}-D Blob with shape "
@@ -728,7 +630,7 @@ class Blob:
 
     # -- math -------------------------------------------------------------------------
     def _check_math(self, what: str) -> None:
-        if self._dtype not in _FLOAT_DTYPES:
+        if self._dtype not in FLOAT_DTYPES:
             raise UnsupportedOperationError(
                 f"{what}() is not implemented for {self._dtype} blobs (Caffe's "
                 "NOT_IMPLEMENTED); use a float32 or float64 blob"
@@ -951,14 +853,14 @@ class Blob:
         UnsupportedOperationError for integer blobs.
         """
         self._check_open()
-        if self._dtype not in _FLOAT_DTYPES:
+        if self._dtype not in FLOAT_DTYPES:
             raise UnsupportedOperationError(
                 f"from_proto: BlobProto holds float or double values, but this blob is "
                 f"{self._dtype}; use a float32 or float64 blob"
             )
         if reshape:
             try:
-                shape, count = _validate_shape(blob_shape(proto)[0], self._itemsize)
+                shape, count = validate_shape(blob_shape(proto)[0], self._itemsize)
             except ShapeError as exc:
                 raise ProtoError(f"BlobProto has an unusable shape: {exc}") from exc
         else:
@@ -968,7 +870,7 @@ class Blob:
                     f"{self.shape_string()}, proto {_proto_shape_text(proto)}"
                 )
             shape, count = self._shape, self._count
-        data, diff = blob_values(proto, count, _format_shape(shape, count))
+        data, diff = blob_values(proto, count, format_shape(shape, count))
         if reshape:
             self.reshape(shape)
         if count:
@@ -988,7 +890,7 @@ class Blob:
         integer fields), StateError when closed.
         """
         self._check_open()
-        if self._dtype not in _FLOAT_DTYPES:
+        if self._dtype not in FLOAT_DTYPES:
             raise UnsupportedOperationError(
                 f"to_proto: BlobProto has no integer fields, and this blob is {self._dtype}; "
                 "convert it to a float32 or float64 blob first"

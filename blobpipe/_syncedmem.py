@@ -23,6 +23,7 @@ or guard it.
 from __future__ import annotations
 
 import enum
+import threading
 import weakref
 from typing import Any
 
@@ -32,7 +33,7 @@ from ._backends import Backend, Event, Stream, get_backend, wait_event
 from ._errors import ShapeError, StateError
 from ._pool import Block, MemoryPool, get_pool
 
-__all__ = ["Head", "SyncedMemory"]
+__all__ = ["Head", "SharedMemory", "SyncedMemory"]
 
 
 class Head(enum.Enum):
@@ -366,3 +367,31 @@ class SyncedMemory:
         """Copy GPU→CPU on ``stream`` and await its completion; head → SYNCED after it."""
         self.start_cpu_pull(stream)
         await self.wait()
+
+
+class SharedMemory:
+    """A SyncedMemory with a reference count: each blob using it holds one.
+
+    The last :meth:`release` closes the SyncedMemory, returning its blocks.
+    """
+
+    __slots__ = ("_lock", "mem", "refs")
+
+    def __init__(self, mem: SyncedMemory) -> None:
+        self.mem = mem
+        self.refs = 1
+        self._lock = threading.Lock()
+
+    def acquire(self) -> SharedMemory:
+        with self._lock:
+            if self.refs == 0:
+                raise StateError(f"{self.mem!r} was already released")
+            self.refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            self.mem.close()

@@ -72,9 +72,7 @@ def draw_word(seed: int, epoch: int, index: int) -> int:
     return _splitmix64(x ^ (index & _M64))
 
 
-def draw_words(
-    seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike
-) -> npt.NDArray[np.uint64]:
+def draw_words(seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     """:func:`draw_word` for many records at once (equal word for word)."""
     e = np.asarray(epochs, dtype=np.int64).astype(_U64)
     i = np.asarray(indices, dtype=np.int64).astype(_U64)

@@ -299,9 +299,7 @@ class Transform:
         h, w, flip = self.geometry(record_shape, _check_phase(phase), [word]).row(0)
         return RecordParams(h, w, flip)
 
-    def geometry(
-        self, record_shape: Sequence[int], phase: Phase, words: npt.ArrayLike
-    ) -> Geometry:
+    def geometry(self, record_shape: Sequence[int], phase: Phase, words: npt.ArrayLike) -> Geometry:
         """:meth:`record_params` for many records of one shape: per-row arrays of
         crop offsets and flips (the kernel's one place that draws them).
 
