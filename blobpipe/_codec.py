@@ -62,6 +62,7 @@ __all__ = [
     "TransformationParameter",
     "blob_shape",
     "blob_values",
+    "blobproto_array",
     "blobproto_bytes",
     "data_layer_fields",
     "decode_blobproto",
@@ -170,6 +171,36 @@ def blob_values(
         )
     diff = _as_array(proto, diff_field) if n_diff else None
     return _as_array(proto, data_field), diff
+
+
+def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.ndarray:
+    """One serialized ``caffe.BlobProto`` (an LMDB record) as an array of its shape.
+
+    Caffe's rules: the legacy num/channels/height/width shape when any is set,
+    else ``shape.dim``; ``double_data`` (float64) when it is not empty, else
+    ``data`` (float32). The diff is ignored. Nothing is sized by the shape's
+    claims: the values are counted first and must equal the shape's count.
+
+    Raises:
+        ProtoError: not a BlobProto, a negative or absurd dimension, or a value
+            count that does not match the shape (``label`` names the bytes).
+    """
+    proto = _decode(BlobProto(), bytes(data), label, "valid caffe.BlobProto")
+    shape, legacy = blob_shape(proto)
+    fields = "num/channels/height/width" if legacy else "shape"
+    if any(d < 0 for d in shape):
+        raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
+    field = _value_field(proto, "data")
+    n = len(getattr(proto, field))
+    count = 1
+    for d in shape:
+        count *= int(d)  # Python ints: no overflow
+    if count != n:
+        raise ProtoError(
+            f"{label} is a BlobProto of shape {shape} ({fields}: {count} values) but holds "
+            f"{n} values in {field}"
+        )
+    return _as_array(proto, field).reshape(shape)
 
 
 def load_mean_file(path: StrPath) -> npt.NDArray[np.float32]:

@@ -35,6 +35,9 @@ LOADER_SIGNATURE = {
     "state": None,
     "readahead": False,
     "label_dtype": "float32",
+    "record": "auto",
+    "blob_dtype": "float32",
+    "share_random": False,
 }
 
 

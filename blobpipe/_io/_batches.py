@@ -39,9 +39,11 @@ transform applied by one kernel (``_kernels.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections.abc import Iterator
+import zlib
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
@@ -50,7 +52,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import Filler, RecordSource
+from ._fill import BLOBPROTO, DATUM, Filler, RecordKind, RecordSource, detect_kind
+from ._kernels import _splitmix64_np
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
@@ -60,6 +63,8 @@ __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
 Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
+Record = Literal["auto", "datum", "blobproto"]
+SourceArg = str | os.PathLike[str] | RecordSource
 
 _STATE_VERSION = 1
 
@@ -69,9 +74,12 @@ class ArrayBatch:
     """One batch of transformed records.
 
     Attributes:
-        data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``.
+        data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``
+            (``(N, *shape)`` for BlobProto records); with several sources, the
+            one named "data" (else the first).
         label: ``(N,)`` labels: float32, as Caffe outputs them, or int64
-            (``label_dtype``).
+            (``label_dtype``); the source named "label" when there is one; None
+            for BlobProto records without a label source.
         keys: the records' keys, row by row.
         indices: the records' global indices (position in key order).
         epoch: the epoch of the first row (in ``mode="wrap"`` a batch may run into
@@ -79,16 +87,46 @@ class ArrayBatch:
         valid: the number of real rows; rows ``>= valid`` are padding.
         state: the resume state after this batch.
         plan: the plan the batch was built from.
+        arrays: every source's array by name (``batch["name"]``).
     """
 
     data: np.ndarray
-    label: np.ndarray
+    label: np.ndarray | None
     keys: list[bytes]
     indices: tuple[int, ...]
     epoch: int
     valid: int
     state: dict[str, Any]
     plan: BatchPlan = field(repr=False)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """The array of the source ``name`` (``"data"`` for a single database).
+
+        Raises:
+            KeyError: no source of that name.
+        """
+        try:
+            return self.arrays[name]
+        except KeyError:
+            raise KeyError(
+                f"no source named {name!r}; this batch has {sorted(self.arrays)}"
+            ) from None
+
+
+@dataclass(eq=False)
+class _Source:
+    """One database of a Batches: its reader, keys and filler, and the salt of
+    its random words (0: the first source's words; sources sharing their crops
+    and flips share a salt)."""
+
+    name: str
+    reader: RecordSource
+    owned: bool
+    path: object
+    keys: Any = ()
+    filler: Any = None
+    salt: int = 0
 
 
 class Batches:
@@ -96,9 +134,26 @@ class Batches:
 
     Args:
         source: an LMDB path (opened, and closed by :meth:`close`) or an open
-            reader (left open).
+            reader (left open); or several of them by name,
+            ``{"data": images, "label": label_maps}``, read in lockstep as one
+            dataset: the same keys (checked at open), one order, shuffle, shards
+            and resume for all, each source Datum or BlobProto records, a batch
+            holding each source's array (``batch["label"]``).
         batch_size: records per batch.
-        transform: the :class:`Transform` (default: none, float32 NCHW output).
+        transform: the :class:`Transform` (default: none, float32 NCHW output);
+            with several sources a mapping ``{name: Transform}`` (sources left
+            out get none).
+        record: "auto" (default: told from the first record), "datum" or
+            "blobproto" (records are ``caffe.BlobProto``: batches of shape
+            ``(N, *blob shape)``, no labels); with several sources, one value or
+            a mapping by name.
+        blob_dtype: BlobProto batches' element type: "float32" (default) or
+            "float64" (the exact values of records holding ``double_data``).
+        share_random: with several sources, which draw the same random crop and
+            flip per row (an image and its label map): True (all), or a
+            collection of names; others draw their own. Sharing sources need
+            the same ``crop_size`` and ``mirror``, and records of one height
+            and width.
         phase: "train" (random crops) or "test" (centre crops); mirror is random
             in both when enabled, as in Caffe.
         order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
@@ -151,10 +206,10 @@ class Batches:
 
     def __init__(
         self,
-        source: str | os.PathLike[str] | RecordSource,
+        source: SourceArg | Mapping[str, SourceArg],
         batch_size: int,
         *,
-        transform: Transform | None = None,
+        transform: Transform | Mapping[str, Transform] | None = None,
         phase: Phase = "train",
         order: Order = "key",
         buffer_size: int | None = None,
@@ -167,6 +222,9 @@ class Batches:
         readahead: bool = False,
         state: dict[str, Any] | None = None,
         label_dtype: Literal["float32", "int64"] = "float32",
+        record: Record | Mapping[str, Record] = "auto",
+        blob_dtype: Literal["float32", "float64"] = "float32",
+        share_random: bool | Collection[str] = False,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -191,9 +249,10 @@ class Batches:
         self._label_dtype = np.dtype(label_dtype)
         if int(seed) != seed or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if blob_dtype not in ("float32", "float64"):
+            raise ValueError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
         self._rank, self._world = shard_from(shard)
         self._batch_size = int(batch_size)
-        self._transform = transform if transform is not None else Transform()
         self._seed = int(seed)
         if pad_shards not in (True, False, "drop"):
             raise ValueError(f"pad_shards must be True, False or 'drop', got {pad_shards!r}")
@@ -201,23 +260,19 @@ class Batches:
         self._mode: Mode = mode
         self._last: Last = last
 
-        if isinstance(source, (str, os.PathLike)):
-            self._reader: RecordSource = LmdbReader(source, readahead=readahead)
-            self._owned = True
-            self._path: object = os.fspath(source)
-        else:
-            self._reader = source
-            self._owned = False
-            self._path = getattr(source, "path", None)
-        keys = self._reader.keys()
-        if not isinstance(self._reader, LmdbReader):  # LmdbReader's keys are bytes already
-            keys = tuple(bytes(k) for k in keys)
-        self._keys = keys
-        self._n = len(self._keys)
         self._closed = False
+        self._sources: list[_Source] = []
         try:
-            t = self._transform
-            self._filler = Filler(self._reader, self._keys, t, self._phase, self._path)
+            self._open_sources(
+                source, transform, record, np.dtype(blob_dtype), share_random, readahead
+            )
+            primary = self._sources[0]
+            self._reader = primary.reader
+            self._path = primary.path
+            self._filler = primary.filler
+            self._transform = primary.filler.transform
+            self._keys = primary.keys
+            self._n = len(self._keys)
             if self._n == 0:
                 raise DataError("the database holds no records", path=self._path)
             self._epochs = EpochOrder(
@@ -230,7 +285,7 @@ class Batches:
                 "shard": (self._rank, self._world),
                 "num_records": self._n,
             }
-            self._out_shapes: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+            self._out_shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], Any]] = {}
             if self._shard_len == 0:
                 raise DataError(
                     f"shard rank {self._rank} of {self._world} holds no records "
@@ -252,6 +307,94 @@ class Batches:
             self.close()
             raise
 
+    # -- sources -------------------------------------------------------------------------
+
+    def _open_sources(
+        self,
+        source: SourceArg | Mapping[str, SourceArg],
+        transform: Transform | Mapping[str, Transform] | None,
+        record: Record | Mapping[str, Record],
+        blob_dtype: np.dtype[Any],
+        share_random: bool | Collection[str],
+        readahead: bool,
+    ) -> None:
+        """Open every source (into ``self._sources``, the primary first), tell each
+        one's record kind, check that their keys agree, and give each its filler."""
+        if isinstance(source, Mapping):
+            named = dict(source)
+            if not named:
+                raise ValueError("source is an empty mapping: name at least one database")
+            for name in named:
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"source names must be non-empty strings, got {name!r}")
+        else:
+            named = {"data": source}
+        names = list(named)
+        if "data" in names:  # batch.data is the source named "data", else the first
+            names.remove("data")
+            names.insert(0, "data")
+        transforms = _per_source("transform", transform, names, multi=isinstance(source, Mapping))
+        records = _per_source("record", record, names, multi=True)
+        shared = _shared_names(share_random, names)
+        for name in names:
+            arg = named[name]
+            if isinstance(arg, (str, os.PathLike)):
+                src = _Source(name, LmdbReader(arg, readahead=readahead), True, os.fspath(arg))
+            else:
+                src = _Source(name, arg, False, getattr(arg, "path", None))
+            self._sources.append(src)
+            keys = src.reader.keys()
+            if not isinstance(src.reader, LmdbReader):  # LmdbReader's keys are bytes already
+                keys = tuple(bytes(k) for k in keys)
+            src.keys = keys
+        primary = self._sources[0]
+        for src in self._sources[1:]:
+            _check_same_keys(primary, src)
+        group_salt = 0 if primary.name in shared else _salt("\0shared")
+        for src in self._sources:
+            t = transforms.get(src.name)
+            t = Transform() if t is None else t
+            kind = _record_kind(records[src.name], src)
+            src.filler = Filler(src.reader, src.keys, t, self._phase, src.path, kind, blob_dtype)
+            if src is not primary:
+                src.salt = group_salt if src.name in shared else _salt(src.name)
+        sharing = [s for s in self._sources if s.name in shared]
+        for src in sharing[1:]:
+            a, b = sharing[0].filler.transform, src.filler.transform
+            if (a.crop_size, a.mirror) != (b.crop_size, b.mirror):
+                raise ValueError(
+                    f"sources {sharing[0].name!r} and {src.name!r} share their random crops "
+                    f"and flips but their transforms differ (crop_size {a.crop_size} and "
+                    f"{b.crop_size}, mirror {a.mirror} and {b.mirror}): give them the same "
+                    "crop_size and mirror"
+                )
+        self._sharing = tuple(sharing)
+
+    def _use_transform(self, transform: Transform) -> None:
+        """Fill the primary source with ``transform`` instead (a Loader's host half
+        of a device transform); before the first plan."""
+        primary = self._sources[0]
+        primary.filler = Filler(
+            primary.reader, primary.keys, transform, self._phase, primary.path,
+            primary.filler.kind, primary.filler._blob_dtype,
+        )  # fmt: skip
+        self._filler = primary.filler
+        self._transform = transform
+        self._out_shapes.clear()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources' names, the primary (``batch.data``) first."""
+        return tuple(s.name for s in self._sources)
+
+    def record_kind(self, name: str | None = None) -> RecordKind:
+        """ "datum" or "blobproto": the records of source ``name`` (default: the primary)."""
+        for src in self._sources:
+            if name is None or src.name == name:
+                kind: RecordKind = src.filler.kind
+                return kind
+        raise KeyError(f"no source named {name!r}; the sources are {list(self.names)}")
+
     # -- properties ---------------------------------------------------------------------
 
     @property
@@ -261,8 +404,9 @@ class Batches:
 
     @property
     def transform(self) -> Transform:
-        """The transform applied to every record."""
-        return self._transform
+        """The transform applied to every record (of the primary source)."""
+        t: Transform = self._transform
+        return t
 
     @property
     def batch_size(self) -> int:
@@ -445,7 +589,7 @@ class Batches:
         state = self._state(epoch, pos)
 
         orders = self._epochs
-        random = self._transform.needs_random
+        random = any(src.filler.transform.needs_random for src in self._sources)
         if len(runs) == 1:  # the usual case: one stretch of one epoch's order
             e, a, b = runs[0]
             indices = tuple(orders.order(e)[a:b].tolist())
@@ -466,32 +610,60 @@ class Batches:
             positions, words = tuple(positions_list), tuple(words_list)
         all_keys = self._keys
         keys = itemgetter(*indices)(all_keys) if len(indices) > 1 else (all_keys[indices[0]],)
-        t = self._transform
-        record_shape, first = self._filler.first(indices[0])
-        out_shape = self._out_shapes.get(record_shape)
-        if out_shape is None:
-            try:
-                # validates the record against the transform (crop, mean)
-                out_shape = t.output_shape(record_shape)
-                t.kernel_spec(record_shape)
-            except ShapeError as exc:
-                raise DataError(str(exc), path=self._path, key=keys[0]) from exc
-            if len(self._out_shapes) < 64:
-                self._out_shapes[record_shape] = out_shape
-        return BatchPlan(
-            keys=keys,
-            indices=indices,
-            epochs=epochs,
-            positions=positions,
-            words=words,
-            valid=valid,
-            record_shape=record_shape,
-            data_shape=(len(indices), *out_shape),
-            dtype=t.dtype,
-            state=state,
-            label_dtype=self._label_dtype,
-            _first=first,
-        )
+        plans = []
+        for k, src in enumerate(self._sources):
+            filler = src.filler
+            record_shape, first = filler.first(indices[0])
+            cache_key = (k, record_shape)
+            out = self._out_shapes.get(cache_key)
+            if out is None:
+                out = filler.output(record_shape, keys[0])  # checks it against the transform
+                if len(self._out_shapes) < 64:
+                    self._out_shapes[cache_key] = out
+            out_shape, dtype = out
+            plans.append(
+                BatchPlan(
+                    keys=keys,
+                    indices=indices,
+                    epochs=epochs,
+                    positions=positions,
+                    words=_salted(words, src.salt) if random else words,
+                    valid=valid,
+                    record_shape=record_shape,
+                    data_shape=(len(indices), *out_shape),
+                    dtype=dtype,
+                    state=state,
+                    label_dtype=self._label_dtype,
+                    name=src.name,
+                    has_label=filler.kind == DATUM,
+                    _first=first,
+                )
+            )
+        if len(plans) == 1:
+            return plans[0]
+        self._check_shared(plans)
+        return dataclasses.replace(plans[0], extra=tuple((p.name, p) for p in plans[1:]))
+
+    def _check_shared(self, plans: list[BatchPlan]) -> None:
+        """Sources that share their crops and flips have records of one height and
+        width (rows of one batch share their shape, so the first rows tell).
+
+        Raises:
+            DataError: naming the key and both sources.
+        """
+        sharing = [p for p in plans if any(p.name == s.name for s in self._sharing)]
+        for p in sharing[1:]:
+            a, b = sharing[0], p
+            if a.record_shape[-2:] != b.record_shape[-2:]:
+                src = next(s for s in self._sources if s.name == b.name)
+                raise DataError(
+                    f"sources {a.name!r} and {b.name!r} share their random crops and flips, "
+                    f"but record {a.keys[0]!r} has shape {a.record_shape} in {a.name!r} and "
+                    f"{b.record_shape} in {b.name!r}: shared crops need records of one height "
+                    "and width",
+                    path=src.path,
+                    key=a.keys[0],
+                )
 
     def fill(
         self,
@@ -502,6 +674,7 @@ class Batches:
         stop: int | None = None,
         *,
         params_out: npt.NDArray[np.int32] | None = None,
+        extra_out: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Read, decode and transform rows ``[start:stop]`` of ``plan`` into the outputs.
 
@@ -511,6 +684,9 @@ class Batches:
         ``params_out`` (``(len(plan), 3)`` int32), when given, receives each row's
         ``(h_off, w_off, mirror)`` — what a device transform needs to apply the
         mean at the uncropped position after a ``dtype="uint8"`` batch.
+        ``extra_out``: with several sources, each other source's array by name
+        (shapes and dtypes from ``plan.extra``). Records without labels
+        (BlobProtos) leave zeros in ``label_out``.
 
         Raises:
             ShapeError: an output array has the wrong shape or dtype.
@@ -534,10 +710,31 @@ class Batches:
             )
         if params_out is not None and params_out.shape != (n, 3):
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
+        outs: list[tuple[Filler, BatchPlan, np.ndarray]] = []
+        if plan.extra:
+            given = dict(extra_out or {})
+            for (name, part), src in zip(plan.extra, self._sources[1:], strict=True):
+                out = given.pop(name, None)
+                if out is None:
+                    raise ShapeError(f"extra_out has no array for the source {name!r}")
+                if out.shape != part.data_shape or out.dtype != part.dtype:
+                    raise ShapeError(
+                        f"extra_out[{name!r}] has shape {out.shape} dtype {out.dtype}; the "
+                        f"plan needs shape {part.data_shape} dtype {part.dtype}"
+                    )
+                outs.append((src.filler, part, out))
+            if given:
+                raise ShapeError(f"extra_out names {sorted(given)}, which are not sources")
         if start == stop:
             return
         self._check_open()
         self._filler.fill(plan, data_out, label_out, start, stop, params_out)
+        if not plan.has_label:
+            label_out[start:stop] = 0
+        if outs:
+            scratch = np.empty(n, plan.label_dtype)  # other sources' labels: not delivered
+            for filler, part, out in outs:
+                filler.fill(part, out, scratch, start, stop, None)
 
     def make_batch(self, plan: BatchPlan) -> ArrayBatch:
         """Allocate arrays for ``plan`` and fill them (single thread).
@@ -547,16 +744,19 @@ class Batches:
         """
         data = np.empty(plan.data_shape, dtype=plan.dtype)
         label = np.empty(len(plan.keys), dtype=plan.label_dtype)
-        self.fill(plan, data, label)
+        extra = {name: np.empty(p.data_shape, dtype=p.dtype) for name, p in plan.extra}
+        self.fill(plan, data, label, extra_out=extra)
+        arrays = {plan.name: data, **extra}
         return ArrayBatch(
             data=data,
-            label=label,
+            label=arrays.get("label", label if plan.has_label else None),
             keys=list(plan.keys),
             indices=plan.indices,
             epoch=plan.epoch,
             valid=plan.valid,
             state=plan.state,
             plan=plan,
+            arrays=arrays,
         )
 
     def __iter__(self) -> Iterator[ArrayBatch]:
@@ -583,16 +783,123 @@ class Batches:
         """Close the reader if these Batches opened it. Idempotent."""
         if not self._closed:
             self._closed = True
-            filler = getattr(self, "_filler", None)
-            if filler is not None:
-                filler.close()
-            if self._owned:
-                close = getattr(self._reader, "close", None)
-                if close is not None:
-                    close()
+            for src in getattr(self, "_sources", ()):
+                if src.filler is not None:
+                    src.filler.close()
+                if src.owned:
+                    close = getattr(src.reader, "close", None)
+                    if close is not None:
+                        close()
 
     def __enter__(self) -> Batches:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _per_source(what: str, value: Any, names: list[str], *, multi: bool) -> dict[str, Any]:
+    """``value`` (one for all, or a mapping by source name) as a mapping by name.
+
+    Raises:
+        ValueError: a mapping naming a source that does not exist, or one transform
+            for several sources.
+    """
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ValueError(f"{what} names {unknown[0]!r}, which is not a source; the sources "
+                             f"are {names}")  # fmt: skip
+        return dict(value)
+    if what == "transform" and multi and len(names) > 1 and value is not None:
+        raise ValueError(
+            "with several sources, give transform as a mapping {name: Transform}: each "
+            "source has its own (an image's mean does not belong on its label map)"
+        )
+    return dict.fromkeys(names, value)
+
+
+def _shared_names(share_random: bool | Collection[str], names: list[str]) -> frozenset[str]:
+    """The sources that share their random crops and flips."""
+    if share_random is True:
+        return frozenset(names)
+    if share_random is False:
+        return frozenset()
+    if isinstance(share_random, str):
+        raise TypeError("share_random takes True, False or a collection of source names")
+    chosen = frozenset(share_random)
+    unknown = sorted(chosen - set(names))
+    if unknown:
+        raise ValueError(
+            f"share_random names {unknown[0]!r}, which is not a source; the sources are {names}"
+        )
+    return chosen
+
+
+def _salt(name: str) -> int:
+    """A source's salt for its random words (never 0, the primary's)."""
+    return (zlib.crc32(name.encode()) << 1) | 1
+
+
+def _salted(words: tuple[int, ...], salt: int) -> tuple[int, ...]:
+    """A source's own random words: ``words`` mixed with its salt."""
+    if not salt:
+        return words
+    w = np.fromiter(words, np.uint64, len(words))
+    out: tuple[int, ...] = tuple(_splitmix64_np(w ^ np.uint64(salt)).tolist())
+    return out
+
+
+def _record_kind(record: Any, src: _Source) -> RecordKind:
+    """The record kind of ``src``: named, or told from its first record.
+
+    Raises:
+        ValueError: a bad ``record`` value.
+    """
+    if record == "datum":
+        return DATUM
+    if record == "blobproto":
+        return BLOBPROTO
+    if record != "auto":
+        raise ValueError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
+    if not len(src.keys):
+        return DATUM  # empty: refused with its own message
+    # neither kind: read as Datums, whose checked path names what is wrong with it
+    kind = detect_kind(src.reader.get(src.keys[0]))
+    return DATUM if kind is None else kind
+
+
+def _check_same_keys(a: _Source, b: _Source) -> None:
+    """Sources read in lockstep hold the same keys, in the same order.
+
+    Raises:
+        DataError: naming the first key that differs and both databases.
+    """
+    ka, kb = a.keys, b.keys
+    if len(ka) == len(kb) and tuple(ka) == tuple(kb):
+        return
+    in_b = set(kb)
+    for key in ka:
+        if key not in in_b:
+            raise DataError(
+                f"sources {a.name!r} and {b.name!r} must hold the same keys: key {key!r} of "
+                f"{a.name!r} ({a.path}) is not in {b.name!r}; sources read in lockstep are "
+                "one dataset, row by row (write both databases from one list)",
+                path=b.path,
+                key=key,
+            )
+    in_a = set(ka)
+    for key in kb:
+        if key not in in_a:
+            raise DataError(
+                f"sources {a.name!r} and {b.name!r} must hold the same keys: key {key!r} of "
+                f"{b.name!r} is not in {a.name!r} ({a.path}); sources read in lockstep are "
+                "one dataset, row by row (write both databases from one list)",
+                path=b.path,
+                key=key,
+            )
+    raise DataError(
+        f"sources {a.name!r} and {b.name!r} hold the same keys in another order "
+        f"({a.name!r} is {a.path}); read them through LMDB, which orders keys by bytes",
+        path=b.path,
+    )

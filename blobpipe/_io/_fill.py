@@ -10,6 +10,12 @@ For rows ``[start:stop]`` of a plan, :meth:`Filler.fill`
 3. draws each row's crop offset and flip, and runs the transform kernel
    (``_kernels.apply``) from those pixels into the caller's output.
 
+A database of ``caffe.BlobProto`` records (``kind="blobproto"``) fills its rows
+from each record's values (parsed by the codec, ``blobproto_array``), through
+the same kernel where Caffe's ``DataTransformer::Transform(Blob*)`` applies
+(records of 3 axes, ``(C, H, W)``, or 4, ``(N, C, H, W)``, whose items share one
+crop and flip, as there); :func:`detect_kind` tells the kinds apart.
+
 A row that cannot be had this way (not a valid Datum, an image that does not
 decode, a shape that does not fit the batch or the transform) goes through the
 checked per-record path, :meth:`Filler._checked_row`, which reads it again and
@@ -20,12 +26,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import BlobpipeError, DataError
+from .._codec import blobproto_array
+from .._errors import BlobpipeError, DataError, ProtoError, ShapeError
 from ._datum import DEFAULT_MAX_PIXELS, parse_datum, view_record
 from ._image import Undecodable, decode_image, decode_many, imread_flag
 from ._index import ENCODED, PARSED, RAW, Located, RecordIndex
@@ -35,9 +42,37 @@ from ._lmdbfile import NamedDatabases, value_extents
 from ._plan import BatchPlan
 from ._transform import Phase, RecordParams, Transform
 
-__all__ = ["Filler", "RecordSource"]
+__all__ = ["BLOBPROTO", "DATUM", "Filler", "RecordKind", "RecordSource", "detect_kind"]
 
 _U1 = np.dtype(np.uint8)
+
+RecordKind = Literal["datum", "blobproto"]
+DATUM: RecordKind = "datum"
+BLOBPROTO: RecordKind = "blobproto"
+
+
+def detect_kind(value: bytes | memoryview) -> RecordKind | None:
+    """Which kind of Caffe record ``value`` is: a Datum holding pixels (raw,
+    float or encoded), else a BlobProto whose value count matches its shape, else
+    None. (The wire formats overlap: a BlobProto parses as a Datum without
+    pixels, so the Datum is tried first and must hold pixels.)"""
+    try:
+        p = parse_datum(value)
+    except BlobpipeError:
+        p = None
+    if p is not None:
+        count = p.channels * p.height * p.width if min(p.channels, p.height, p.width) > 0 else 0
+        if p.encoded and p.data is not None and len(p.data):
+            return DATUM
+        if count and p.data is not None and len(p.data) == count:
+            return DATUM
+        if count and p.data is None and p.float_data is not None and len(p.float_data) == count:
+            return DATUM
+    try:
+        blobproto_array(value)
+    except ProtoError:
+        return None
+    return BLOBPROTO
 
 
 class RecordSource(Protocol):
@@ -61,8 +96,11 @@ class Filler:
 
     def __init__(
         self, reader: RecordSource, keys: Sequence[bytes], transform: Transform, phase: Phase,
-        path: object,
+        path: object, kind: RecordKind = DATUM, blob_dtype: np.dtype[Any] | None = None,
     ) -> None:  # fmt: skip
+        self.kind: RecordKind = kind
+        # a BlobProto database's batch element type (float32, or float64 on request)
+        self._blob_dtype = np.dtype(np.float32) if blob_dtype is None else blob_dtype
         self._reader = reader
         self._keys = keys
         self._transform = transform
@@ -106,16 +144,57 @@ class Filler:
 
     # -- planning -----------------------------------------------------------------------------
 
-    def first(self, index: int) -> tuple[tuple[int, int, int], tuple[np.ndarray, int] | None]:
-        """The ``(C, H, W)`` record ``index`` yields (the batch's shape), and its pixels
-        and label when they had to be decoded (or read from a source with no file)
-        to learn it.
+    @property
+    def transform(self) -> Transform:
+        return self._transform
+
+    def output(self, record_shape: tuple[int, ...], key: bytes) -> tuple[tuple[int, ...], Any]:
+        """The row shape and element type records of ``record_shape`` make, checked
+        against the transform (crop, mean; for BlobProto records, the axes Caffe's
+        transform works on).
+
+        Raises:
+            DataError: the record does not fit the transform; names key and path.
+        """
+        t = self._transform
+        try:
+            if self.kind == DATUM:
+                out = t.output_shape(record_shape)
+                t.kernel_spec(record_shape)  # the mean must fit the record
+                return out, t.dtype
+            if t.dtype == _U1:
+                raise ShapeError(
+                    "dtype='uint8' output is for Datum pixels; a BlobProto database holds "
+                    "float values: use dtype='float32'"
+                )
+            if t.is_identity:
+                return record_shape, self._blob_dtype
+            if len(record_shape) not in (3, 4):
+                raise ShapeError(
+                    f"the record is a BlobProto of shape {record_shape}; a transform (crop, "
+                    "mirror, mean, scale, layout) applies, as in Caffe's "
+                    "DataTransformer::Transform(Blob*), to (C, H, W) or (N, C, H, W) records "
+                    "only: read these records without a transform"
+                )
+            chw = record_shape[-3:]
+            t.kernel_spec(chw)
+            return (*record_shape[:-3], *t.output_shape(chw)), self._blob_dtype
+        except ShapeError as exc:
+            raise DataError(str(exc), path=self._path, key=key) from exc
+
+    def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
+        """The shape of record ``index`` (the batch's shape: ``(C, H, W)`` for a
+        Datum, the blob's shape for a BlobProto), and its pixels (values) and label
+        when they had to be decoded (or read from a source with no file) to learn it.
 
         Raises:
             DataError: the record cannot be read or decoded; names key and path.
         """
         idx = self.index()
         key = self._keys[index]
+        if self.kind == BLOBPROTO:
+            values = self._blob(index)
+            return values.shape, (values, 0)
         if idx is not None:
             shape = idx.shape_of(index)
             if shape is not None:
@@ -136,11 +215,42 @@ class Filler:
         c, h, w = chw.shape
         return (c, h, w), (chw, label)
 
+    def _blob(self, index: int) -> np.ndarray:
+        """Record ``index``'s BlobProto values, shaped (errors name key and path)."""
+        key = self._keys[index]
+        idx = self.index()
+        value = idx.value(index) if idx is not None else self._reader.get(key)
+        hint = (
+            "it is a caffe.Datum, and this database is read as BlobProtos (its first "
+            "record is one, or record='blobproto' was given): a database must hold one "
+            "kind of record"
+        )
+        try:
+            values = blobproto_array(value, f"record {key!r}")
+        except ProtoError as exc:
+            why = f"{exc}; {hint}" if detect_kind(value) == DATUM else str(exc)
+            raise DataError(why, path=self._path, key=key) from None
+        # a Datum's bytes read as a BlobProto are an empty blob (its fields clash)
+        if not values.size and detect_kind(value) == DATUM:
+            raise DataError(f"record {key!r}: {hint}", path=self._path, key=key)
+        return values
+
     def _read(self, key: bytes, get: Callable[[bytes], Any]) -> tuple[np.ndarray, int]:
         """Record ``key``'s ``(C, H, W)`` pixels and label, checked (errors name it)."""
         buf = get(key)
-        p = parse_datum(buf, key=key, path=self._path)
-        chw, label = view_record(p, self._flag, DEFAULT_MAX_PIXELS, key, self._path)
+        try:
+            p = parse_datum(buf, key=key, path=self._path)
+            chw, label = view_record(p, self._flag, DEFAULT_MAX_PIXELS, key, self._path)
+        except DataError as exc:
+            if detect_kind(buf) != BLOBPROTO:
+                raise
+            raise DataError(
+                f"record {key!r} is a caffe.BlobProto, not a Datum, and this database is "
+                "read as Datums (its first record is one, or record='datum' was given): a "
+                "database must hold one kind of record",
+                path=self._path,
+                key=key,
+            ) from exc
         if not p.encoded:
             chw = chw.copy()  # a view of a transaction's memory: keep a copy
         return chw, label
@@ -157,6 +267,9 @@ class Filler:
         params_out: npt.NDArray[np.int32] | None,
     ) -> None:
         """Rows ``[start:stop]`` of ``plan`` into the outputs (checked by the caller)."""
+        if self.kind == BLOBPROTO:
+            self._fill_blobs(plan, data_out, start, stop, params_out)
+            return
         n = stop - start
         index = self.index()
         persistent = index is not None
@@ -165,10 +278,11 @@ class Filler:
         else:
             index = RecordIndex.joined(self._values(plan.keys[start:stop]))
             rows = np.arange(n, dtype=np.intp)
-        loc = index.locate(rows, plan.record_shape)
+        c, h, w = plan.record_shape  # a Datum's
+        shape = (c, h, w)
+        loc = index.locate(rows, shape)
         label_out[start:stop] = loc.label
         t = self._transform
-        shape = plan.record_shape
         spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = np.fromiter(plan.words[start:stop], np.uint64, n)
         out = data_out[start:stop]
@@ -201,6 +315,58 @@ class Filler:
             params_out[start:stop, 1] = geometry.w_off
             params_out[start:stop, 2] = geometry.mirror
         if persistent:
+            self._check_snapshot(index)
+
+    def _fill_blobs(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> None:
+        """BlobProto rows ``[start:stop]``: each record's values, through the kernel
+        unless the transform is the identity."""
+        rows = []
+        shape = plan.record_shape
+        for r in range(start, stop):
+            if r == 0 and plan._first is not None:
+                values = plan._first[0]
+            else:
+                values = self._blob(plan.indices[r])
+            if values.shape != shape:
+                raise DataError(
+                    f"record {plan.keys[r]!r} is a blob of shape {values.shape} but the batch's "
+                    f"first record {plan.keys[0]!r} has shape {shape}; records in one batch "
+                    "must share a shape: use batch_size=1",
+                    path=self._path,
+                    key=plan.keys[r],
+                )
+            rows.append(values)
+        out = data_out[start:stop]
+        t = self._transform
+        n = stop - start
+        if t.is_identity:
+            for r, values in enumerate(rows):
+                out[r] = values
+            geometry = Geometry(np.zeros(n, np.intp), np.zeros(n, np.intp), np.zeros(n, np.bool_))
+        else:
+            chw = shape[-3:]
+            words = np.fromiter(plan.words[start:stop], np.uint64, n)
+            geometry = t.geometry(chw, self._phase, words)
+            spec = t.kernel_spec(chw)
+            if len(shape) == 3:
+                apply(np, rows, out, geometry, spec)
+            else:  # a 4-D blob's items share one crop and flip, as in Caffe
+                items = shape[0]
+                for r, values in enumerate(rows):
+                    apply(np, values, out[r], geometry.take([r] * items), spec)
+        if params_out is not None:
+            params_out[start:stop, 0] = geometry.h_off
+            params_out[start:stop, 1] = geometry.w_off
+            params_out[start:stop, 2] = geometry.mirror
+        index = self.index()
+        if index is not None:
             self._check_snapshot(index)
 
     def _check_snapshot(self, index: RecordIndex) -> None:

@@ -112,6 +112,11 @@ class RecordIndex:
         now = ids[picked_meta(*ids)]
         return None if now == self.txnid else (self.txnid, now)
 
+    def value(self, i: int) -> memoryview:
+        """Record ``i``'s whole stored value (a view of the buffer)."""
+        start = int(self._value_offset[i])
+        return self.buffer[start : start + int(self._value_length[i])].data
+
     def shape_of(self, i: int) -> tuple[int, int, int] | None:
         """The ``(C, H, W)`` record ``i`` yields, if known."""
         if self._kind[i] in (RAW, ENCODED, PARSED) and self._shape[i, 0]:

@@ -241,12 +241,12 @@ def _apply_one(
     if out.dtype == np.uint8:
         out[...] = src
     elif mean is not None:
-        xp.subtract(src, mean, out=out, dtype=np.float32)
+        xp.subtract(src, mean, out=out, dtype=out.dtype)
         if scale != 1:
             if flip_out:
                 out = row  # forward strides for the in-place step
             xp.multiply(out, scale, out=out)
     elif scale != 1:
-        xp.multiply(src, scale, out=out, dtype=np.float32)
+        xp.multiply(src, scale, out=out, dtype=out.dtype)
     else:
         out[...] = src

@@ -23,11 +23,19 @@ class BatchPlan:
     Attributes:
         keys, indices, epochs, positions, words: one entry per row.
         valid: the number of real (non-padding) rows.
-        record_shape: the first record's ``(C, H, W)`` before the transform.
-        data_shape: the batch array's shape, ``(N, C, h, w)`` or ``(N, h, w, C)``.
-        dtype: the batch array's dtype (float32, or uint8 for raw pixels).
+        record_shape: the first record's ``(C, H, W)`` before the transform (a
+            BlobProto record's own shape).
+        data_shape: the batch array's shape, ``(N, C, h, w)`` or ``(N, h, w, C)``
+            (``(N, *shape)`` for BlobProto records).
+        dtype: the batch array's dtype (float32, or uint8 for raw pixels; float64
+            for BlobProto records on request).
         label_dtype: the labels' dtype (float32, as Caffe, or int64).
         state: the resume state after this batch (see :meth:`Batches.state_dict`).
+        name: the source's name (``"data"`` for a single database).
+        has_label: whether the records carry labels (Datums do, BlobProtos not).
+        extra: the other sources read in lockstep, as ``(name, plan)``: the same
+            rows (keys, indices, epochs, positions), with their own shapes,
+            element types and random words.
     """
 
     keys: tuple[bytes, ...]
@@ -36,11 +44,14 @@ class BatchPlan:
     positions: tuple[int, ...]
     words: tuple[int, ...]
     valid: int
-    record_shape: tuple[int, int, int]
+    record_shape: tuple[int, ...]
     data_shape: tuple[int, ...]
     dtype: np.dtype[Any]
     state: dict[str, Any]
     label_dtype: np.dtype[Any] = field(default=np.dtype(np.float32))
+    name: str = "data"
+    has_label: bool = True
+    extra: tuple[tuple[str, BatchPlan], ...] = ()
     _first: tuple[np.ndarray, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:

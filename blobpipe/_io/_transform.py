@@ -216,6 +216,18 @@ class Transform:
         """Whether some record choice may be random (mirror, or a TRAIN crop)."""
         return self._mirror or self._crop > 0
 
+    @property
+    def is_identity(self) -> bool:
+        """Whether records come out as they are (no crop, mirror, mean or scale; NCHW)."""
+        return (
+            not self._crop
+            and not self._mirror
+            and self._mean_blob is None
+            and not self._mean_value
+            and self._scale == 1
+            and self._layout == "NCHW"
+        )
+
     def __repr__(self) -> str:
         return (
             f"Transform(scale={float(self._scale)!r}, mirror={self._mirror}, "

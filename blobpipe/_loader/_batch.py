@@ -58,6 +58,12 @@ class Batch:
     buffers and are *not* invalidated: copy them, or :meth:`detach` the batch,
     to keep data beyond the next iteration.
 
+    With several sources (``Loader({"data": ..., "label": ...})``) each
+    source's Blob is ``batch[name]``; ``batch.data`` is the source named "data"
+    (else the first) and ``batch.label`` the source named "label" (else the
+    data source's Datum labels). A database of BlobProto records has no
+    labels: ``batch.label`` is then None.
+
     Attributes:
         keys: the records' keys, row by row.
         indices: the records' global indices (position in key order).
@@ -69,7 +75,10 @@ class Batch:
     __slots__ = (
         "_data",
         "_detached",
+        "_extra",
+        "_has_label",
         "_label",
+        "_name",
         "_on_detach",
         "epoch",
         "indices",
@@ -84,11 +93,15 @@ class Batch:
         label: Blob,
         plan: BatchPlan,
         on_detach: Callable[[Batch], None] | None = None,
+        extra: dict[str, Blob] | None = None,
     ) -> None:
         # on_detach: tells the loader to give the slot new buffers (called once)
         self._on_detach = on_detach
         self._data = data
         self._label = label
+        self._extra = extra or {}
+        self._name = plan.name
+        self._has_label = plan.has_label
         self._detached = False
         self.keys: tuple[bytes, ...] = plan.keys
         self.indices: tuple[int, ...] = plan.indices
@@ -103,11 +116,36 @@ class Batch:
         return self._data
 
     @property
-    def label(self) -> Blob:
+    def label(self) -> Blob | None:
         """The labels, a Blob of shape (N,): float32 (Caffe's), or int64 with
-        ``label_dtype="int64"``."""
-        self._label._check_open()
-        return self._label
+        ``label_dtype="int64"``; the source named "label" when there is one;
+        None for BlobProto records without one."""
+        blob = self._extra.get("label")
+        if blob is None:
+            if not self._has_label:
+                self._data._check_open()
+                return None
+            blob = self._label
+        blob._check_open()
+        return blob
+
+    def __getitem__(self, name: str) -> Blob:
+        """The Blob of the source ``name`` (``"data"`` for a single database).
+
+        Raises:
+            KeyError: no source of that name.
+            StateError: the batch was recycled.
+        """
+        blob = self._data if name == self._name else self._extra.get(name)
+        if blob is None:
+            raise KeyError(f"no source named {name!r}; this batch has {self.names}")
+        blob._check_open()
+        return blob
+
+    @property
+    def names(self) -> list[str]:
+        """The sources' names, ``batch.data``'s first."""
+        return [self._name, *self._extra]
 
     @property
     def recycled(self) -> bool:
@@ -132,22 +170,25 @@ class Batch:
         if not self._detached:
             on_detach, self._on_detach = self._on_detach, None
             self._detached = True
-            self._data._keep()
-            self._label._keep()
+            for blob in self._blobs():
+                blob._keep()
             if on_detach is not None:
                 on_detach(self)
         return self
 
     def _recycle(self) -> None:
         if not self._detached:
-            self._data._retire(_RECYCLED)
-            self._label._retire(_RECYCLED)
+            for blob in self._blobs():
+                blob._retire(_RECYCLED)
+
+    def _blobs(self) -> tuple[Blob, ...]:
+        return (self._data, self._label, *self._extra.values())
 
     def close(self) -> None:
         """Release a detached batch's Blobs (recycled batches need nothing)."""
         if self._detached:
-            self._data.close()
-            self._label.close()
+            for blob in self._blobs():
+                blob.close()
 
     def __repr__(self) -> str:
         state = "recycled" if self.recycled else ("detached" if self._detached else "live")

@@ -104,6 +104,8 @@ class DeviceWork:
         slot.started = backend.record_event(slot.stream, timing=True)
         try:
             slot.label.data.start_gpu_push(slot.stream)
+            for blob in slot.extra.values():
+                blob.data.start_gpu_push(slot.stream)
             if self.on_device:
                 self._launch_transform(slot, plan, mean)
             else:

@@ -130,12 +130,24 @@ class Loader:
         elif shuffle and order != "shuffle":
             raise ValueError(f"shuffle=True contradicts order={order!r}")
         self._backend = get_backend(device)
-        transform = options.get("transform")
-        self._transform = transform if transform is not None else Transform()
-        on_device = wants_device_transform(device_transform, self._backend, self._transform, device)
-        self._device = DeviceWork(self._backend, self._transform, on_device)
-        options["transform"] = self._device.host_transform()
         self._batches = Batches(source, batch_size, order=order, **options)
+        try:
+            self._transform = self._batches.transform
+            datums = self._batches.record_kind() == "datum"
+            if device_transform and not datums:
+                raise ValueError(
+                    "device_transform=True needs Datum records; this database holds "
+                    "BlobProtos (float values: there is no uint8 transfer to save)"
+                )
+            on_device = datums and wants_device_transform(
+                device_transform, self._backend, self._transform, device
+            )
+            self._device = DeviceWork(self._backend, self._transform, on_device)
+            if on_device:
+                self._batches._use_transform(self._device.host_transform())
+        except BaseException:
+            self._batches.close()
+            raise
         # The producer plans ahead of the consumer: resume after the last
         # *delivered* batch, never from the producer's cursor.
         self._resume_state: dict[str, Any] = self._batches.state_dict()
@@ -428,8 +440,8 @@ class Loader:
             return number, End()
         t0 = time.perf_counter()
         try:
-            data, label, params = slot.prepare(plan, self._device.out_shape(plan))
-            self._batches.fill(plan, data, label, params_out=params)
+            data, label, params, extra = slot.prepare(plan, self._device.out_shape(plan))
+            self._batches.fill(plan, data, label, params_out=params, extra_out=extra)
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, exc)
         finally:
@@ -601,7 +613,8 @@ class Loader:
         # closed by _recycle (or kept by detach, which adds the finalizer)
         data = src._alias(finalize=False)
         label = slot.label._alias(finalize=False)
-        return Batch(data, label, plan, on_detach=self._detach_current)
+        extra = {name: slot.extra[name]._alias(finalize=False) for name, _ in plan.extra}
+        return Batch(data, label, plan, on_detach=self._detach_current, extra=extra)
 
     # -- the blocking form ------------------------------------------------------------
     def __enter__(self) -> Loader:

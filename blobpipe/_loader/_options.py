@@ -8,7 +8,7 @@ and shown by ``help(Loader)``, with no edit to the Loader.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal, TypedDict
 
 from .._io._batches import Batches
@@ -22,7 +22,7 @@ class BatchesOptions(TypedDict, total=False):
     (their defaults, checks and errors are Batches'). ``order`` is the Loader's own
     (it adds ``shuffle``), as are ``source`` and ``batch_size`` (a default of 64)."""
 
-    transform: Transform | None
+    transform: Transform | Mapping[str, Transform] | None
     phase: Phase
     buffer_size: int | None
     seed: int
@@ -34,6 +34,11 @@ class BatchesOptions(TypedDict, total=False):
     readahead: bool
     state: dict[str, Any] | None
     label_dtype: Literal["float32", "int64"]
+    record: (
+        Literal["auto", "datum", "blobproto"] | Mapping[str, Literal["auto", "datum", "blobproto"]]
+    )
+    blob_dtype: Literal["float32", "float64"]
+    share_random: bool | Collection[str]
 
 
 def check_options(options: Mapping[str, object], owner: str) -> None:

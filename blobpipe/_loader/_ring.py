@@ -50,16 +50,18 @@ class Slot:
         self.label: Blob | None = None  # labels (pushed to the device too)
         self.staged: Blob | None = None  # device copy of ``host`` (device transform)
         self.out: Blob | None = None  # device transform output (float32)
+        self.extra: dict[str, Blob] = {}  # other sources read in lockstep, by name
         self.params: npt.NDArray[np.int32] = np.zeros((0, 3), np.int32)
 
     def prepare(
         self, plan: BatchPlan, out_shape: tuple[int, ...] | None
-    ) -> tuple[np.ndarray, np.ndarray, npt.NDArray[np.int32] | None]:
+    ) -> tuple[np.ndarray, np.ndarray, npt.NDArray[np.int32] | None, dict[str, np.ndarray]]:
         """Fit the slot's buffers to ``plan``; the host arrays to fill.
 
         ``out_shape`` is the device transform's output shape (None: no device
-        transform). Returns the data and label arrays, and the per-row crop
-        parameters to record for the device transform (None without one).
+        transform). Returns the data and label arrays, the per-row crop
+        parameters to record for the device transform (None without one), and
+        the other sources' arrays by name.
         """
         backend = self.backend
         self.host = _fit(self.host, plan.data_shape, plan.dtype, backend)
@@ -71,16 +73,23 @@ class Slot:
             if self.params.shape[0] < len(plan):
                 self.params = np.zeros((len(plan), 3), np.int32)
             params = self.params[: len(plan)]
+        extra = {}
+        for name, part in plan.extra:
+            blob = self.extra[name] = _fit(
+                self.extra.get(name), part.data_shape, part.dtype, backend
+            )
+            extra[name] = blob._overwrite_cpu_data()
         # every row and label is written by the fill: no zero fill, no copy back
-        return self.host._overwrite_cpu_data(), self.label._overwrite_cpu_data(), params
+        return self.host._overwrite_cpu_data(), self.label._overwrite_cpu_data(), params, extra
 
     def forget(self) -> None:
         """Drop the blobs (a detached batch now owns their memory)."""
         self.host = self.label = self.staged = self.out = None
+        self.extra = {}
 
     def close(self) -> None:
         self.event.synchronize()
-        for blob in (self.host, self.label, self.staged, self.out):
+        for blob in (self.host, self.label, self.staged, self.out, *self.extra.values()):
             if blob is not None:
                 blob.close()
         self.forget()

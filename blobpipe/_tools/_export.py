@@ -184,7 +184,8 @@ def export(
                         path=db_path,
                     )
                 data[filled : filled + n] = batch.data[:n]
-                labels[filled : filled + n] = batch.label[:n]
+                if batch.label is not None:  # BlobProto records have none: zeros
+                    labels[filled : filled + n] = batch.label[:n]
                 filled += n
                 bar.advance(n)
                 if filled == total:

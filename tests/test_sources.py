@@ -1,0 +1,371 @@
+"""BlobProto databases as batches, and several databases read in lockstep.
+
+A database of ``caffe.BlobProto`` records (features, targets, label maps written
+with ``Blob.to_proto`` or ``write_lmdb(record="blobproto")``) makes batches of
+``(N, *blob shape)``; ``Batches({"data": ..., "label": ...})`` and the Loader read
+several databases row by row as one dataset. Checked against values computed here
+from the records, on the host and the emulated device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobpipe
+from blobpipe import Batches, DataError, Loader, Transform
+from blobpipe._codec import blobproto_bytes
+from blobpipe.testing import EmulatedBackend
+from tests._helpers import image, key, raw_db, write_lmdb
+
+
+def blob_values(i: int, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """Record ``i``'s values: ``i`` plus a ramp, so rows and positions are told apart."""
+    return (i * 1000 + np.arange(int(np.prod(shape))).reshape(shape)).astype(dtype) / 7
+
+
+def blob_db(
+    path: Path, n: int, shape: tuple[int, ...] = (2, 3, 4), *, dtype: Any = np.float32,
+    legacy: bool = False,
+) -> Path:  # fmt: skip
+    """``n`` BlobProto records of ``blob_values(i, shape)``."""
+    return write_lmdb(
+        path,
+        ((key(i), blobproto_bytes(blob_values(i, shape, dtype), legacy=legacy)) for i in range(n)),
+    )
+
+
+def label_map(i: int, hw: tuple[int, int]) -> np.ndarray:
+    """A (1, H, W) label map of record i: its image's first channel, as floats."""
+    return image(i, (3, *hw))[:1].astype(np.float32)
+
+
+def segmentation_dbs(tmp_path: Path, n: int, hw: tuple[int, int] = (10, 12)) -> dict[str, Path]:
+    images = raw_db(tmp_path / "images", n, (3, *hw))
+    labels = tmp_path / "labels"
+    blobpipe.write_lmdb(labels, (label_map(i, hw) for i in range(n)), record="blobproto")
+    return {"data": images, "label": labels}
+
+
+# -- BlobProto databases -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "legacy"),
+    [((5,), False), ((2, 3, 4), False), ((2, 1, 3, 4), False), ((1, 2, 3, 4), True)],
+    ids=["1d", "3d", "4d", "legacy"],
+)
+def test_blobproto_batches(tmp_path: Path, shape: tuple[int, ...], legacy: bool) -> None:
+    db = blob_db(tmp_path / "db", 7, shape, legacy=legacy)
+    with Batches(db, 3, mode="epoch") as b:
+        assert b.record_kind() == "blobproto"
+        batches = list(b)
+    assert [len(x.keys) for x in batches] == [3, 3, 1]
+    rows = np.concatenate([x.data for x in batches])
+    assert rows.dtype == np.float32 and rows.shape == (7, *shape)
+    want = np.stack([blob_values(i, shape) for i in range(7)])
+    np.testing.assert_array_equal(rows, want)
+    assert all(x.label is None for x in batches)
+    assert batches[0]["data"] is batches[0].data
+
+
+def test_blobproto_double_values_exact(tmp_path: Path) -> None:
+    db = blob_db(tmp_path / "db", 4, (3, 2), dtype=np.float64)
+    with Batches(db, 4, blob_dtype="float64") as b:
+        got = next(iter(b)).data
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(
+        got, np.stack([blob_values(i, (3, 2), np.float64) for i in range(4)])
+    )
+    with Batches(db, 4) as b:  # float32 by default, as Caffe's float blobs
+        got32 = next(iter(b)).data
+    assert got32.dtype == np.float32
+    np.testing.assert_array_equal(got32, got.astype(np.float32))
+
+
+def test_blobproto_shapes_change_between_batches(tmp_path: Path) -> None:
+    items = [(key(i), blobproto_bytes(blob_values(i, (2, 3) if i < 4 else (5,)))) for i in range(8)]
+    db = write_lmdb(tmp_path / "db", items)
+    with Batches(db, 4, mode="epoch") as b:
+        shapes = [x.data.shape for x in b]
+    assert shapes == [(4, 2, 3), (4, 5)]
+    with Batches(db, 3, mode="epoch") as b, pytest.raises(DataError) as info:
+        list(b)
+    msg = str(info.value)
+    assert "b'00000004'" in msg and "(5,)" in msg and "(2, 3)" in msg and str(db) in msg
+
+
+def test_blobproto_bad_count_names_key_and_path(tmp_path: Path) -> None:
+    good = [(key(i), blobproto_bytes(blob_values(i, (2, 3)))) for i in range(3)]
+    proto = blobpipe.Blob((2, 3))
+    bad = proto.to_proto()
+    bad.shape.dim[1] = 4  # 8 values claimed, 6 held
+    db = write_lmdb(tmp_path / "db", [*good, (key(3), bad.SerializeToString())])
+    proto.close()
+    with Batches(db, 2, mode="epoch") as b, pytest.raises(DataError) as info:
+        list(b)
+    msg = str(info.value)
+    assert "b'00000003'" in msg and str(db) in msg
+    assert "shape (2, 4)" in msg and "6 values" in msg
+
+
+def test_mixed_record_kinds_are_a_clear_error(tmp_path: Path) -> None:
+    datum = blobpipe.encode_raw_datum(image(9, (3, 2, 2)), 1)
+    blobs = [(key(i), blobproto_bytes(blob_values(i, (3, 2, 2)))) for i in range(3)]
+    db = write_lmdb(tmp_path / "blobs", [*blobs, (key(3), datum)])
+    with Batches(db, 2, mode="epoch") as b, pytest.raises(DataError) as info:
+        list(b)
+    assert "b'00000003'" in str(info.value) and "one kind of record" in str(info.value)
+    db2 = raw_db(tmp_path / "datums", 3, (3, 2, 2))
+    write_lmdb(db2, [(key(3), blobproto_bytes(blob_values(3, (3, 2, 2))))])
+    with Batches(db2, 2, mode="epoch") as b, pytest.raises(DataError) as info:
+        list(b)
+    assert "b'00000003'" in str(info.value) and "is a caffe.BlobProto, not a Datum" in str(
+        info.value
+    )
+
+
+def test_record_kind_can_be_named(tmp_path: Path) -> None:
+    db = blob_db(tmp_path / "db", 2)
+    with Batches(db, 2, record="blobproto") as b:
+        assert next(iter(b)).data.shape == (2, 2, 3, 4)
+    with Batches(db, 2, record="datum") as b, pytest.raises(DataError, match="not a Datum"):
+        next(iter(b))
+    with pytest.raises(ValueError, match="record must be"):
+        Batches(db, 2, record="blob")  # type: ignore[arg-type]
+
+
+def caffe_blob_transform(
+    x: np.ndarray, h: int, w: int, crop: int, flip: bool, mean: np.ndarray | None, scale: float
+) -> np.ndarray:
+    """Caffe's DataTransformer::Transform(Blob*) for one (C, H, W) item: mean over
+    the whole item, then crop, mirror, scale, in float32."""
+    y = x.astype(np.float32)
+    if mean is not None:
+        y = (y - mean).astype(np.float32)
+    if crop:
+        y = y[:, h : h + crop, w : w + crop]
+    if flip:
+        y = y[:, :, ::-1]
+    return (y * np.float32(scale)).astype(np.float32) if scale != 1 else y
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 9), (2, 3, 8, 9)], ids=["chw", "nchw"])
+def test_blobproto_transform_is_caffes(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    db = blob_db(tmp_path / "db", 6, shape)
+    t = Transform(crop_size=5, mirror=True, mean_value=(1.5, 2.0, -3.0), scale=0.25)
+    with Batches(db, 6, transform=t, phase="train", seed=3) as b:
+        plan = b.next_plan()
+        assert plan is not None
+        data = np.empty(plan.data_shape, plan.dtype)
+        label = np.empty(6, np.float32)
+        params = np.empty((6, 3), np.int32)
+        b.fill(plan, data, label, params_out=params)
+    assert data.shape == (6, *shape[:-2], 5, 5)
+    mean = np.array([1.5, 2.0, -3.0], np.float32).reshape(3, 1, 1)
+    flips = set()
+    for r in range(6):
+        h, w, flip = params[r]
+        flips.add(bool(flip))
+        x = blob_values(r, shape).reshape(-1, 3, 8, 9)
+        want = np.stack([caffe_blob_transform(item, h, w, 5, bool(flip), mean, 0.25) for item in x])
+        np.testing.assert_array_equal(data[r].reshape(-1, 3, 5, 5), want)
+    assert flips == {False, True}
+
+
+def test_blobproto_transform_refused_where_caffe_has_none(tmp_path: Path) -> None:
+    db = blob_db(tmp_path / "db", 2, (8, 9))
+    with (
+        Batches(db, 2, transform=Transform(crop_size=4)) as b,
+        pytest.raises(DataError, match=r"to \(C, H, W\) or \(N, C, H, W\) records only"),
+    ):
+        next(iter(b))
+    db3 = blob_db(tmp_path / "db3", 2, (3, 8, 9))
+    with (
+        Batches(db3, 2, transform=Transform(dtype="uint8")) as b,
+        pytest.raises(DataError, match="dtype='uint8' output is for Datum pixels"),
+    ):
+        next(iter(b))
+
+
+# -- sources in lockstep --------------------------------------------------------------------
+
+
+def test_lockstep_rows_agree(tmp_path: Path) -> None:
+    dbs = segmentation_dbs(tmp_path, 11)
+    with Batches(dbs, 4, order="shuffle", seed=5, mode="epoch") as b:
+        assert b.names == ("data", "label")
+        assert b.record_kind("label") == "blobproto"
+        batches = list(b)
+    seen = []
+    for x in batches:
+        assert x.label is x["label"] and x.label.shape == (len(x.keys), 1, 10, 12)
+        for r, k in enumerate(x.keys):
+            i = int(k)
+            seen.append(i)
+            np.testing.assert_array_equal(x.data[r], image(i, (3, 10, 12)).astype(np.float32))
+            np.testing.assert_array_equal(x["label"][r], label_map(i, (10, 12)))
+    assert sorted(seen) == list(range(11)) and seen != list(range(11))
+
+
+def test_lockstep_shards_and_resume(tmp_path: Path) -> None:
+    dbs = segmentation_dbs(tmp_path, 13)
+    options: dict[str, Any] = {"order": "shuffle", "seed": 2, "mode": "epoch", "pad_shards": False}
+    keys = []
+    for rank in range(3):
+        with Batches(dbs, 2, shard=(rank, 3), **options) as b:
+            for x in b:
+                for r, k in enumerate(x.keys):
+                    np.testing.assert_array_equal(x["label"][r], label_map(int(k), (10, 12)))
+                keys += x.keys
+    assert sorted(keys) == [key(i) for i in range(13)]
+    with Batches(dbs, 3, **options) as b:
+        it = iter(b)
+        next(it)
+        state = next(it).state
+        rest = [x.keys for x in it]
+    with Batches(dbs, 3, state=state, **options) as b:
+        resumed = list(b)
+    assert [x.keys for x in resumed] == rest
+    for x in resumed:
+        for r, k in enumerate(x.keys):
+            np.testing.assert_array_equal(x["label"][r], label_map(int(k), (10, 12)))
+
+
+def test_lockstep_keys_must_agree(tmp_path: Path) -> None:
+    images = raw_db(tmp_path / "images", 5)
+    other = write_lmdb(
+        tmp_path / "other",
+        [
+            (key(i) if i != 3 else b"00000003x", blobproto_bytes(blob_values(i, (2,))))
+            for i in range(5)
+        ],
+    )
+    with pytest.raises(DataError) as info:
+        Batches({"data": images, "label": other}, 2)
+    msg = str(info.value)
+    assert "b'00000003'" in msg and "'label'" in msg and str(other) in msg
+    fewer = blob_db(tmp_path / "fewer", 4, (2,))
+    with pytest.raises(DataError, match=r"key b'00000004' of 'data'"):
+        Batches({"data": images, "label": fewer}, 2)
+
+
+def test_shared_crop_cuts_image_and_label_map_alike(tmp_path: Path) -> None:
+    dbs = segmentation_dbs(tmp_path, 16, (12, 14))
+    transform = {
+        "data": Transform(crop_size=7, mirror=True, mean_value=(10, 20, 30)),
+        "label": Transform(crop_size=7, mirror=True),
+    }
+    with Batches(dbs, 16, transform=transform, phase="train", share_random=True) as b:
+        x = next(iter(b))
+    # the label map is the image's channel 0: after the same crop and flip, pixel for pixel
+    np.testing.assert_array_equal(x["label"][:, 0], x.data[:, 0] + 10)
+    unflipped = [
+        np.array_equal(x["label"][r, 0], image(int(k), (3, 12, 14))[0, :7, :7])
+        for r, k in enumerate(x.keys)
+    ]
+    assert not all(unflipped)  # crops and flips did happen
+    # without sharing, the label map draws its own crops and flips
+    with Batches(dbs, 16, transform=transform, phase="train") as b:
+        y = next(iter(b))
+    np.testing.assert_array_equal(y.data, x.data)  # the image's own draws are unchanged
+    assert not np.array_equal(y["label"][:, 0], y.data[:, 0] + 10)
+
+
+def test_lockstep_argument_errors(tmp_path: Path) -> None:
+    dbs = segmentation_dbs(tmp_path, 4)
+    with pytest.raises(ValueError, match="give transform as a mapping"):
+        Batches(dbs, 2, transform=Transform(scale=2))
+    with pytest.raises(ValueError, match="'labels', which is not a source"):
+        Batches(dbs, 2, transform={"labels": Transform()})
+    with pytest.raises(ValueError, match="share_random names 'x'"):
+        Batches(dbs, 2, share_random=["x"])
+    with pytest.raises(ValueError, match="crop_size 3 and 0"):
+        Batches(dbs, 2, transform={"data": Transform(crop_size=3)}, share_random=True)
+    shared = {"data": Transform(crop_size=3), "label": Transform(crop_size=3)}
+    other = tmp_path / "small"
+    blobpipe.write_lmdb(other, (label_map(i, (5, 6)) for i in range(4)), record="blobproto")
+    with (
+        Batches({"data": dbs["data"], "label": other}, 2, transform=shared, share_random=True) as b,
+        pytest.raises(DataError, match="shared crops need records of one height and width"),
+    ):
+        next(iter(b))
+
+
+# -- the Loader ------------------------------------------------------------------------------
+
+
+def loader_backends() -> list[Any]:
+    return [
+        pytest.param("cpu", id="host"),
+        pytest.param("emulated", id="emulated"),
+    ]
+
+
+def make_device(name: str) -> Any:
+    return EmulatedBackend(delay=0.002) if name == "emulated" else name
+
+
+@pytest.mark.parametrize("device", loader_backends())
+def test_loader_lockstep_matches_batches(tmp_path: Path, device: str) -> None:
+    dbs = segmentation_dbs(tmp_path, 10, (12, 14))
+    transform = {
+        "data": Transform(crop_size=7, mirror=True, mean_value=(10, 20, 30)),
+        "label": Transform(crop_size=7, mirror=True),
+    }
+    options: dict[str, Any] = {
+        "transform": transform, "phase": "train", "share_random": True, "order": "shuffle",
+        "seed": 4, "mode": "epoch",
+    }  # fmt: skip
+    with Batches(dbs, 4, **options) as b:
+        want = list(b)
+    got = []
+    with Loader(dbs, 4, device=make_device(device), prefetch=3, workers=2, **options) as loader:
+        for batch in loader:
+            assert batch.names == ["data", "label"]
+            assert batch.label is batch["label"]
+            got.append((batch.keys, batch.data.cpu_data().copy(), batch["label"].cpu_data().copy()))
+            if batch.data.backend.has_device:
+                np.testing.assert_array_equal(
+                    np.asarray(batch["label"].gpu_data()), batch["label"].cpu_data()
+                )
+    assert len(got) == len(want)
+    for (keys, data, label), w in zip(got, want, strict=True):
+        assert keys == tuple(w.keys)
+        np.testing.assert_array_equal(data, w.data)
+        np.testing.assert_array_equal(label, w["label"])
+        np.testing.assert_array_equal(label[:, 0], data[:, 0] + 10)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", loader_backends())
+async def test_loader_blobproto_database(tmp_path: Path, device: str) -> None:
+    db = blob_db(tmp_path / "db", 5, (3, 4))
+    async with Loader(db, 2, device=make_device(device), mode="epoch") as loader:
+        assert not loader.device_transform  # float values: nothing to stage as uint8
+        rows = []
+        async for batch in loader:
+            assert batch.label is None
+            rows.append(batch.data.cpu_data().copy())
+    np.testing.assert_array_equal(
+        np.concatenate(rows), np.stack([blob_values(i, (3, 4)) for i in range(5)])
+    )
+
+
+def test_loader_device_transform_needs_datums(tmp_path: Path) -> None:
+    db = blob_db(tmp_path / "db", 2, (3, 4))
+    with pytest.raises(ValueError, match="device_transform=True needs Datum records"):
+        Loader(db, 2, device=EmulatedBackend(), device_transform=True)
+
+
+def test_write_lmdb_blobproto_round_trip(tmp_path: Path) -> None:
+    arrays = [np.arange(6, dtype=np.uint8).reshape(2, 3) + i for i in range(3)]
+    n = blobpipe.write_lmdb(tmp_path / "db", arrays, record="blobproto")
+    assert n == 3
+    with blobpipe.LmdbReader(tmp_path / "db") as reader:
+        blobs = [p for _, p in reader.blobprotos()]
+    assert [list(b.shape.dim) for b in blobs] == [[2, 3]] * 3
+    assert list(blobs[2].data) == [float(v) for v in arrays[2].ravel()]
