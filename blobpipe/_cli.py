@@ -470,16 +470,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not info.scanned:
         return 0
     print("kinds:     " + ", ".join(f"{k} {n}" for k, n in sorted(info.kinds.items())))
-    print("shapes (C, H, W):")
+    print("shapes:")
     for item in data["shapes"]:
-        c, h, w = item["shape"]
-        print(f"  {c} x {h} x {w}: {item['count']}")
+        print(f"  {' x '.join(str(d) for d in item['shape'])}: {item['count']}")
     labels = data["labels"]
-    common = ", ".join(f"{lab} ({n})" for lab, n in labels["most_common"])
-    print(
-        f"labels:    {labels['distinct']} distinct, min {labels['min']}, max {labels['max']}; "
-        f"most common: {common}"
-    )
+    if not labels["distinct"]:
+        print("labels:    none (BlobProto records)")
+    else:
+        common = ", ".join(f"{lab} ({n})" for lab, n in labels["most_common"])
+        print(
+            f"labels:    {labels['distinct']} distinct, min {labels['min']}, "
+            f"max {labels['max']}; most common: {common}"
+        )
     if info.errors:
         print(f"unreadable records: {len(info.errors)}")
         for key, msg in list(data["errors"].items())[:5]:

@@ -369,3 +369,22 @@ def test_write_lmdb_blobproto_round_trip(tmp_path: Path) -> None:
         blobs = [p for _, p in reader.blobprotos()]
     assert [list(b.shape.dim) for b in blobs] == [[2, 3]] * 3
     assert list(blobs[2].data) == [float(v) for v in arrays[2].ravel()]
+
+
+def test_cli_inspect_and_export_blobproto(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from blobpipe._cli import main
+
+    db = blob_db(tmp_path / "db", 5, (2, 3))
+    assert main(["inspect", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert "kinds:     blobproto 5" in text and "2 x 3: 5" in text
+    assert main(["inspect", "--json", str(db)]) == 0
+    assert '"blobproto": 5' in capsys.readouterr().out
+    out = tmp_path / "o.npz"
+    assert main(["export", str(db), str(out)]) == 0
+    with np.load(out) as z:
+        np.testing.assert_array_equal(
+            z["data"], np.stack([blob_values(i, (2, 3)) for i in range(5)])
+        )

@@ -1,4 +1,4 @@
-"""``inspect``: what an LMDB of Datums holds, without changing it."""
+"""``inspect``: what an LMDB of Datums (or BlobProtos) holds, without changing it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from .._errors import DataError
+from .._codec import blobproto_array
+from .._errors import DataError, ProtoError
 from .._io._datum import ParsedDatum, decode_datum, parse_datum
+from .._io._fill import BLOBPROTO, detect_kind
 from ._output import open_database, read_marker
 from ._progress import Progress
 
@@ -22,8 +24,9 @@ class DatabaseInfo:
     """A summary of a database.
 
     ``scanned`` records (all unless ``limit`` was given) were parsed for
-    ``kinds`` (raw/encoded/float counts), ``shapes`` (``(C, H, W)`` → count;
-    encoded records are decoded for it) and ``labels`` (label → count).
+    ``kinds`` (raw/encoded/float/blobproto counts), ``shapes`` (``(C, H, W)``, or
+    a BlobProto's own shape → count; encoded records are decoded for it) and
+    ``labels`` (label → count; BlobProtos have none).
     ``complete`` is false for an unfinished ``.partial`` conversion, with
     ``progress`` = ``(next line index, lines in the list file)``.
     """
@@ -33,7 +36,7 @@ class DatabaseInfo:
     scanned: int
     first_keys: tuple[bytes, ...]
     kinds: dict[str, int]
-    shapes: dict[tuple[int, int, int], int]
+    shapes: dict[tuple[int, ...], int]
     labels: dict[int, int]
     size_bytes: int
     complete: bool
@@ -103,7 +106,7 @@ def inspect_db(
         raise ValueError(f"limit must be >= 0, got {limit}")
 
     kinds: Counter[str] = Counter()
-    shapes: Counter[tuple[int, int, int]] = Counter()
+    shapes: Counter[tuple[int, ...]] = Counter()
     labels: Counter[int] = Counter()
     errors: dict[bytes, str] = {}
     with open_database(db) as reader:
@@ -116,6 +119,14 @@ def inspect_db(
                 scanned += 1
                 bar.advance()
                 try:
+                    if detect_kind(value) == BLOBPROTO:
+                        try:
+                            blob = blobproto_array(value, f"record {key!r}")
+                        except ProtoError as exc:
+                            raise DataError(str(exc), path=path, key=key) from None
+                        kinds["blobproto"] += 1
+                        shapes[tuple(int(d) for d in blob.shape)] += 1
+                        continue
                     datum = parse_datum(value, key=key, path=path)
                     kinds[_kind(datum)] += 1
                     labels[int(datum.label)] += 1
