@@ -56,3 +56,14 @@ def test_train_digits_device_path(tmp_path: Path, capsys: pytest.CaptureFixture[
     host = example["run"](["--epochs", "5", "--device", "cpu", "--workers", "1"])
     assert result.losses == pytest.approx(host.losses, rel=1e-4)
     assert "records/s on emulated" in capsys.readouterr().out
+
+
+def test_segmentation(capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(str(EXAMPLES / "segmentation.py"), run_name="example")
+    assert example["main"](["--records", "40", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("all agree") == 2
+    assert "data (3, 48, 48), label (1, 48, 48)" in out
+    # the check can fail: without shared crops the label maps no longer line up
+    assert example["main"](["--records", "40", "--device", "cpu", "--no-share"]) == 1
+    assert "disagree" in capsys.readouterr().out
