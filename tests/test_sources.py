@@ -388,3 +388,98 @@ def test_cli_inspect_and_export_blobproto(
         np.testing.assert_array_equal(
             z["data"], np.stack([blob_values(i, (2, 3)) for i in range(5)])
         )
+
+
+# -- several databases as one ----------------------------------------------------------------
+
+
+def two_dbs(tmp_path: Path, shape: tuple[int, int, int] = (3, 6, 8)) -> tuple[list[Path], dict]:
+    """Two raw databases (5 and 4 records, keys that repeat across them); the
+    expected pixels and label of each global record."""
+    a = raw_db(tmp_path / "a", 5, shape)
+    b = write_lmdb(
+        tmp_path / "b",
+        ((key(i), blobpipe.encode_raw_datum(image(100 + i, shape), 100 + i)) for i in range(4)),
+    )
+    want = {i: (image(i, shape), i) for i in range(5)}
+    want.update({5 + i: (image(100 + i, shape), 100 + i) for i in range(4)})
+    return [a, b], want
+
+
+@pytest.mark.parametrize("order", ["key", "shuffle"])
+def test_databases_as_one(tmp_path: Path, order: str) -> None:
+    dbs, want = two_dbs(tmp_path)
+    with Batches(dbs, 4, order=order, seed=1, mode="epoch", last="keep") as b:
+        assert b.num_records == 9
+        batches = list(b)
+    seen = []
+    for x in batches:
+        for r, i in enumerate(x.indices):
+            seen.append(i)
+            np.testing.assert_array_equal(x.data[r], want[i][0].astype(np.float32))
+            assert x.label[r] == want[i][1]
+    assert sorted(seen) == list(range(9))
+    if order == "key":
+        assert seen == list(range(9))
+    else:  # rows of both databases interleave within a batch
+        assert any(len({i >= 5 for i in x.indices}) == 2 for x in batches)
+
+
+def test_databases_as_one_shards_resume_and_loader(tmp_path: Path) -> None:
+    dbs, _ = two_dbs(tmp_path)
+    t = Transform(crop_size=4, mirror=True)
+    options: dict[str, Any] = {
+        "order": "shuffle", "seed": 3, "mode": "epoch", "transform": t, "phase": "train",
+    }  # fmt: skip
+    seen = []
+    for rank in range(2):
+        with Batches(dbs, 2, shard=(rank, 2), pad_shards=False, **options) as b:
+            seen += [i for x in b for i in x.indices]
+    assert sorted(seen) == list(range(9))
+    with Batches(dbs, 3, **options) as b:
+        it = iter(b)
+        state = next(it).state
+        rest = [(x.indices, x.data) for x in it]
+    with Batches(dbs, 3, state=state, **options) as b:
+        resumed = [(x.indices, x.data) for x in b]
+    assert [r[0] for r in resumed] == [r[0] for r in rest]
+    for (_, a), (_, c) in zip(resumed, rest, strict=True):
+        np.testing.assert_array_equal(a, c)
+    for device in ("cpu", EmulatedBackend(delay=0.002)):
+        with Batches(dbs, 3, **options) as b:
+            expect = list(b)
+        with Loader(dbs, 3, device=device, **options) as loader:
+            got = [(batch.indices, batch.data.cpu_data().copy()) for batch in loader]
+        assert [g[0] for g in got] == [tuple(e.indices) for e in expect]
+        for (_, data), e in zip(got, expect, strict=True):
+            np.testing.assert_array_equal(data, e.data)
+
+
+def test_databases_as_one_errors(tmp_path: Path) -> None:
+    dbs, _ = two_dbs(tmp_path)
+    blobs = blob_db(tmp_path / "blobs", 2)
+    with pytest.raises(DataError, match="hold different kinds of record") as info:
+        Batches([dbs[0], blobs], 2)
+    assert str(blobs) in str(info.value)
+    other = raw_db(tmp_path / "other", 3, (3, 7, 8))
+    with Batches([dbs[0], other], 7, mode="epoch") as b, pytest.raises(DataError) as info:
+        next(iter(b))
+    assert str(other) in str(info.value) and "b'00000000'" in str(info.value)
+    with pytest.raises(ValueError, match="empty list"):
+        Batches([], 2)
+
+
+def test_lockstep_sources_of_several_databases(tmp_path: Path) -> None:
+    dbs, want = two_dbs(tmp_path, (3, 10, 12))
+    labels = []
+    for k, (n, base) in enumerate([(5, 0), (4, 100)]):
+        path = tmp_path / f"labels{k}"
+        blobpipe.write_lmdb(
+            path, (label_map(base + i, (10, 12)) for i in range(n)), record="blobproto"
+        )
+        labels.append(path)
+    with Batches({"data": dbs, "label": labels}, 4, order="shuffle", mode="epoch") as b:
+        for x in b:
+            for r, i in enumerate(x.indices):
+                image_i = int(want[i][1])
+                np.testing.assert_array_equal(x["label"][r], label_map(image_i, (10, 12)))

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
+from ._concat import ConcatFiller
 from ._fill import BLOBPROTO, DATUM, Filler, RecordKind, RecordSource, detect_kind
 from ._kernels import _splitmix64_np
 from ._lmdb import LmdbReader
@@ -65,6 +66,7 @@ Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 Record = Literal["auto", "datum", "blobproto"]
 SourceArg = str | os.PathLike[str] | RecordSource
+Sources = SourceArg | list[SourceArg] | tuple[SourceArg, ...]
 
 _STATE_VERSION = 1
 
@@ -115,18 +117,33 @@ class ArrayBatch:
 
 
 @dataclass(eq=False)
-class _Source:
-    """One database of a Batches: its reader, keys and filler, and the salt of
-    its random words (0: the first source's words; sources sharing their crops
-    and flips share a salt)."""
+class _Part:
+    """One database: its reader (closed by Batches when ``owned``), path and keys."""
 
-    name: str
     reader: RecordSource
     owned: bool
     path: object
     keys: Any = ()
+
+
+@dataclass(eq=False)
+class _Source:
+    """One named source of a Batches: its databases (several read as one), their
+    keys joined, its filler, and the salt of its random words (0: the first
+    source's words; sources sharing their crops and flips share a salt)."""
+
+    name: str
+    parts: list[_Part]
+    keys: Any = ()
     filler: Any = None
     salt: int = 0
+
+    @property
+    def path(self) -> object:
+        paths = [p.path for p in self.parts]
+        if len(paths) == 1:
+            return paths[0]
+        return " + ".join(str(p) for p in paths)
 
 
 class Batches:
@@ -134,7 +151,10 @@ class Batches:
 
     Args:
         source: an LMDB path (opened, and closed by :meth:`close`) or an open
-            reader (left open); or several of them by name,
+            reader (left open); a list of them, read as one dataset (record
+            ``i`` of the whole is in the first database holding it, in list
+            order: order, shuffle, shards and resume run over all); or several
+            sources by name (each a database or a list),
             ``{"data": images, "label": label_maps}``, read in lockstep as one
             dataset: the same keys (checked at open), one order, shuffle, shards
             and resume for all, each source Datum or BlobProto records, a batch
@@ -206,7 +226,7 @@ class Batches:
 
     def __init__(
         self,
-        source: SourceArg | Mapping[str, SourceArg],
+        source: Sources | Mapping[str, Sources],
         batch_size: int,
         *,
         transform: Transform | Mapping[str, Transform] | None = None,
@@ -267,7 +287,7 @@ class Batches:
                 source, transform, record, np.dtype(blob_dtype), share_random, readahead
             )
             primary = self._sources[0]
-            self._reader = primary.reader
+            self._reader = primary.parts[0].reader  # the first database's
             self._path = primary.path
             self._filler = primary.filler
             self._transform = primary.filler.transform
@@ -311,7 +331,7 @@ class Batches:
 
     def _open_sources(
         self,
-        source: SourceArg | Mapping[str, SourceArg],
+        source: Sources | Mapping[str, Sources],
         transform: Transform | Mapping[str, Transform] | None,
         record: Record | Mapping[str, Record],
         blob_dtype: np.dtype[Any],
@@ -338,15 +358,26 @@ class Batches:
         shared = _shared_names(share_random, names)
         for name in names:
             arg = named[name]
-            if isinstance(arg, (str, os.PathLike)):
-                src = _Source(name, LmdbReader(arg, readahead=readahead), True, os.fspath(arg))
-            else:
-                src = _Source(name, arg, False, getattr(arg, "path", None))
+            src = _Source(name, [])
             self._sources.append(src)
-            keys = src.reader.keys()
-            if not isinstance(src.reader, LmdbReader):  # LmdbReader's keys are bytes already
-                keys = tuple(bytes(k) for k in keys)
-            src.keys = keys
+            several = isinstance(arg, (list, tuple))
+            if several and not arg:
+                raise ValueError(f"source {name!r} is an empty list: name at least one database")
+            ones = list(arg) if isinstance(arg, (list, tuple)) else [arg]
+            for one in ones:
+                if isinstance(one, (str, os.PathLike)):
+                    part = _Part(LmdbReader(one, readahead=readahead), True, os.fspath(one))
+                else:
+                    part = _Part(one, False, getattr(one, "path", None))
+                src.parts.append(part)
+                keys = part.reader.keys()
+                if not isinstance(part.reader, LmdbReader):  # LmdbReader's are bytes already
+                    keys = tuple(bytes(k) for k in keys)
+                part.keys = keys
+            if len(src.parts) == 1:
+                src.keys = src.parts[0].keys
+            else:
+                src.keys = tuple(k for part in src.parts for k in part.keys)
         primary = self._sources[0]
         for src in self._sources[1:]:
             _check_same_keys(primary, src)
@@ -354,8 +385,16 @@ class Batches:
         for src in self._sources:
             t = transforms.get(src.name)
             t = Transform() if t is None else t
-            kind = _record_kind(records[src.name], src)
-            src.filler = Filler(src.reader, src.keys, t, self._phase, src.path, kind, blob_dtype)
+            kinds = [_record_kind(records[src.name], part) for part in src.parts]
+            for part, kind in zip(src.parts[1:], kinds[1:], strict=True):
+                if kind != kinds[0]:
+                    raise DataError(
+                        f"the databases of source {src.name!r} hold different kinds of "
+                        f"record: {src.parts[0].path} holds {kinds[0]}s, {part.path} "
+                        f"{kind}s; databases read as one must hold one kind",
+                        path=part.path,
+                    )
+            src.filler = _filler(src, t, self._phase, kinds[0], blob_dtype)
             if src is not primary:
                 src.salt = group_salt if src.name in shared else _salt(src.name)
         sharing = [s for s in self._sources if s.name in shared]
@@ -374,10 +413,9 @@ class Batches:
         """Fill the primary source with ``transform`` instead (a Loader's host half
         of a device transform); before the first plan."""
         primary = self._sources[0]
-        primary.filler = Filler(
-            primary.reader, primary.keys, transform, self._phase, primary.path,
-            primary.filler.kind, primary.filler._blob_dtype,
-        )  # fmt: skip
+        old = primary.filler
+        primary.filler = _filler(primary, transform, self._phase, old.kind, old._blob_dtype)
+        old.close()
         self._filler = primary.filler
         self._transform = transform
         self._out_shapes.clear()
@@ -786,10 +824,11 @@ class Batches:
             for src in getattr(self, "_sources", ()):
                 if src.filler is not None:
                     src.filler.close()
-                if src.owned:
-                    close = getattr(src.reader, "close", None)
-                    if close is not None:
-                        close()
+                for part in src.parts:
+                    if part.owned:
+                        close = getattr(part.reader, "close", None)
+                        if close is not None:
+                            close()
 
     def __enter__(self) -> Batches:
         return self
@@ -850,8 +889,20 @@ def _salted(words: tuple[int, ...], salt: int) -> tuple[int, ...]:
     return out
 
 
-def _record_kind(record: Any, src: _Source) -> RecordKind:
-    """The record kind of ``src``: named, or told from its first record.
+def _filler(
+    src: _Source, transform: Transform, phase: Phase, kind: RecordKind, blob_dtype: Any
+) -> Filler | ConcatFiller:
+    """The filler of ``src``: one database's, or one per database joined."""
+    fillers = [
+        Filler(p.reader, p.keys, transform, phase, p.path, kind, blob_dtype) for p in src.parts
+    ]
+    if len(fillers) == 1:
+        return fillers[0]
+    return ConcatFiller(fillers, [len(p.keys) for p in src.parts])
+
+
+def _record_kind(record: Any, src: _Part) -> RecordKind:
+    """The record kind of the database ``src``: named, or told from its first record.
 
     Raises:
         ValueError: a bad ``record`` value.

@@ -64,7 +64,10 @@ class Loader:
                 ...
 
     Args:
-        source: an LMDB path (or an open :class:`~blobpipe.LmdbReader`).
+        source: an LMDB path (or an open :class:`~blobpipe.LmdbReader`); a list
+            of them, read as one dataset; or named sources read in lockstep,
+            ``{"data": images, "label": label_maps}`` (see
+            :class:`~blobpipe.Batches`).
         batch_size: records per batch.
         device: "auto" (CUDA when CuPy sees a GPU, else the host), "cpu",
             "cuda", "cuda:N", or a Backend (e.g. the emulated device in tests).

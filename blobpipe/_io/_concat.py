@@ -1,0 +1,105 @@
+"""Several databases as one: record ``i`` of the whole is record ``i - start[k]`` of
+database ``k``, in the order the databases were given.
+
+:class:`ConcatFiller` has the filler's interface (``_fill.Filler``) and hands each
+database its own rows: a run of rows from one database is filled straight into
+the batch, rows of several databases interleaved (a shuffled order) are filled
+per database into a scratch block and scattered. Each database keeps its own
+record index, so every row still comes from a mapped file where it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._fill import Filler, RecordKind
+from ._plan import BatchPlan
+from ._transform import Transform
+
+__all__ = ["ConcatFiller"]
+
+
+class ConcatFiller:
+    """Fills rows of a plan over several databases, each with its own :class:`Filler`."""
+
+    def __init__(self, parts: Sequence[Filler], lengths: Sequence[int]) -> None:
+        self._parts = list(parts)
+        self._starts = np.cumsum([0, *lengths], dtype=np.int64)
+        self.kind: RecordKind = self._parts[0].kind
+        self._blob_dtype = self._parts[0]._blob_dtype
+
+    @property
+    def transform(self) -> Transform:
+        return self._parts[0].transform
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+    def _where(self, index: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return k, index - int(self._starts[k])
+
+    def output(self, record_shape: tuple[int, ...], key: bytes) -> tuple[tuple[int, ...], Any]:
+        return self._parts[0].output(record_shape, key)
+
+    def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
+        k, local = self._where(index)
+        return self._parts[k].first(local)
+
+    def fill(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: np.ndarray,
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> None:
+        """Rows ``[start:stop]`` of ``plan``, each from its own database."""
+        indices = np.fromiter(plan.indices[start:stop], np.int64, stop - start)
+        which = np.searchsorted(self._starts, indices, side="right") - 1
+        for k in np.unique(which).tolist():
+            rows = np.flatnonzero(which == k)  # relative to start
+            sub = self._sub_plan(plan, start + rows, indices[rows] - self._starts[k])
+            n = len(rows)
+            first, last = int(rows[0]), int(rows[-1])
+            if last - first + 1 == n:  # one run: straight into the batch
+                a, b = start + first, start + first + n
+                params = params_out[a:b] if params_out is not None else None
+                self._parts[k].fill(sub, data_out[a:b], label_out[a:b], 0, n, params)
+                continue
+            data = np.empty((n, *data_out.shape[1:]), data_out.dtype)
+            label = np.empty(n, label_out.dtype)
+            params = np.empty((n, 3), np.int32) if params_out is not None else None
+            self._parts[k].fill(sub, data, label, 0, n, params)
+            at = start + rows
+            data_out[at] = data
+            label_out[at] = label
+            if params_out is not None and params is not None:
+                params_out[at] = params
+
+    @staticmethod
+    def _sub_plan(
+        plan: BatchPlan, rows: npt.NDArray[np.intp], local: npt.NDArray[np.int64]
+    ) -> BatchPlan:
+        """The rows ``rows`` of ``plan``, with indices local to their database."""
+        pick = rows.tolist()
+        first = plan._first if pick[0] == 0 else None  # decoded for the plan's row 0
+        return dataclasses.replace(
+            plan,
+            keys=tuple(plan.keys[r] for r in pick),
+            indices=tuple(local.tolist()),
+            epochs=tuple(plan.epochs[r] for r in pick),
+            positions=tuple(plan.positions[r] for r in pick),
+            words=tuple(plan.words[r] for r in pick),
+            valid=len(pick),
+            data_shape=(len(pick), *plan.data_shape[1:]),
+            extra=(),
+            _first=first,
+        )
