@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import pickle
 import re
 import subprocess
 import sys
@@ -76,6 +77,14 @@ def test_module_defines_what_its_stub_declares() -> None:
     assert caffe_pb2.Phase.Name(caffe_pb2.TEST) == "TEST"
     assert caffe_pb2.DataParameter.LMDB == 1
     assert caffe_pb2.DataParameter.DB.Name(0) == "LEVELDB"
+
+
+def test_messages_pickle_by_reference() -> None:
+    """Multiprocessing hands messages over by pickling: the classes must be findable."""
+    datum = caffe_pb2.Datum(channels=1, height=1, width=2, data=b"ab", label=3)
+    again = pickle.loads(pickle.dumps(datum))
+    assert type(again) is caffe_pb2.Datum
+    assert again == datum
 
 
 def test_two_private_builds_do_not_conflict() -> None:
