@@ -6,8 +6,9 @@ Run it with torchrun, one process per rank::
 
 1. Without ``--db``, rank 0 writes a small Caffe LMDB with :func:`blobpipe.write_lmdb`
    (``--records`` raw 3×8×8 Datums of ``--classes`` classes; 103 by default, which
-   neither 2 nor 3 ranks divide, nor the batch size of 17) and the other ranks wait
-   at a barrier; its path is broadcast to them.
+   neither 2 nor 3 ranks divide, nor the batch size of 17); its path is broadcast to
+   the other ranks. A linear model is sized from the database (its records' shape,
+   its largest label + 1).
 2. Every rank opens the same LMDB with the Loader's default sharding options:
    ``shard="auto"`` (the initialised process group's rank and size),
    ``pad_shards=True`` (every rank reads ``ceil(records / ranks)`` records, the
@@ -102,11 +103,25 @@ def database(args: argparse.Namespace, tmp: str) -> Path:
     return Path(str(path[0]))
 
 
+def model_size(db: Path) -> tuple[int, int]:
+    """Inputs and classes of a linear model for ``db``: its records' one shape, and
+    its largest label + 1."""
+    info = blobpipe.inspect_db(db)
+    if len(info.shapes) != 1 or not info.labels or min(info.labels) < 0:
+        raise SystemExit(
+            f"{db}: this example's linear model needs records of one shape and labels "
+            f"0..K-1; found shapes {sorted(info.shapes)} and labels {info.label_summary()}"
+        )
+    (shape,) = info.shapes
+    return int(np.prod(shape)), max(info.labels) + 1
+
+
 def train(args: argparse.Namespace, db: Path, device: torch.device) -> list[int]:
     """Train for ``args.epochs``; the batch count of each epoch."""
     world = dist.get_world_size()
+    inputs, classes = model_size(db)
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    model = torch.nn.Linear(int(np.prod(SHAPE)), args.classes).to(device)
+    model = torch.nn.Linear(inputs, classes).to(device)
     ids = None if device.index is None else [device.index]
     ddp = DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
