@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
 import runpy
+import subprocess
+import sys
 from itertools import pairwise
 from pathlib import Path
 
@@ -67,3 +72,40 @@ def test_segmentation(capsys: pytest.CaptureFixture[str]) -> None:
     # the check can fail: without shared crops the label maps no longer line up
     assert example["main"](["--records", "40", "--device", "cpu", "--no-share"]) == 1
     assert "disagree" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_train_ddp_under_torchrun(tmp_path: Path, ranks: int) -> None:
+    """DDP on gloo with the Loader's defaults: 103 records, batches of 17, two epochs.
+    Every rank runs the same number of batches and finishes (unequal counts would leave
+    one rank waiting in the gradient all-reduce until gloo's timeout)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    root = EXAMPLES.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        str(EXAMPLES / "train_ddp.py"), "--workdir", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    per_rank = -(-103 // ranks)  # padded shards, as DistributedSampler
+    batches = -(-per_rank // 17)  # 4 with 2 ranks, 3 with 3
+    everyone = [[batches, batches]] * ranks
+    for rank in range(ranks):
+        mine = [line for line in lines if line.startswith(f"rank {rank}/{ranks}: ")]
+        losses = []
+        for epoch in (1, 2):
+            (line,) = [x for x in mine if f": epoch {epoch}: " in x]
+            assert f"{batches} batches, {per_rank} records" in line
+            losses.append(float(re.sub(r".*loss ", "", line)))
+        assert losses[1] < losses[0]
+        assert mine[-1].endswith(
+            f"finished 2 epochs; batches per epoch on ranks 0..{ranks - 1}: {everyone}"
+        )

@@ -3,19 +3,33 @@
 It draws on a terminal only: when the stream is not a TTY (piped, redirected,
 captured) or the caller asked for quiet, every method is a no-op, so tools can
 call it unconditionally.
+
+Invariant: a drawn line is at most ``columns - 1`` characters, the terminal's
+width read at each redraw, so the terminal never wraps it and ``\r`` always
+returns to its start (a wrapped line leaves one stale row per redraw). On a
+narrow terminal the bar shrinks, then the rate, the time and the bar are left
+out, and what still does not fit is cut.
+
+Why not tqdm: it would be a new dependency for one line of output, and at
+40 columns it cuts its line mid-field; this bar leaves whole fields out and
+has :meth:`Progress.clear` for messages between redraws.
 """
 
 from __future__ import annotations
 
+import io
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress", "format_duration"]
+__all__ = ["Progress", "format_duration", "terminal_columns"]
 
 _REDRAW_INTERVAL_S = 0.1
 _BAR_WIDTH = 24
+_MIN_BAR_WIDTH = 6
 
 
 def format_duration(seconds: float) -> str:
@@ -24,6 +38,18 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def terminal_columns(stream: TextIO) -> int:
+    """The width of the terminal ``stream`` writes to: its own size, else
+    :func:`shutil.get_terminal_size` (``$COLUMNS``, then stdout's terminal, else 80)."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        columns = 0
+    if columns <= 0:  # not a terminal, or one that reports no size
+        columns = shutil.get_terminal_size().columns
+    return columns if columns > 0 else 80
 
 
 class Progress:
@@ -80,29 +106,41 @@ class Progress:
         """Change the expected total (e.g. once a resumed job knows what is left)."""
         self.total = total
 
-    def render(self, now: float | None = None) -> str:
-        """The line as it would be drawn now (without the carriage return)."""
+    def render(self, now: float | None = None, width: int | None = None) -> str:
+        """The line as it would be drawn now (without the carriage return), at most
+        ``width`` characters (no limit when ``None``)."""
         now = self._clock() if now is None else now
         elapsed = max(now - self._start, 1e-9)
         rate = self.done / elapsed
-        parts = [self.description]
+        frac = min(self.done / self.total, 1.0) if self.total else 0.0
         if self.total:
-            frac = min(self.done / self.total, 1.0)
-            filled = int(frac * _BAR_WIDTH)
-            bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
-            parts.append(f"[{bar}] {self.done}/{self.total} {self.unit} {frac:4.0%}")
+            count = f"{self.done}/{self.total} {self.unit} {frac:4.0%}"
         else:
-            parts.append(f"{self.done} {self.unit}")
-        parts.append(f"{rate:,.1f} {self.unit}/s")
+            count = f"{self.done} {self.unit}"
+        speed = f"{rate:,.1f} {self.unit}/s"
         if self.total and rate > 0:
-            parts.append(f"ETA {format_duration(max(self.total - self.done, 0) / rate)}")
+            when = f"ETA {format_duration(max(self.total - self.done, 0) / rate)}"
         else:
-            parts.append(f"elapsed {format_duration(elapsed)}")
-        return "  ".join(parts)
+            when = f"elapsed {format_duration(elapsed)}"
+        limit = sys.maxsize if width is None else max(width, 0)
+        # when the line does not fit: a narrower bar, then without the rate, then
+        # without the time, then without the bar; what still does not fit is cut
+        for fields in ([speed, when], [when], []):
+            line = "  ".join([self.description, count, *fields])
+            room = min(_BAR_WIDTH, limit - len(line) - 3)  # "[" bar "] "
+            if self.total and room >= _MIN_BAR_WIDTH:
+                filled = int(frac * room)
+                bar = "[" + "#" * filled + "-" * (room - filled) + "]"
+                return "  ".join([self.description, f"{bar} {count}", *fields])
+            if len(line) <= limit and not self.total:
+                return line
+        line = "  ".join([self.description, count])
+        return line[:limit]
 
     def _draw(self, now: float) -> None:
-        line = self.render(now)
-        pad = " " * max(self._width - len(line), 0)
+        width = terminal_columns(self._stream) - 1  # the last column would wrap on some terminals
+        line = self.render(now, width)
+        pad = " " * max(min(self._width, width) - len(line), 0)
         self._width = len(line)
         self._stream.write("\r" + line + pad)
         self._stream.flush()
