@@ -128,17 +128,20 @@ class Blob:
         self._closed = False
         self._closed_message: str | None = None
         self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
+        self._export_readonly = False  # a loader batch's: see __dlpack__
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
             self, self._holder.release
         )
 
-    def _alias(self, *, finalize: bool = True) -> Blob:
+    def _alias(self, *, finalize: bool = True, readonly_export: bool = False) -> Blob:
         """A new Blob of the same shape sharing this blob's data *and* diff memories.
 
         Allocates nothing (each memory's reference count goes up); closing the
         alias releases only its references. Used to hand out loader batches.
         ``finalize=False`` skips the garbage-collection safety net: the caller
         closes the alias itself, or calls :meth:`_keep` before handing it over.
+        ``readonly_export``: host-side DLPack exports are read-only where the
+        consumer's protocol can say so (see :meth:`__dlpack__`).
         """
         self._check_open()
         data, diff = self._holder.data, self._holder.diff
@@ -154,6 +157,7 @@ class Blob:
         alias._closed = False
         alias._closed_message = None
         alias._typed = {}
+        alias._export_readonly = readonly_export
         alias._finalizer = weakref.finalize(alias, alias._holder.release) if finalize else None
         return alias
 
@@ -598,8 +602,24 @@ class Blob:
         ``torch.from_dlpack(blob)`` take it. Keyword arguments (``stream``,
         ``max_version``, ``dl_device``, ``copy``) go to the array's own
         ``__dlpack__``.
+
+        A Loader's batches are the loader's buffers: their host-side exports are
+        read-only (DLPack 1.0's flag, the head left where it is) to consumers
+        that ask for DLPack 1.0 or later (NumPy's ``from_dlpack`` gives a
+        read-only array; torch takes the memory, as it has no read-only
+        tensors); consumers of the older protocol, which cannot be told, and
+        device-side exports get the writable alias.
         """
+        if self._export_readonly and self._wants_versioned(kwargs):
+            mem = self._mem("data")
+            if not (self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED)):
+                return self.cpu_data().__dlpack__(**kwargs)
         return self._export_array().__dlpack__(**kwargs)
+
+    @staticmethod
+    def _wants_versioned(kwargs: dict[str, Any]) -> bool:
+        version = kwargs.get("max_version")
+        return version is not None and tuple(version) >= (1, 0)
 
     def __dlpack_device__(self) -> tuple[Any, int]:
         """The DLPack device of what :meth:`__dlpack__` would export."""

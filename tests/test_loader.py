@@ -1234,3 +1234,28 @@ def test_int64_labels_through_the_loader(db30: Path) -> None:
     assert all(x.dtype == np.int64 for x in labels)
     with Batches(db30, 4, mode="epoch") as batches:
         assert [x.tolist() for x in labels] == [b.label.astype(np.int64).tolist() for b in batches]
+
+
+def test_host_exports_are_read_only(db30: Path) -> None:
+    """A batch is the loader's buffer: NumPy (DLPack 1.0) gets a read-only view, the
+    head stays where it was; a detached batch is the caller's and exports writable."""
+    with Loader(db30, 4, device="cpu", mode="epoch") as loader:
+        batch = next(iter(loader))
+        view = np.from_dlpack(batch.data)
+        assert not view.flags.writeable
+        assert np.shares_memory(view, batch.data.cpu_data())
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+        assert not np.from_dlpack(batch.label).flags.writeable
+        kept = batch.detach()
+        assert np.from_dlpack(kept.data).flags.writeable
+        kept.close()
+
+
+def test_torch_takes_read_only_exports(db30: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with Loader(db30, 4, device="cpu", mode="epoch") as loader:
+        batch = next(iter(loader))
+        tensor = torch.from_dlpack(batch.data)
+        assert tensor.data_ptr() == batch.data.cpu_data().ctypes.data
+        assert np.array_equal(tensor.numpy(), batch.data.cpu_data())

@@ -172,6 +172,7 @@ class Batch:
             self._detached = True
             for blob in self._blobs():
                 blob._keep()
+                blob._export_readonly = False  # the caller's now
             if on_detach is not None:
                 on_detach(self)
         return self

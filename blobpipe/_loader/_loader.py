@@ -614,9 +614,12 @@ class Loader:
         if src is None or slot.label is None:  # closed by another thread meanwhile
             raise StateError(CLOSED_ERROR)
         # closed by _recycle (or kept by detach, which adds the finalizer)
-        data = src._alias(finalize=False)
-        label = slot.label._alias(finalize=False)
-        extra = {name: slot.extra[name]._alias(finalize=False) for name, _ in plan.extra}
+        data = src._alias(finalize=False, readonly_export=True)
+        label = slot.label._alias(finalize=False, readonly_export=True)
+        extra = {
+            name: slot.extra[name]._alias(finalize=False, readonly_export=True)
+            for name, _ in plan.extra
+        }
         return Batch(data, label, plan, on_detach=self._detach_current, extra=extra)
 
     # -- the blocking form ------------------------------------------------------------
