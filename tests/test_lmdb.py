@@ -27,7 +27,7 @@ from blobpipe._io import _lmdb
 from blobpipe._io._datum import decode_datum, decode_datum_into
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import BlobProto
-from tests._helpers import lmdb_items, write_lmdb
+from tests._helpers import dupsort_db, image, key, lmdb_items, open_lmdb, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 RAW = CAFFE / "lmdb" / "raw_color"
@@ -501,3 +501,33 @@ def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Pa
     assert [type(e) for e in errors] == [RecordNotFoundError, RecordNotFoundError]
     assert "listed but cannot be read now" in str(errors[0])
     assert "no record under this key; list" in str(errors[1])
+
+
+def test_a_dupsort_database_is_refused_not_read_by_key(tmp_path: Path) -> None:
+    """Reading a DUPSORT database's keys, then each by key, gives the first duplicate
+    twice (labels 0,0,2,2,...; LMDB's cursor gives 0-7): it is refused, clearly."""
+    import blobpipe
+
+    items = [(key(i // 2), blobpipe.encode_raw_datum(image(i), i)) for i in range(8)]
+    path = dupsort_db(tmp_path / "dup", items)
+    labels = [blobpipe.parse_datum(v).label for _, v in lmdb_items(path)]
+    assert sorted(labels) == list(range(8))  # a real DUPSORT database: LMDB reads 8 records
+    refused = r"not a database blobpipe reads: .*sorted duplicates \(flags 0x4: MDB_DUPSORT\)"
+    with pytest.raises(DataError, match=refused) as info:
+        LmdbReader(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(DataError, match=refused), blobpipe.Batches(path, 8, mode="epoch") as b:
+        next(iter(b))
+
+
+def test_records_in_a_named_sub_database_are_refused_at_open(tmp_path: Path) -> None:
+    """The reader refuses it when opened, so every way in (datums, inspect, Batches)
+    says the records sit in a named sub-database, not "not a valid caffe.Datum: field
+    number 0"."""
+    path = tmp_path / "named"
+    with open_lmdb(path, max_dbs=2) as env:
+        sub = env.open_db(b"train")
+        with env.begin(write=True, db=sub) as txn:
+            txn.put(b"00000000", b"")
+    with pytest.raises(DataError, match=r"named sub-databases \(b'train'\), not records"):
+        LmdbReader(path)
