@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -456,22 +457,38 @@ def test_an_empty_or_odd_data_file_is_a_clean_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
-def test_closing_releases_the_map_of_the_data_file(tmp_path: Path) -> None:
+def test_closing_releases_every_map_and_descriptor_at_once(tmp_path: Path) -> None:
+    """While open: LMDB's map and blobpipe's (for the record index), each with its
+    descriptor; after close(), none, with no garbage collection in between."""
     from blobpipe._io._batches import Batches
 
     path = write_lmdb(tmp_path / "db", RAW_ITEMS[:40])
     data = str((path / "data.mdb").resolve())
 
-    def mapped() -> int:
+    def held() -> tuple[int, int]:
         with open("/proc/self/maps") as f:
-            return sum(line.rstrip().endswith(data) for line in f)
+            maps = sum(line.rstrip().endswith(data) for line in f)
+        fds = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                fds += os.readlink(f"/proc/self/fd/{fd}") == data
+        return maps, fds
 
-    with Batches(path, 4) as b:
-        next(iter(b))
-        assert b._filler._index is not None  # blobpipe's own map of the file is in use
-        assert mapped() >= 1
     gc.collect()
-    assert mapped() == 0
+    gc.disable()
+    try:
+        with Batches(path, 4) as b:
+            next(iter(b))
+            assert b._filler._index is not None  # blobpipe's own map of the file is in use
+            assert held() == (2, 2)
+        assert held() == (0, 0)
+        reader = LmdbReader(path)
+        reader.get(RAW_ITEMS[0][0])
+        assert held() == (2, 2)
+        reader.close()
+        assert held() == (0, 0)
+    finally:
+        gc.enable()
 
 
 def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Path) -> None:
