@@ -516,8 +516,13 @@ def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Pa
             thread.start()
             thread.join()
     assert [type(e) for e in errors] == [RecordNotFoundError, RecordNotFoundError]
-    assert "listed but cannot be read now" in str(errors[0])
+    assert "listed but cannot be read now: the database was changed since it was opened (" in (
+        str(errors[0])
+    )
     assert "no record under this key; list" in str(errors[1])
+    with LmdbReader(path) as reader:  # unchanged since opened: only damage explains a miss
+        missed = reader._missing(reader.keys()[0])
+    assert "has not changed since it was opened: its B-tree is damaged" in str(missed)
 
 
 def test_a_dupsort_database_is_refused_not_read_by_key(tmp_path: Path) -> None:
@@ -547,4 +552,37 @@ def test_records_in_a_named_sub_database_are_refused_at_open(tmp_path: Path) -> 
         with env.begin(write=True, db=sub) as txn:
             txn.put(b"00000000", b"")
     with pytest.raises(DataError, match=r"named sub-databases \(b'train'\), not records"):
+        LmdbReader(path)
+
+
+def test_a_branch_key_that_misleads_lookups_is_refused_at_open(tmp_path: Path) -> None:
+    """A branch key raised past its child's first key (still in order in its page):
+    LMDB's cursor lists that record, its key lookup cannot find it. Refused when
+    opened, naming the page, rather than a "listed but cannot be read" later."""
+    from blobpipe._io._lmdbfile import picked_meta
+    from tests._helpers import raw_db
+
+    path = raw_db(tmp_path / "db", 200)
+    data = bytearray((path / "data.mdb").read_bytes())
+    psize = int.from_bytes(data[40:44], "little")
+    ids = [int.from_bytes(data[m + 144 : m + 152], "little") for m in (0, psize)]
+    meta = psize * picked_meta(*ids)
+    root = int.from_bytes(data[meta + 128 : meta + 136], "little")
+    assert data[root * psize + 10] & 0x01  # a branch page: the root of a two-level tree
+    ptr = int.from_bytes(data[root * psize + 20 : root * psize + 22], "little")  # node 2
+    ksize = int.from_bytes(data[root * psize + ptr + 6 : root * psize + ptr + 8], "little")
+    at = root * psize + ptr + 8
+    separator = bytes(data[at : at + ksize])
+    data[at + ksize - 1] += 1  # "00000036" -> "00000037": 36 now routes left, not found
+    (path / "data.mdb").write_bytes(data)
+    assert separator in [k for k, _ in lmdb_items(path)]
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            assert txn.get(separator) is None  # LMDB's lookup misses a listed record
+    finally:
+        env.close()
+    with pytest.raises(
+        DataError, match=rf"a branch key that does not separate its children \(page {root}\)"
+    ):
         LmdbReader(path)

@@ -71,6 +71,7 @@ from ._lmdbfile import (
     NamedDatabases,
     Tree,
     Unsupported,
+    current_txnid,
     extents_of,
     picked_meta,
     read_tree,
@@ -606,18 +607,36 @@ class LmdbReader:
     def _missing(self, key: bytes) -> RecordNotFoundError:
         listed = self._keys
         if listed is not None and key in listed:  # (an error path: a scan is fine)
-            return RecordNotFoundError(
-                "the record is listed but cannot be read now: the database was changed "
-                "(the record deleted) since it was opened, or its B-tree is damaged; do "
-                "not write a database while it is read, or rebuild it",
-                path=self._path,
-                key=key,
-            )
+            return RecordNotFoundError(self._unreadable(), path=self._path, key=key)
         return RecordNotFoundError(
             "no record under this key; list the keys with keys() (they are bytes, e.g. "
             "b'00000000_path/to/image.jpg')",
             path=self._path,
             key=key,
+        )
+
+    def _unreadable(self) -> str:
+        """Why a record that :meth:`keys` lists cannot be found by its key."""
+        shared = self._shared
+        file, tree = shared.mapped, shared.tree
+        if file is None or tree is None:
+            return (
+                "the record is listed but cannot be read now: the database was changed "
+                "(the record deleted) since it was opened, or its B-tree is damaged; do "
+                "not write a database while it is read, or rebuild it"
+            )
+        now = current_txnid(file)
+        if now != tree.txnid:
+            return (
+                f"the record is listed but cannot be read now: the database was changed "
+                f"since it was opened (transaction {tree.txnid}, now {now}), the record "
+                "deleted or moved; do not write a database while it is read, or open it "
+                "again to read the new data"
+            )
+        return (
+            "the record is listed but LMDB's lookup by key cannot find it, and the "
+            "database has not changed since it was opened: its B-tree is damaged; copy it "
+            "again from a good source or rebuild it"
         )
 
     def _get_view(self, txn: Any, key: bytes) -> memoryview:

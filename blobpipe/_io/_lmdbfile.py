@@ -38,6 +38,7 @@ __all__ = [
     "NamedDatabases",
     "Tree",
     "Unsupported",
+    "current_txnid",
     "picked_meta",
     "read_tree",
     "value_extents",
@@ -75,6 +76,13 @@ def picked_meta(txnid0: int, txnid1: int) -> int:
     """Which meta page (0 or 1) LMDB reads, given their transaction ids: meta 1 only
     when its transaction is newer, meta 0 on a tie (``mdb_env_pick_meta``)."""
     return 1 if txnid0 < txnid1 else 0
+
+
+def current_txnid(file: npt.NDArray[np.uint8]) -> int:
+    """The transaction a reader starting now would read (the picked meta page's)."""
+    psize = _u32(file, 40)
+    ids = (_u64(file, 144), _u64(file, psize + 144))
+    return ids[picked_meta(*ids)]
 
 
 class NamedDatabases(Exception):
@@ -130,9 +138,10 @@ def _ragged(starts: I64, counts: I64, step: int) -> tuple[I64, I64]:
 
 def _nodes(
     file: npt.NDArray[np.uint8], pages: I64, psize: int, npages: int, kind: int, limit: int
-) -> tuple[I64, I64, I64]:
+) -> tuple[I64, I64, I64, I64]:
     """The node offsets of ``pages`` (all of page kind ``kind``, each holding at least one
-    node), in order; each node's page start; and its page number. At most ``limit`` nodes
+    node), in order; each node's page start; its page number; and the node count of
+    each page. At most ``limit`` nodes
     (checked before allocating); ``npages``: the database's pages (``mm_last_pg + 1``)."""
     # compared before multiplying: a page number from the file may be near 2**64
     _fail((pages < 2) | (pages >= npages), np.clip(pages, 0, None), "a page number past the end")
@@ -167,23 +176,62 @@ def _nodes(
         pages[owner],
         "a key outside its page",
     )
-    return at, starts[owner], pages[owner]
+    return at, starts[owner], pages[owner], counts
+
+
+def _compare(
+    file: npt.NDArray[np.uint8], a_at: I64, a_size: I64, b_at: I64, b_size: I64
+) -> npt.NDArray[np.int64]:
+    """Per pair, the sign of key ``a`` minus key ``b`` in byte order (-1, 0 or 1)."""
+    n = len(a_at)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    cols = np.arange(int(max(a_size.max(), b_size.max())), dtype=np.int64)
+
+    def padded(at: I64, size: I64) -> npt.NDArray[np.int64]:
+        inside = cols < size[:, np.newaxis]
+        return np.where(inside, file[np.where(inside, at[:, np.newaxis] + cols, 0)], 0).astype(
+            np.int64
+        )
+
+    a, b = padded(a_at, a_size), padded(b_at, b_size)
+    differ = a != b
+    first = differ.argmax(axis=1)
+    rows = np.arange(n)
+    # equal up to the shorter key's end (then zero padding): the shorter is less
+    by_byte = np.sign(a[rows, first] - b[rows, first])
+    sign: npt.NDArray[np.int64] = np.where(differ.any(axis=1), by_byte, np.sign(a_size - b_size))
+    return sign
 
 
 def _increasing(file: npt.NDArray[np.uint8], key_at: I64, ksize: I64) -> npt.NDArray[np.bool_]:
     """Per pair of consecutive keys, whether the second is greater (byte order)."""
-    n = len(key_at)
-    if n < 2:
-        return np.ones(max(n - 1, 0), np.bool_)
-    cols = np.arange(int(ksize.max()), dtype=np.int64)
-    inside = cols < ksize[:, np.newaxis]
-    padded = np.where(inside, file[np.where(inside, key_at[:, np.newaxis] + cols, 0)], 0)
-    a, b = padded[:-1], padded[1:]
-    differ = a != b
-    first = differ.argmax(axis=1)
-    rows = np.arange(n - 1)
-    # equal up to the shorter key's end (then zero padding): the shorter is less
-    return np.where(differ.any(axis=1), b[rows, first] > a[rows, first], ksize[:-1] < ksize[1:])
+    return _compare(file, key_at[:-1], ksize[:-1], key_at[1:], ksize[1:]) < 0
+
+
+def _check_separators(
+    file: npt.NDArray[np.uint8],
+    branches: list[tuple[I64, I64, I64, npt.NDArray[np.bool_]]],
+    leaf_counts: I64,
+    key_at: I64,
+    ksize: I64,
+) -> None:
+    """Each branch key (but a page's first, which LMDB ignores) must lie between the
+    last key left of its child and the child's first key, as LMDB's key lookup
+    assumes. ``branches``: per branch level, top down, its nodes' offsets, key sizes,
+    pages, and which are the first of their page; the child of a level's node ``k``
+    is page ``k`` of the level below."""
+    first_record = np.cumsum(leaf_counts) - leaf_counts  # per page of the level below
+    for nodes, sizes, page, head in reversed(branches):
+        node_first = first_record  # node k's child is page k below
+        sep = ~head
+        r = node_first[sep]
+        _fail(r < 1, page[sep], "a branch key that does not separate its children")
+        at, size = nodes[sep] + _NODESIZE, sizes[sep]
+        left = _compare(file, key_at[r - 1], ksize[r - 1], at, size) < 0
+        right = _compare(file, at, size, key_at[r], ksize[r]) <= 0
+        _fail(~(left & right), page[sep], "a branch key that does not separate its children")
+        first_record = node_first[head]
 
 
 def read_tree(file: npt.NDArray[np.uint8]) -> Tree | None:
@@ -283,23 +331,31 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
     if not 2 <= root < npages:
         raise Damaged(f"a root page number past the end ({where})")
     level = np.array([root], np.int64)
+    branches: list[tuple[I64, I64, I64, npt.NDArray[np.bool_]]] = []
     for _ in range(depth - 1):  # branch levels: children in key order
-        nodes, _start, page = _nodes(file, level, psize, npages, _P_BRANCH, npages)
+        nodes, _start, page, counts = _nodes(file, level, psize, npages, _P_BRANCH, npages)
         ksize = _u16(file, nodes + 6)
-        first = np.concatenate([[True], page[1:] != page[:-1]])  # node 0: no key
+        first = np.zeros(len(nodes), np.bool_)  # node 0 of its page: no key
+        first[np.cumsum(counts) - counts] = True
+        branches.append((nodes, ksize, page, first))
         pair = ~first[1:] & ~first[:-1]  # both keys of one page, neither a node 0
         ok = _increasing(file, nodes + _NODESIZE, ksize)
         _fail(pair & ~ok, page[1:], "branch keys out of order")
         level = _u16(file, nodes) | (_u16(file, nodes + 2) << 16) | (_u16(file, nodes + 4) << 32)
     offsets = np.empty(n, np.int64)
     lengths = np.empty(n, np.uint32)  # LMDB stores a value's size in 32 bits
+    keys_at = np.empty(n, np.int64)
+    keys_size = np.empty(n, np.int64)
+    leaf_counts = []
     length_hash, key_hash = hashlib.sha256(), hashlib.sha256()
     done = 0
     last_key: tuple[I64, I64] | None = None  # the previous step's last key: (at, size)
     c = 0
     step = 64  # leaf pages; then as many as hold about _STEP_NODES nodes
     while c < len(level):
-        nodes, start, page = _nodes(file, level[c : c + step], psize, npages, _P_LEAF, n - done)
+        nodes, start, page, counts = _nodes(
+            file, level[c : c + step], psize, npages, _P_LEAF, n - done
+        )
         m = len(nodes)
         pages = min(step, len(level) - c)
         c += pages
@@ -343,9 +399,13 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
         _fail(off + dsize > npages * psize, page, "a value past the end of the database")
         offsets[done : done + m] = off
         lengths[done : done + m] = dsize
+        keys_at[done : done + m] = key_at
+        keys_size[done : done + m] = ksize
+        leaf_counts.append(counts)
         length_hash.update(ksize.astype("<u2").tobytes())
         key_hash.update(file[_ragged(key_at, ksize, 1)[0]].tobytes())
         done += m
     if done != n:
         raise Damaged(f"{done} records in the tree, {n} in the meta page ({where})")
+    _check_separators(file, branches, np.concatenate(leaf_counts), keys_at, keys_size)
     return Tree(offsets, lengths, txnid, length_hash.digest() + key_hash.digest())
