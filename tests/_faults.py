@@ -123,6 +123,7 @@ def _worker(
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests._faults", mode, str(base), str(work)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parent.parent,  # -m finds tests/ and blobpipe/ there
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("".join(f"{n} {o} {m}\n" for n, o, m in flips).encode())
