@@ -5,8 +5,8 @@ in fixed-size pages: two meta pages, branch pages whose nodes point to child
 pages, leaf pages whose nodes hold a key and either the value itself or, for a
 value too large for the page (``F_BIGDATA``: every image record), the number of
 the first of its consecutive overflow pages, where the value starts right after
-the 16-byte page header. :func:`value_extents` walks those pages, vectorised
-with numpy over a read-only mapping of the file, and returns each value's file
+the 16-byte page header. :func:`read_tree` walks those pages, vectorised with
+numpy over a read-only mapping of the file, and returns each value's file
 offset and length, in key order. Only the tree's branch and leaf pages are read
 (as listing the keys does); values are not touched.
 
@@ -14,8 +14,9 @@ Everything read is checked, so that the reader can check a file before LMDB
 walks it (LMDB trusts its pages: a damaged one can make it abort or die of
 SIGBUS): the meta page LMDB picks, page numbers inside the database, each page's
 own number and kind level by level, node offsets and key and value sizes inside
-the page, values inside the database, keys in strictly increasing order (and
-within each branch page), the entry count and the depth. :func:`read_tree`
+the page, values inside the database, keys in strictly increasing order, each
+branch key between the keys left and right of it (LMDB's lookup relies on it),
+the entry count and the depth. :func:`read_tree`
 raises :class:`Damaged` (what, and on which page) for any inconsistency and
 :class:`Unsupported` or :class:`NamedDatabases` for a valid layout that is not
 a plain database of records. :func:`value_extents` then matches the tree's keys
@@ -39,6 +40,7 @@ __all__ = [
     "Tree",
     "Unsupported",
     "current_txnid",
+    "extents_of",
     "picked_meta",
     "read_tree",
     "value_extents",
