@@ -27,6 +27,7 @@ from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError
 from ._errors import DatabaseNotFoundError as DatabaseNotFoundError
 from ._errors import DataError as DataError
+from ._errors import DiskFullError as DiskFullError
 from ._errors import OutputExistsError as OutputExistsError
 from ._errors import PoolMemoryError as PoolMemoryError
 from ._errors import ProtoError as ProtoError

@@ -13,6 +13,7 @@ keeps working::
     ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
     ├── ProtoError(ValueError)             a BlobProto / prototxt that cannot be used
     ├── OutputExistsError(FileExistsError)  a tool's output exists and force was not given
+    ├── DiskFullError(OSError)             a tool's output does not fit on its disk (ENOSPC)
     └── DataError(ValueError)              a bad record or database (names path and key)
         ├── DatabaseNotFoundError(FileNotFoundError)
         └── RecordNotFoundError(KeyError)  no record under that key
@@ -20,12 +21,15 @@ keeps working::
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "BackendUnavailableError",
     "BlobIndexError",
     "BlobpipeError",
     "DataError",
     "DatabaseNotFoundError",
+    "DiskFullError",
     "OutputExistsError",
     "PoolMemoryError",
     "ProtoError",
@@ -70,6 +74,30 @@ class ProtoError(BlobpipeError, ValueError):
 
 class OutputExistsError(BlobpipeError, FileExistsError):
     """A tool's output path exists and ``force`` was not given (the message says how)."""
+
+
+class DiskFullError(BlobpipeError, OSError):
+    """A tool's output does not fit on the disk that holds it.
+
+    ``errno`` is ``ENOSPC`` and ``filename`` the output path; the message says how
+    much space was needed and free, and what became of the partial output.
+    """
+
+    def __init__(self, message: str, *, path: object) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+        self.strerror = message
+        self.filename = str(path)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_disk_full, (str(self), self.filename))
+
+
+def _rebuild_disk_full(message: str, path: str) -> DiskFullError:
+    return DiskFullError(message, path=path)
 
 
 def _describe(message: str, path: object = None, key: bytes | str | None = None) -> str:

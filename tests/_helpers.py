@@ -70,6 +70,26 @@ def write_lmdb(
     return path
 
 
+def dupsort_db(path: Path, items: Iterable[tuple[bytes, bytes]]) -> Path:
+    """An LMDB at ``path`` whose main database holds ``items`` with sorted duplicates
+    (``MDB_DUPSORT``), as LMDB's C API writes it (py-lmdb sets no flags on the main
+    database): written to a named DUPSORT database, whose descriptor is then copied
+    into both meta pages' main-database slot."""
+    with open_lmdb(path, max_dbs=1) as env:
+        sub = env.open_db(b"d", dupsort=True)
+        with env.begin(write=True, db=sub) as txn:
+            for k, v in items:
+                txn.put(k, v)
+        with env.begin() as txn:
+            descriptor = bytes(txn.get(b"d"))  # the named database's MDB_db: 48 bytes
+    data = bytearray((path / "data.mdb").read_bytes())
+    psize = int.from_bytes(data[40:44], "little")
+    for meta in (0, psize):
+        data[meta + 88 : meta + 136] = descriptor  # mm_dbs[MAIN_DBI]
+    (path / "data.mdb").write_bytes(data)
+    return path
+
+
 def lmdb_items(path: Path) -> list[tuple[bytes, bytes]]:
     """Every ``(key, value)`` of the LMDB at ``path`` in key order, read with py-lmdb directly."""
     env = lmdb.open(str(path), readonly=True, lock=False, create=False)

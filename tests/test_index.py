@@ -128,13 +128,10 @@ def test_extents_refuse_what_they_do_not_understand(tmp_path: Path) -> None:
         sub = env.open_db(b"sub")
         with env.begin(write=True) as txn:
             txn.put(b"a", b"1", db=sub)
-    with blobpipe.LmdbReader(named) as reader:
-        file = reader._mapped_file()
-        assert file is not None
-        # the main database holds the sub-database's record: not records, and said so
-        with pytest.raises(NamedDatabases) as info:
-            value_extents(file, reader.keys())
-        assert info.value.args == (b"sub",)
+    # the main database holds the sub-database's record: not records, and said so
+    with pytest.raises(NamedDatabases) as info:
+        value_extents(np.fromfile(named / "data.mdb", np.uint8), [b"sub"])
+    assert info.value.args == (b"sub",)
 
 
 # -- batches from the index equal the checked path --------------------------------------------
@@ -358,16 +355,24 @@ def test_extents_refuse_page_numbers_past_the_file(tmp_path: Path) -> None:
         assert value_extents(bad, keys) is None
 
 
-def test_no_index_when_the_path_holds_another_file_now(tmp_path: Path) -> None:
+def test_a_file_replaced_after_opening_is_read_as_opened(tmp_path: Path) -> None:
+    """The map of the data file is made when the database is opened: replacing the file
+    at that path afterwards changes neither what LMDB nor what the index reads."""
     path = raw_db(tmp_path / "db", 20)
     with blobpipe.LmdbReader(path) as reader:
-        replacement = raw_db(tmp_path / "other", 20)
+        replacement = write_lmdb(
+            tmp_path / "other",
+            ((key(i), blobpipe.encode_raw_datum(image(500 + i), 500 + i)) for i in range(20)),
+        )
         (path / "data.mdb").rename(tmp_path / "old.mdb")  # LMDB keeps the old file open
         (replacement / "data.mdb").rename(path / "data.mdb")
-        assert reader._mapped_file() is None
         with Batches(reader, 4, mode="epoch") as b:
-            assert len(list(b)) == 5  # read through LMDB, from the file it opened
-            assert b._filler._index is None
+            batches = list(b)
+            assert b._filler._index is not None
+    assert [int(i) for x in batches for i in x.label] == list(range(20))
+    for x in batches:
+        for r, i in enumerate(x.indices):
+            assert np.array_equal(x.data[r], image(i, (3, 10, 12)).astype(np.float32))
 
 
 @settings(

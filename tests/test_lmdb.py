@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -27,7 +28,7 @@ from blobpipe._io import _lmdb
 from blobpipe._io._datum import decode_datum, decode_datum_into
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import BlobProto
-from tests._helpers import lmdb_items, write_lmdb
+from tests._helpers import dupsort_db, image, key, lmdb_items, open_lmdb, write_lmdb
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 RAW = CAFFE / "lmdb" / "raw_color"
@@ -456,22 +457,38 @@ def test_an_empty_or_odd_data_file_is_a_clean_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
-def test_closing_releases_the_map_of_the_data_file(tmp_path: Path) -> None:
+def test_closing_releases_every_map_and_descriptor_at_once(tmp_path: Path) -> None:
+    """While open: LMDB's map and blobpipe's (for the record index), each with its
+    descriptor; after close(), none, with no garbage collection in between."""
     from blobpipe._io._batches import Batches
 
     path = write_lmdb(tmp_path / "db", RAW_ITEMS[:40])
     data = str((path / "data.mdb").resolve())
 
-    def mapped() -> int:
+    def held() -> tuple[int, int]:
         with open("/proc/self/maps") as f:
-            return sum(line.rstrip().endswith(data) for line in f)
+            maps = sum(line.rstrip().endswith(data) for line in f)
+        fds = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                fds += os.readlink(f"/proc/self/fd/{fd}") == data
+        return maps, fds
 
-    with Batches(path, 4) as b:
-        next(iter(b))
-        assert b._filler._index is not None  # blobpipe's own map of the file is in use
-        assert mapped() >= 1
     gc.collect()
-    assert mapped() == 0
+    gc.disable()
+    try:
+        with Batches(path, 4) as b:
+            next(iter(b))
+            assert b._filler._index is not None  # blobpipe's own map of the file is in use
+            assert held() == (2, 2)
+        assert held() == (0, 0)
+        reader = LmdbReader(path)
+        reader.get(RAW_ITEMS[0][0])
+        assert held() == (2, 2)
+        reader.close()
+        assert held() == (0, 0)
+    finally:
+        gc.enable()
 
 
 def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Path) -> None:
@@ -499,5 +516,73 @@ def test_a_listed_key_that_cannot_be_read_says_the_database_changed(tmp_path: Pa
             thread.start()
             thread.join()
     assert [type(e) for e in errors] == [RecordNotFoundError, RecordNotFoundError]
-    assert "listed but cannot be read now" in str(errors[0])
+    assert "listed but cannot be read now: the database was changed since it was opened (" in (
+        str(errors[0])
+    )
     assert "no record under this key; list" in str(errors[1])
+    with LmdbReader(path) as reader:  # unchanged since opened: only damage explains a miss
+        missed = reader._missing(reader.keys()[0])
+    assert "has not changed since it was opened: its B-tree is damaged" in str(missed)
+
+
+def test_a_dupsort_database_is_refused_not_read_by_key(tmp_path: Path) -> None:
+    """Reading a DUPSORT database's keys, then each by key, gives the first duplicate
+    twice (labels 0,0,2,2,...; LMDB's cursor gives 0-7): it is refused, clearly."""
+    import blobpipe
+
+    items = [(key(i // 2), blobpipe.encode_raw_datum(image(i), i)) for i in range(8)]
+    path = dupsort_db(tmp_path / "dup", items)
+    labels = [blobpipe.parse_datum(v).label for _, v in lmdb_items(path)]
+    assert sorted(labels) == list(range(8))  # a real DUPSORT database: LMDB reads 8 records
+    refused = r"not a database blobpipe reads: .*sorted duplicates \(flags 0x4: MDB_DUPSORT\)"
+    with pytest.raises(DataError, match=refused) as info:
+        LmdbReader(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(DataError, match=refused), blobpipe.Batches(path, 8, mode="epoch") as b:
+        next(iter(b))
+
+
+def test_records_in_a_named_sub_database_are_refused_at_open(tmp_path: Path) -> None:
+    """The reader refuses it when opened, so every way in (datums, inspect, Batches)
+    says the records sit in a named sub-database, not "not a valid caffe.Datum: field
+    number 0"."""
+    path = tmp_path / "named"
+    with open_lmdb(path, max_dbs=2) as env:
+        sub = env.open_db(b"train")
+        with env.begin(write=True, db=sub) as txn:
+            txn.put(b"00000000", b"")
+    with pytest.raises(DataError, match=r"named sub-databases \(b'train'\), not records"):
+        LmdbReader(path)
+
+
+def test_a_branch_key_that_misleads_lookups_is_refused_at_open(tmp_path: Path) -> None:
+    """A branch key raised past its child's first key (still in order in its page):
+    LMDB's cursor lists that record, its key lookup cannot find it. Refused when
+    opened, naming the page, rather than a "listed but cannot be read" later."""
+    from blobpipe._io._lmdbfile import picked_meta
+    from tests._helpers import raw_db
+
+    path = raw_db(tmp_path / "db", 200)
+    data = bytearray((path / "data.mdb").read_bytes())
+    psize = int.from_bytes(data[40:44], "little")
+    ids = [int.from_bytes(data[m + 144 : m + 152], "little") for m in (0, psize)]
+    meta = psize * picked_meta(*ids)
+    root = int.from_bytes(data[meta + 128 : meta + 136], "little")
+    assert data[root * psize + 10] & 0x01  # a branch page: the root of a two-level tree
+    ptr = int.from_bytes(data[root * psize + 20 : root * psize + 22], "little")  # node 2
+    ksize = int.from_bytes(data[root * psize + ptr + 6 : root * psize + ptr + 8], "little")
+    at = root * psize + ptr + 8
+    separator = bytes(data[at : at + ksize])
+    data[at + ksize - 1] += 1  # "00000036" -> "00000037": 36 now routes left, not found
+    (path / "data.mdb").write_bytes(data)
+    assert separator in [k for k, _ in lmdb_items(path)]
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            assert txn.get(separator) is None  # LMDB's lookup misses a listed record
+    finally:
+        env.close()
+    with pytest.raises(
+        DataError, match=rf"a branch key that does not separate its children \(page {root}\)"
+    ):
+        LmdbReader(path)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -658,3 +660,75 @@ def test_write_lmdb_grows_the_map_refuses_overwrites_and_leaves_nothing_half_don
     with pytest.raises(blobpipe.ShapeError):
         blobpipe.write_lmdb(tmp_path / "bad", [(np.zeros((2, 2), np.uint8), 0)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]  # no partial left behind
+
+
+# -- a full disk ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: a disk that fills up (needs root; skipped without)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs, which needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.decode(errors='replace')}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _cli(*args: str, patch: str = "") -> Any:
+    """``blobpipe ARGS`` in a subprocess (a SIGBUS there fails the test, not pytest)."""
+    import subprocess
+    import sys
+
+    code = f"import sys\n{patch}\nfrom blobpipe._cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("name", ["out.npy", "out.npz", "out.binaryproto"])
+def test_export_to_a_full_disk_is_a_clean_error(small_disk: Path, name: str) -> None:
+    """The space an export needs is checked first; nothing is left behind."""
+    done = _cli("export", str(CAFFE / "lmdb" / "raw_color"), str(small_disk / name))
+    assert done.returncode == 1, done
+    assert "error: no space left on device: an export of shape (50, 3, 32, 40) needs" in (
+        done.stderr
+    )
+    assert list(small_disk.iterdir()) == []
+    with pytest.raises(blobpipe.DiskFullError, match="no space left on device") as info:
+        blobpipe.export(CAFFE / "lmdb" / "raw_color", small_disk / name)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+    assert list(small_disk.iterdir()) == []
+
+
+def test_export_when_the_disk_fills_while_writing_is_a_clean_error(small_disk: Path) -> None:
+    """The disk fills after the check (another writer): ENOSPC from an ordinary write,
+    not a SIGBUS in a memory map; the partial output is removed."""
+    out = small_disk / "out.npy"
+    skip_check = "import blobpipe._tools._export as e\ne.check_space = lambda *args: None"
+    done = _cli("export", str(CAFFE / "lmdb" / "raw_color"), str(out), patch=skip_check)
+    assert done.returncode == 1, done
+    assert "error: no space left on device: the disk holding" in done.stderr
+    assert "the partial export was removed" in done.stderr
+    assert list(small_disk.iterdir()) == []
+
+
+def test_convert_imageset_to_a_full_disk_says_so(small_disk: Path) -> None:
+    out = small_disk / "db"
+    done = _cli("convert-imageset", "-q", str(ROOT), str(LIST), str(out))
+    assert done.returncode == 1, done
+    assert "error: no space left on device: a commit of" in done.stderr, done.stderr
+    assert "Input/output error;" in done.stderr  # what LMDB said, kept
+    marker = read_marker(small_disk / "db.partial")
+    assert marker is not None and marker["complete"] is False  # marked incomplete
+    assert not out.exists()

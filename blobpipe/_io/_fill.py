@@ -38,7 +38,6 @@ from ._image import Undecodable, decode_image, decode_many, imread_flag
 from ._index import ENCODED, PARSED, RAW, Located, RecordIndex
 from ._kernels import Geometry, apply, prefers_block
 from ._lmdb import LmdbReader
-from ._lmdbfile import NamedDatabases, value_extents
 from ._plan import BatchPlan
 from ._transform import Phase, RecordParams, Transform
 
@@ -122,23 +121,12 @@ class Filler:
             with self._lock:
                 if not self._index_tried:
                     reader = self._reader
-                    if isinstance(reader, LmdbReader):
-                        file = reader._mapped_file()
-                        try:
-                            extents = value_extents(file, self._keys) if file is not None else None
-                        except NamedDatabases as exc:
-                            names = ", ".join(repr(n) for n in exc.args[:5])
-                            raise DataError(
-                                f"the database holds named sub-databases ({names}), not "
-                                "records: Caffe's LMDBs keep their Datums in the main "
-                                "database, which is all blobpipe reads; write the records "
-                                "there (convert_imageset, blobpipe.write_lmdb)",
-                                path=self._path,
-                            ) from None
-                        if file is not None and extents is not None:
-                            self._index = RecordIndex(
-                                file, extents.offsets, extents.lengths, extents.txnid
-                            )
+                    found = reader._extents(self._keys) if isinstance(reader, LmdbReader) else None
+                    if found is not None:
+                        file, extents = found
+                        self._index = RecordIndex(
+                            file, extents.offsets, extents.lengths, extents.txnid
+                        )
                     self._index_tried = True
         return self._index
 

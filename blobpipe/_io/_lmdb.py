@@ -65,7 +65,17 @@ from .._errors import (
     StateError,
 )
 from ._datum import ParsedDatum, parse_datum
-from ._lmdbfile import picked_meta
+from ._lmdbfile import (
+    Damaged,
+    Extents,
+    NamedDatabases,
+    Tree,
+    Unsupported,
+    current_txnid,
+    extents_of,
+    picked_meta,
+    read_tree,
+)
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -89,10 +99,11 @@ class _SharedEnv:
         "env",
         "file_id",
         "generation",
-        "map_lock",
+        "map",
         "mapped",
         "path",
         "refs",
+        "tree",
     )
 
     def __init__(
@@ -103,6 +114,7 @@ class _SharedEnv:
         generation: int,
         entries: int,
         data_file: str,
+        mapped: tuple[mmap.mmap, Tree | None] | None,
     ) -> None:
         self.env = env
         self.file_id = file_id
@@ -110,26 +122,82 @@ class _SharedEnv:
         self.generation = generation
         self.entries = entries
         self.data_file = data_file
-        self.mapped: npt.NDArray[np.uint8] | bool | None = False  # False: not tried yet
-        self.map_lock = threading.Lock()
+        self.map = mapped[0] if mapped is not None else None
+        self.mapped = np.frombuffer(self.map, np.uint8) if self.map is not None else None
+        self.tree = mapped[1] if mapped is not None else None
         self.refs = 0
 
+    def unmap(self) -> None:
+        """Release our map of the file and its descriptor now, unless arrays made from
+        it still live (then when the last of them goes)."""
+        self.mapped, self.tree, mapped, self.map = None, None, self.map, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):
+                mapped.close()
 
-def _map_file(path: str, file_id: _FileId) -> npt.NDArray[np.uint8] | None:
-    """The data file mapped read-only as a numpy array (our own mapping of the pages
-    LMDB maps: valid while any array made from it lives); None when it cannot be, or
-    when ``path`` is no longer the file LMDB opened (``file_id``)."""
+
+def _map_file(path: str, file_id: _FileId) -> mmap.mmap | None:
+    """The data file mapped read-only (our own mapping of the pages LMDB maps); None
+    when it cannot be, or when ``path`` is no longer the file ``file_id``."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if (st.st_dev, st.st_ino) != file_id:
                 return None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # Default advice (not MADV_RANDOM, even without readahead): the kernel's
+            # fault-around then maps several cached pages per page fault.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError, OverflowError):
         return None
-    # Default advice (not MADV_RANDOM, even without readahead): the kernel's
-    # fault-around then maps several cached pages per page fault.
-    return np.frombuffer(mapped, np.uint8)
+
+
+def _check_tree(
+    path: str, data_file: str, file_id: _FileId
+) -> tuple[mmap.mmap, Tree | None] | None:
+    """Map the data file and check its B-tree before LMDB walks it (LMDB trusts its pages:
+    a damaged one can abort the process or kill it with SIGBUS). Returns the map and the
+    tree; None when the file cannot be mapped (LMDB then reads it unchecked).
+
+    Raises:
+        DataError: the tree is damaged, or holds something other than plain records.
+    """
+    mapped = _map_file(data_file, file_id)
+    if mapped is None:
+        return None
+    message: str | None
+    try:
+        tree = read_tree(np.frombuffer(mapped, np.uint8))
+    except (Damaged, Unsupported, NamedDatabases) as exc:
+        message = _refusal(exc)
+    except MemoryError:
+        message = None
+    else:
+        return mapped, tree
+    with contextlib.suppress(BufferError):  # an array of it still lives: closed when it goes
+        mapped.close()
+    if message is None:
+        return None
+    raise DataError(message, path=path)
+
+
+def _refusal(exc: Exception) -> str:
+    """What is wrong with a file :func:`~._lmdbfile.read_tree` refused, and what to do."""
+    if isinstance(exc, NamedDatabases):
+        names = ", ".join(repr(n) for n in exc.args)
+        return (
+            f"the database holds named sub-databases ({names}), not records: Caffe's "
+            "LMDBs keep their Datums in the main database, which is all blobpipe reads; "
+            "write the records there (convert_imageset, blobpipe.write_lmdb)"
+        )
+    if isinstance(exc, Unsupported):
+        return (
+            f"not a database blobpipe reads: {exc}; Caffe's LMDBs hold one Datum per key "
+            "in a plain main database (convert_imageset, blobpipe.write_lmdb)"
+        )
+    return (
+        f"the database is damaged: {exc}; LMDB would read garbage or crash on it, so it "
+        "is not opened; copy it again from a good source or rebuild it"
+    )
 
 
 # Invariant: _registry holds exactly the environments opened in this process (this
@@ -229,6 +297,7 @@ def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
     subdir, file_id, data_file = _locate(path)
     shared = _registry.get(file_id)
     if shared is None:
+        mapped = _check_tree(path, data_file, file_id)
         try:
             env = lmdb.open(
                 path,
@@ -241,12 +310,14 @@ def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
                 max_dbs=0,
             )
         except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
+            _unmap(mapped)
             raise DatabaseNotFoundError(
                 f"not an LMDB database ({exc}); give the directory that convert_imageset "
                 f"created, or rebuild the database",
                 path=path,
             ) from exc
         except lmdb.Error as exc:
+            _unmap(mapped)
             if "already open" in str(exc):
                 raise DataError(
                     "the database is already open in this process outside blobpipe "
@@ -259,11 +330,17 @@ def _acquire_locked(path: str, readahead: bool) -> _SharedEnv:
             entries = int(env.stat()["entries"])
         except lmdb.Error as exc:
             env.close()
+            _unmap(mapped)
             raise DataError(f"cannot read the database: {exc}", path=path) from exc
-        shared = _SharedEnv(env, file_id, path, _generation, entries, data_file)
+        shared = _SharedEnv(env, file_id, path, _generation, entries, data_file, mapped)
         _registry[file_id] = shared
     shared.refs += 1
     return shared
+
+
+def _unmap(mapped: tuple[mmap.mmap, Tree | None] | None) -> None:
+    if mapped is not None:
+        mapped[0].close()
 
 
 def _acquire(path: str, readahead: bool) -> _SharedEnv:
@@ -281,9 +358,9 @@ def _release(shared: _SharedEnv) -> None:
         del _registry[shared.file_id]
         # Closed under the lock, so nobody can reopen the files before they are closed.
         shared.env.close()
-        # our map of the file goes once the arrays made from it are gone (Batches
-        # drops its record index on close): no mapping outlives the last reader
-        shared.mapped = None
+        # Batches drops its record index before its reader: our map and its
+        # descriptor go now, with LMDB's
+        shared.unmap()
 
 
 _OPEN: Final = "open"
@@ -483,23 +560,33 @@ class LmdbReader:
             return self._keys
 
     def _mapped_file(self) -> npt.NDArray[np.uint8] | None:
-        """The data file mapped read-only by numpy, shared by the readers of the
-        environment; None when it cannot be mapped (e.g. larger than a 32-bit
-        address space). The database must not be written while it is read (as
-        for LMDB's own map with ``lock=False``).
+        """The data file mapped read-only by numpy (mapped and its tree checked when
+        the environment was opened), shared by the readers of the environment; None
+        when it cannot be mapped (e.g. larger than a 32-bit address space). The
+        database must not be written while it is read (as for LMDB's own map with
+        ``lock=False``).
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        return self._shared.mapped
+
+    def _extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
+        """The mapped file and each value's place in it, in the order of ``keys`` (all
+        keys, as :meth:`keys` lists them); None when the file is not mapped or its
+        tree, read at open, does not hold exactly ``keys``.
 
         Raises:
             StateError: the reader is closed.
         """
         self._check_open()
         shared = self._shared
-        mapped = shared.mapped
-        if mapped is False:
-            with shared.map_lock:
-                if shared.mapped is False:
-                    shared.mapped = _map_file(shared.data_file, shared.file_id)
-                mapped = shared.mapped
-        return mapped if isinstance(mapped, np.ndarray) else None
+        file, tree = shared.mapped, shared.tree
+        if file is None or tree is None:
+            return None
+        extents = extents_of(tree, keys)
+        return None if extents is None else (file, extents)
 
     def __iter__(self) -> Iterator[bytes]:
         """Iterate over :meth:`keys`."""
@@ -520,18 +607,36 @@ class LmdbReader:
     def _missing(self, key: bytes) -> RecordNotFoundError:
         listed = self._keys
         if listed is not None and key in listed:  # (an error path: a scan is fine)
-            return RecordNotFoundError(
-                "the record is listed but cannot be read now: the database was changed "
-                "(the record deleted) since it was opened, or its B-tree is damaged; do "
-                "not write a database while it is read, or rebuild it",
-                path=self._path,
-                key=key,
-            )
+            return RecordNotFoundError(self._unreadable(), path=self._path, key=key)
         return RecordNotFoundError(
             "no record under this key; list the keys with keys() (they are bytes, e.g. "
             "b'00000000_path/to/image.jpg')",
             path=self._path,
             key=key,
+        )
+
+    def _unreadable(self) -> str:
+        """Why a record that :meth:`keys` lists cannot be found by its key."""
+        shared = self._shared
+        file, tree = shared.mapped, shared.tree
+        if file is None or tree is None:
+            return (
+                "the record is listed but cannot be read now: the database was changed "
+                "(the record deleted) since it was opened, or its B-tree is damaged; do "
+                "not write a database while it is read, or rebuild it"
+            )
+        now = current_txnid(file)
+        if now != tree.txnid:
+            return (
+                f"the record is listed but cannot be read now: the database was changed "
+                f"since it was opened (transaction {tree.txnid}, now {now}), the record "
+                "deleted or moved; do not write a database while it is read, or open it "
+                "again to read the new data"
+            )
+        return (
+            "the record is listed but LMDB's lookup by key cannot find it, and the "
+            "database has not changed since it was opened: its B-tree is damaged; copy it "
+            "again from a good source or rebuild it"
         )
 
     def _get_view(self, txn: Any, key: bytes) -> memoryview:

@@ -40,6 +40,7 @@ from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
     MARKER_NAME,
     check_output,
+    disk_full,
     partial_path,
     promote,
     read_marker,
@@ -337,7 +338,11 @@ def convert_imageset(
             marker["next_index"] = next_index
             marker["skipped"] = [[s.index, s.path, s.reason] for s in skipped]
             marker["shape"] = list(expected_shape) if expected_shape else None
-            write_marker(partial, marker)
+            try:
+                write_marker(partial, marker)
+            except OSError as exc:
+                full = disk_full(exc, partial, "the records committed before are kept")
+                raise exc if full is None else full from exc
 
         def notice(message: str) -> None:
             bar.clear()

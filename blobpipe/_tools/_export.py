@@ -3,20 +3,23 @@
 Formats (chosen by ``format`` or by OUT's suffix):
 
 * ``npy`` (a directory): ``data.npy`` (N, C, H, W) and ``labels.npy`` (N,),
-  float32 unless the transform says uint8. Written through ``numpy``
-  memory maps, batch by batch: memory use is one batch, whatever N is.
+  float32 unless the transform says uint8. Written with ordinary writes,
+  batch by batch: memory use is one batch, whatever N is.
 * ``npz`` (``.npz``): the same two arrays in a zip (stored, not compressed),
-  copied from the memory-mapped files in streaming fashion.
+  copied from those files in streaming fashion.
 * ``binaryproto`` (``.binaryproto``/``.pb``): a ``caffe.BlobProtoVector`` of
   two ``BlobProto`` (data, then labels) with ``shape`` fields, streamed to the
   file in protobuf's wire format; protobuf cannot parse messages over 2 GiB,
   so larger exports are refused.
 
-All are built in ``<OUT>.partial`` and renamed into place when complete.
+All are built in ``<OUT>.partial`` and renamed into place when complete. The
+space an export needs is checked before its data is written; a disk that fills
+anyway is a :class:`DiskFullError`, and the partial output is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 from collections.abc import Iterator
@@ -27,10 +30,19 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import DataError
+from .._errors import DataError, DiskFullError
 from .._io._transform import Transform
 from ._batchsource import open_batches
-from ._output import check_output, partial_path, promote, remove_partial, write_marker
+from ._output import (
+    MARKER_NAME,
+    check_output,
+    check_space,
+    disk_full,
+    partial_path,
+    promote,
+    remove_partial,
+    write_marker,
+)
 from ._progress import Progress
 
 __all__ = ["ExportResult", "export"]
@@ -134,8 +146,9 @@ def export(
     Raises :class:`OutputExistsError` when ``out`` exists and ``force`` is
     false, :class:`DatabaseNotFoundError` for a missing database,
     :class:`DataError` for an empty selection, an unreadable record or mixed
-    record shapes, or a binaryproto over protobuf's 2 GiB limit, and
-    :class:`ValueError` for bad options.
+    record shapes, or a binaryproto over protobuf's 2 GiB limit,
+    :class:`DiskFullError` when the export does not fit on the disk (the partial
+    output is removed), and :class:`ValueError` for bad options.
     """
     out_path = Path(out)
     fmt: Format = format if format is not None else _infer_format(out_path)
@@ -147,78 +160,124 @@ def export(
     db_path = os.fspath(db)
     # A limit below the batch size reads no more records than it keeps.
     rows = batch_size if not limit else min(batch_size, limit)
+    staging = partial_path(out_path)
     with open_batches(db, batch_size=rows, transform=transform, shard=shard) as batches:
         total = (
             batches.records_per_epoch if limit is None else min(limit, batches.records_per_epoch)
         )
         if total == 0:
             raise DataError("nothing to export: limit 0 selects no records", path=db_path)
-        staging = partial_path(out_path)
         remove_partial(staging, _STAGING_FILES)
         staging.mkdir(parents=True)
-        write_marker(staging, {"kind": "export", "complete": False})
+        try:
+            write_marker(staging, {"kind": "export", "complete": False})
+            shape, dtype = _write_arrays(batches, staging, total, fmt, db_path, quiet)
+        except OSError as exc:
+            raise _removed_when_full(exc, staging) from exc
+    try:
+        _finish(staging, out_path, fmt, shape, batch_size, force)
+    except OSError as exc:
+        raise _removed_when_full(exc, staging) from exc
+    return ExportResult(path=out_path, format=fmt, count=total, shape=shape, dtype=dtype)
 
-        data: np.memmap[Any, Any] | None = None
-        labels = np.lib.format.open_memmap(
-            staging / "labels.npy", mode="w+", dtype=np.float32, shape=(total,)
+
+def _removed_when_full(exc: OSError, staging: Path) -> OSError:
+    """``exc``, or for a full disk a :class:`DiskFullError`, once ``staging`` is removed."""
+    full = (
+        exc
+        if isinstance(exc, DiskFullError)
+        else disk_full(
+            exc, staging, "the partial export was removed; free some space or export elsewhere"
         )
-        first_key = b""
-        filled = 0
-        with Progress(total, "export", quiet=quiet) as bar:
-            for batch in batches:
-                n = min(len(batch.keys), total - filled)
-                if data is None:
-                    first_key = batch.keys[0]
-                    shape = (total, *batch.data.shape[1:])
-                    _check_proto_size(fmt, shape, db_path)
-                    data = np.lib.format.open_memmap(
-                        staging / "data.npy", mode="w+", dtype=batch.data.dtype, shape=shape
-                    )
-                elif batch.data.shape[1:] != data.shape[1:]:
-                    raise DataError(
-                        f"record gives shape {batch.data.shape[1:]}, the first record "
-                        f"{first_key!r} gave {data.shape[1:]}; an export needs records of one "
-                        "size (crop with --crop-size, or convert with "
-                        "--resize-height/--resize-width)",
-                        key=batch.keys[0],
-                        path=db_path,
-                    )
-                data[filled : filled + n] = batch.data[:n]
-                if batch.label is not None:  # BlobProto records have none: zeros
-                    labels[filled : filled + n] = batch.label[:n]
-                filled += n
-                bar.advance(n)
-                if filled == total:
-                    break
-    if data is None or filled != total:
-        raise DataError(f"expected {total} records, read {filled}", path=db_path)
-    data.flush()
-    labels.flush()
-    result_shape = tuple(int(s) for s in data.shape)
-    dtype = str(data.dtype)
-
-    if fmt == "npy":
-        del data, labels
-        (staging / "blobpipe-partial.json").unlink()
-        promote(staging, out_path, force=force)
-    else:
-        final = staging / ("out.npz" if fmt == "npz" else "out.binaryproto")
-        if fmt == "npz":
-            del data, labels
-            with zipfile.ZipFile(final, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-                zf.write(staging / "data.npy", "data.npy")
-                zf.write(staging / "labels.npy", "labels.npy")
-        else:
-            with open(final, "wb") as fh:
-                _write_blob(fh, data, batch_size)
-                _write_blob(fh, labels, 1 << 20)
-            del data, labels
-        with open(final, "rb+") as fh:
-            os.fsync(fh.fileno())
-        check_output(out_path, force=force)
-        if out_path.is_dir() and not out_path.is_symlink():
-            promote(final, out_path, force=force)
-        else:
-            os.replace(final, out_path)
+    )
+    if full is None:
+        return exc
+    with contextlib.suppress(OSError):
         remove_partial(staging, _STAGING_FILES)
-    return ExportResult(path=out_path, format=fmt, count=total, shape=result_shape, dtype=dtype)
+    return full
+
+
+def _npy_header(fh: BinaryIO, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(fh, header)
+
+
+def _write_arrays(
+    batches: Any, staging: Path, total: int, fmt: Format, db_path: str, quiet: bool
+) -> tuple[tuple[int, ...], str]:
+    """Write ``data.npy`` and ``labels.npy`` into ``staging`` with ordinary writes (a
+    full disk is then an ``ENOSPC`` error, not a SIGBUS in a memory map), batch by
+    batch; the space they need is checked once the first batch gives the shape.
+    Returns the data's shape and dtype."""
+    shape: tuple[int, ...] = ()
+    dtype = np.dtype(np.float32)
+    first_key = b""
+    filled = 0
+    with (
+        open(staging / "labels.npy", "wb") as labels,
+        open(staging / "data.npy", "wb") as data,
+        Progress(total, "export", quiet=quiet) as bar,
+    ):
+        _npy_header(labels, np.dtype("<f4"), (total,))
+        for batch in batches:
+            n = min(len(batch.keys), total - filled)
+            if not shape:
+                first_key = batch.keys[0]
+                shape = (total, *(int(s) for s in batch.data.shape[1:]))
+                dtype = np.dtype(batch.data.dtype).newbyteorder("<")
+                _check_proto_size(fmt, shape, db_path)
+                need = int(np.prod(shape)) * dtype.itemsize + 4 * total + 256
+                copies = {"npy": 1, "npz": 2, "binaryproto": 1}[fmt]
+                proto = 4 * int(np.prod(shape)) + 4 * total if fmt == "binaryproto" else 0
+                check_space(staging, copies * need + proto, f"an export of shape {shape}")
+                _npy_header(data, dtype, shape)
+            elif batch.data.shape[1:] != shape[1:]:
+                raise DataError(
+                    f"record gives shape {batch.data.shape[1:]}, the first record "
+                    f"{first_key!r} gave {shape[1:]}; an export needs records of one "
+                    "size (crop with --crop-size, or convert with "
+                    "--resize-height/--resize-width)",
+                    key=batch.keys[0],
+                    path=db_path,
+                )
+            data.write(np.ascontiguousarray(batch.data[:n], dtype).tobytes())
+            # BlobProto records have no labels: zeros
+            label = batch.label[:n] if batch.label is not None else np.zeros(n)
+            labels.write(np.ascontiguousarray(label, "<f4").tobytes())
+            filled += n
+            bar.advance(n)
+            if filled == total:
+                break
+        if not shape or filled != total:
+            raise DataError(f"expected {total} records, read {filled}", path=db_path)
+        for fh in (data, labels):
+            fh.flush()
+            os.fsync(fh.fileno())
+    return shape, str(dtype.newbyteorder("="))
+
+
+def _finish(
+    staging: Path, out_path: Path, fmt: Format, shape: tuple[int, ...], rows: int, force: bool
+) -> None:
+    """Turn the arrays in ``staging`` into ``out_path`` in format ``fmt``."""
+    if fmt == "npy":
+        (staging / MARKER_NAME).unlink()
+        promote(staging, out_path, force=force)
+        return
+    final = staging / ("out.npz" if fmt == "npz" else "out.binaryproto")
+    if fmt == "npz":
+        with zipfile.ZipFile(final, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            zf.write(staging / "data.npy", "data.npy")
+            zf.write(staging / "labels.npy", "labels.npy")
+    else:
+        with open(final, "wb") as fh:
+            _write_blob(fh, np.load(staging / "data.npy", mmap_mode="r"), rows)
+            _write_blob(fh, np.load(staging / "labels.npy", mmap_mode="r"), 1 << 20)
+    with open(final, "rb+") as fh:
+        os.fsync(fh.fileno())
+    check_output(out_path, force=force)
+    if out_path.is_dir() and not out_path.is_symlink():
+        promote(final, out_path, force=force)
+    else:
+        os.replace(final, out_path)
+    remove_partial(staging, _STAGING_FILES)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import lmdb
 
-from .._errors import DataError
+from .._errors import DataError, DiskFullError
+from ._output import free_space
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbWriter"]
 
@@ -77,7 +78,27 @@ class LmdbWriter:
             except lmdb.MapFullError:
                 self._grow()
             except lmdb.Error as exc:
+                size = sum(len(k) + len(v) for k, v in items)
+                full = self._disk_full(exc, size)
+                if full is not None:
+                    raise full from exc
                 raise DataError(f"LMDB write failed: {exc}", path=self.path) from exc
+
+    def _disk_full(self, exc: lmdb.Error, size: int) -> DiskFullError | None:
+        """The error to raise when a commit of ``size`` bytes failed for want of space:
+        LMDB says ENOSPC, or, when a write came up short, EIO ("Input/output error")
+        while the disk has less than twice the chunk free."""
+        text = str(exc)
+        free = free_space(self.path)
+        short = "Input/output error" in text and free is not None and free < 2 * size + (1 << 20)
+        if not (short or "No space left on device" in text or "Disk quota exceeded" in text):
+            return None
+        return DiskFullError(
+            f"no space left on device: a commit of {size} bytes to the LMDB in "
+            f"{str(self.path)!r} failed ({text}; {free} bytes free on its disk); what was "
+            "committed before is kept",
+            path=self.path,
+        )
 
     def _grow(self) -> None:
         new_size = self.map_size * 2

@@ -14,18 +14,22 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from .._errors import DatabaseNotFoundError, OutputExistsError
+from .._errors import DatabaseNotFoundError, DiskFullError, OutputExistsError
 from .._io._lmdb import LmdbReader
 
 __all__ = [
     "MARKER_NAME",
     "check_output",
+    "check_space",
+    "disk_full",
+    "free_space",
     "open_database",
     "partial_path",
     "promote",
@@ -61,6 +65,44 @@ def open_database(db: str | os.PathLike[str]) -> LmdbReader:
             "rerun the same convert-imageset command to finish it",
             path=os.fspath(db),
         ) from exc
+
+
+def free_space(path: Path) -> int | None:
+    """Bytes free to an unprivileged writer on the disk holding ``path`` (or its nearest
+    existing parent); None when that cannot be told."""
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def check_space(path: Path, need: int, what: str) -> None:
+    """Raise :class:`DiskFullError` before writing when ``what`` (``need`` bytes) cannot
+    fit on the disk holding ``path``; nothing has been written yet."""
+    free = free_space(path)
+    if free is not None and free < need:
+        raise DiskFullError(
+            f"no space left on device: {what} needs about {need} bytes, the disk holding "
+            f"{str(path)!r} has {free} free; free some space or write elsewhere",
+            path=path,
+        )
+
+
+def disk_full(exc: BaseException, path: Path, aftermath: str) -> DiskFullError | None:
+    """The :class:`DiskFullError` to raise for ``exc`` when it means the disk holding
+    ``path`` is full (ENOSPC, EDQUOT), else None. ``aftermath``: what became of the
+    partial output, and how to go on."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    free = free_space(path)
+    left = f" ({free} bytes free)" if free is not None else ""
+    return DiskFullError(
+        f"no space left on device: the disk holding {str(path)!r} is full{left}; {aftermath}",
+        path=path,
+    )
 
 
 def _replaced_path(out: Path) -> Path:
