@@ -210,3 +210,33 @@ class GatedBackend(EmulatedBackend):
         timer = threading.Timer(seconds, self.gate.set)
         timer.daemon = True
         timer.start()
+
+
+# -- consumer-side device work, queued late ------------------------------------------------------
+
+_SPIN = r"""
+extern "C" __global__ void blobpipe_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def queue_late(backend: blobpipe.Backend, fn: Callable[[], object], seconds: float) -> None:
+    """Queue ``fn`` (device work on ``backend.xp`` arrays, as a training step's
+    kernels) on the caller's current stream, to run ``seconds`` late.
+
+    On the emulated device it runs on the current stream's thread after
+    ``seconds``; on CUDA it is launched at once behind a kernel that spins for
+    ``seconds``. Anything that reads what ``fn`` writes, or overwrites what it
+    reads, without being ordered after the current stream sees the difference.
+    """
+    if isinstance(backend, EmulatedBackend):
+        backend.run_later(fn, seconds)
+        return
+    cp = backend.xp  # pragma: no cover - GPU machines
+    with cp.cuda.Device(backend.device_id):  # pragma: no cover
+        rate_khz = cp.cuda.Device(backend.device_id).attributes["ClockRate"]
+        kernel = cp.RawKernel(_SPIN, "blobpipe_spin")
+        kernel((1,), (1,), (np.int64(seconds * rate_khz * 1000),))
+        fn()

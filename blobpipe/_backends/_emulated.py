@@ -4,15 +4,23 @@ Device memory is separate host memory. Each stream owns a worker thread that
 runs its copies in order, each after ``delay`` seconds; the event of a copy
 completes only once the bytes have landed. Code that forgets to wait for an
 event therefore reads stale bytes, and CPU-only CI catches it.
+
+The caller has a current stream, as on CUDA: the backend's null stream (CUDA's
+legacy default stream), or the stream a ``with backend.using(stream)`` block
+makes current in the calling thread. Consumer-side device work (a training
+step's kernels) is queued there with :meth:`EmulatedBackend.run_later` and runs
+late on that stream's thread, so blobpipe code that reads or reuses a buffer
+without ordering itself after the consumer's work sees wrong data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -51,11 +59,10 @@ def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float]) -> None:
         item = q.get()
         if item is _STOP:
             return
-        fn, event, delayed = item
-        if delayed:
-            d = delay_ref()
-            if d > 0:
-                threading.Event().wait(d)
+        fn, event, delay = item
+        d = delay_ref() if delay is None else delay
+        if d > 0:
+            threading.Event().wait(d)
         try:
             if fn is not None:
                 fn()
@@ -80,13 +87,17 @@ class EmulatedStream(Stream):
         self._thread.start()
         weakref.finalize(self, self._queue.put, _STOP)
 
-    def enqueue(self, fn: Callable[[], None] | None, *, delayed: bool = True) -> EmulatedEvent:
+    def enqueue(
+        self, fn: Callable[[], None] | None, *, delay: float | None = None
+    ) -> EmulatedEvent:
+        """Queue ``fn`` to run after the work queued before it, ``delay`` seconds
+        late (None: the backend's ``delay``); the event completes after it ran."""
         event = EmulatedEvent()
-        self._queue.put((fn, event, delayed))
+        self._queue.put((fn, event, delay))
         return event
 
     def synchronize(self) -> None:
-        self.enqueue(None, delayed=False).synchronize()
+        self.enqueue(None, delay=0.0).synchronize()
 
 
 class EmulatedBackend(Backend):
@@ -104,11 +115,17 @@ class EmulatedBackend(Backend):
         super().__init__()
         self.delay = float(delay)
         self._default: EmulatedStream | None = None
+        self._null: EmulatedStream | None = None
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._local = threading.local()  # .stream: the stream using() made current
 
     def _alloc_device(self, nbytes: int) -> Any:
         return np.empty(nbytes, dtype=np.uint8)
+
+    def fill_device_zero(self, dst: Any) -> None:
+        self._require_device("fill_device_zero")
+        self.current_stream().enqueue(lambda: dst.fill(0), delay=0.0).synchronize()
 
     def create_stream(self) -> Stream:
         stream = EmulatedStream(self)
@@ -123,10 +140,62 @@ class EmulatedBackend(Backend):
                 self._streams.add(self._default)
             return self._default
 
-    def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
+    def null_stream(self) -> EmulatedStream:
+        """The stream current in every thread outside :meth:`using` (CUDA's legacy
+        default stream)."""
+        with self._lock:
+            if self._null is None:
+                self._null = EmulatedStream(self)
+                self._streams.add(self._null)
+            return self._null
+
+    def current_stream(self) -> EmulatedStream:
+        stream: EmulatedStream | None = getattr(self._local, "stream", None)
+        return stream if stream is not None else self.null_stream()
+
+    @contextlib.contextmanager
+    def _using(self, stream: EmulatedStream) -> Iterator[None]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+    def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        return self._using(self._stream(stream))
+
+    def as_stream(self, stream: object) -> Stream:
+        if isinstance(stream, EmulatedStream):
+            return stream
+        raise TypeError(
+            f"the emulated device takes its own streams (create_stream()), got "
+            f"{type(stream).__name__}"
+        )
+
+    def stream_wait(self, stream: Stream, event: Event) -> None:
+        self._stream(stream).enqueue(event.synchronize, delay=0.0)
+
+    def run_later(
+        self, fn: Callable[[], object], seconds: float | None = None, stream: Stream | None = None
+    ) -> EmulatedEvent:
+        """Queue consumer-side device work ``fn`` (a training step's kernel) on the
+        caller's current stream, or ``stream``, to run ``seconds`` late (default:
+        ``delay``); returns its event. Nothing waits for it unless ordered after it."""
+
+        def run() -> None:
+            fn()
+
+        return self._stream(stream or self.current_stream()).enqueue(run, delay=seconds)
+
+    @staticmethod
+    def _stream(stream: Stream) -> EmulatedStream:
         if not isinstance(stream, EmulatedStream):
             raise TypeError(f"expected a stream of the emulated backend, got {stream!r}")
-        return stream.enqueue(fn)
+        return stream
+
+    def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
+        return self._stream(stream).enqueue(fn)
 
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
         d = dst.reshape(-1).view(np.uint8)
@@ -152,10 +221,7 @@ class EmulatedBackend(Backend):
         return end.completed_at - start.completed_at
 
     def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
-        s = stream or self.default_stream()
-        if not isinstance(s, EmulatedStream):
-            raise TypeError(f"expected a stream of the emulated backend, got {s!r}")
-        return s.enqueue(None, delayed=False)
+        return self._stream(stream or self.default_stream()).enqueue(None, delay=0.0)
 
     def synchronize(self) -> None:
         with self._lock:
