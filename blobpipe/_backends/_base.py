@@ -268,6 +268,7 @@ class Backend:
         """
         self._require_device("launch")
         stream = stream or self.default_stream()
+        self._after_current(stream)
         return self._launch(fn, stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
