@@ -127,4 +127,7 @@ def test_testing_module_exports_the_emulated_device() -> None:
 
     assert blobpipe.testing.EmulatedBackend is EmulatedBackend
     backend = blobpipe.testing.EmulatedBackend(delay=0.0)
-    assert backend.has_device and backend.xp is np
+    assert backend.has_device and backend.xp.float32 is np.float32
+    made = backend.xp.zeros(3, np.float32)
+    assert isinstance(made, blobpipe.testing.EmulatedArray) and made.device_id == 0
+    assert type(made.get()) is np.ndarray

@@ -22,9 +22,11 @@ import pytest
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
 from tests._helpers import queue_late, raw_db
-from tests.conftest import cupy_backend_or_skip, to_numpy
+from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
+RAW_COLOR = CAFFE / "lmdb" / "raw_color"
+MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
 
 
 def make_backend(name: str) -> Backend:
@@ -244,3 +246,72 @@ def test_a_stream_needs_a_device(db30: Path) -> None:
 def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
     with pytest.raises(TypeError, match="the emulated device takes its own streams"):
         Loader(db30, 4, device=EmulatedBackend(), stream=3)
+
+
+# -- a second device (finding 3) -----------------------------------------------------------------
+
+
+def second_device(name: str) -> Backend:
+    """Device 1: the emulated one, or CUDA's second GPU (skipped with fewer than two)."""
+    if name == "emulated":
+        return EmulatedBackend(delay=0.001, device_id=1)
+    first = cupy_backend_or_skip()  # pragma: no cover - GPU machines
+    count = first.xp.cuda.runtime.getDeviceCount()  # pragma: no cover
+    if count < 2:  # pragma: no cover
+        pytest.skip(f"needs two CUDA devices, this machine has {count}")
+    from blobpipe._backends._cupy import CupyBackend  # pragma: no cover
+
+    return CupyBackend(1)  # pragma: no cover
+
+
+SECOND = ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", SECOND)
+async def test_loader_on_the_second_device(device: str) -> None:
+    """Every filler thread's device work (the mean upload, the copies, the transform)
+    runs under the loader's device, not the thread's default device 0."""
+    backend = second_device(device)
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    options: dict[str, Any] = {"phase": "train", "order": "shuffle", "seed": 3, "transform": t}
+    got = []
+    async with Loader(
+        RAW_COLOR, 8, device=backend, prefetch=2, workers=2, device_transform=True, **options
+    ) as loader:
+        for _ in range(4):
+            got.append(np.array(to_numpy((await anext(loader)).data.gpu_data())))
+    want = _expected(RAW_COLOR, 4, batch_size=8, **options)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), k
+
+
+@pytest.mark.parametrize("device", SECOND)
+def test_blob_math_on_the_second_device(device: str) -> None:
+    """From a thread whose current device is 0."""
+    backend = second_device(device)
+    blob = _blob(backend, 3)
+    blob.mutable_cpu_diff()[:] = 1
+    blob.update()
+    blob.scale_data(2)
+    assert blob.asum_data() == 4 * 256
+    other = _blob(backend, 0)
+    other.copy_from(blob)
+    assert to_numpy(other.cpu_data()).tolist() == [4] * 256
+
+
+def test_the_emulated_devices_refuse_each_others_memory() -> None:
+    zero, one = EmulatedBackend(), EmulatedBackend(device_id=1)
+    theirs = zero.alloc_device(16)
+    with pytest.raises(ValueError, match="memory of emulated device 0 given to emulated device 1"):
+        one.copy_to_device(theirs, np.zeros(16, np.uint8))
+    with pytest.raises(ValueError, match="memory of emulated device 0 given to emulated device 1"):
+        one.copy_to_host(np.zeros(16, np.uint8), theirs)
+    mine = one.alloc_device(16)
+    with pytest.raises(ValueError, match="array device = 1 while current = 0"):
+        np.add(mine, 1)  # this thread's current device is 0
+    with one.using(one.create_stream()):
+        assert np.add(mine, 1).device_id == 1  # inside using(), device 1 is current
+    event = one.launch(lambda: np.add(theirs, 1))  # device work on the wrong device
+    with pytest.raises(ValueError, match="array device = 0 while current = 1"):
+        event.synchronize()
