@@ -197,6 +197,13 @@ class Backend:
             self._device_allocs += 1
         return buf
 
+    def release_cached(self, kind: str) -> None:
+        """Give the blocks the array library caches for ``kind`` ("host" or
+        "device") memory back to the system (CuPy's default memory pools, which
+        hold the temporaries of device code such as the device transform). A
+        blobpipe pool out of memory calls it before its last try."""
+        return None
+
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)
 

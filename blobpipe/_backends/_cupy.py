@@ -127,6 +127,14 @@ class CupyBackend(Backend):
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
 
+    def release_cached(self, kind: str) -> None:
+        cp = self._cp
+        with self._device:
+            if kind == "host":
+                cp.get_default_pinned_memory_pool().free_all_blocks()
+            else:
+                cp.get_default_memory_pool().free_all_blocks()
+
     def fill_device_zero(self, dst: Any) -> None:
         with self._device:
             dst.fill(0)
