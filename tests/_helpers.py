@@ -9,6 +9,8 @@ Also the waits tests use instead of sleeping: :func:`wait_until` a condition hol
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -210,6 +212,21 @@ class GatedBackend(EmulatedBackend):
         timer = threading.Timer(seconds, self.gate.set)
         timer.daemon = True
         timer.start()
+
+
+def in_forked_child(fn: Callable[[], bool]) -> int:
+    """Run ``fn`` in a forked child; return its exit status (0: it returned true)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = 0 if fn() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 # -- consumer-side device work, queued late ------------------------------------------------------
