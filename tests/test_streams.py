@@ -315,3 +315,44 @@ def test_the_emulated_devices_refuse_each_others_memory() -> None:
     event = one.launch(lambda: np.add(theirs, 1))  # device work on the wrong device
     with pytest.raises(ValueError, match="array device = 0 while current = 1"):
         event.synchronize()
+
+
+# -- kernels compiled at open (finding 7) ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("device_transform", [True, False])
+async def test_the_transform_kernels_run_once_at_open(
+    db30: Path, monkeypatch: pytest.MonkeyPatch, device_transform: bool, blocking: bool
+) -> None:
+    """With the device transform, open() runs its kernels (CuPy compiles them there,
+    once) before any batch is planned; without it, nothing runs at open."""
+    import blobpipe._loader._device as device_module
+
+    seen: list[int] = []  # batches planned when the kernel ran
+    loader: Loader | None = None
+    real = device_module.apply
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        seen.append(loader._planned if loader is not None else -1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(device_module, "apply", spy)
+    t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
+    loader = Loader(
+        db30, 4, device=EmulatedBackend(), transform=t, device_transform=device_transform
+    )
+    if blocking:
+        with loader:
+            at_open = list(seen)
+            next(loader)
+    else:
+        async with loader:
+            at_open = list(seen)
+            await anext(loader)
+    if device_transform:
+        assert at_open[:2] == [0, 0]  # block and row-by-row, before any batch was planned
+        assert len(seen) > len(at_open)  # and the batches' own kernels after
+    else:
+        assert seen == []

@@ -86,6 +86,32 @@ class DeviceWork:
             dtype="uint8",
         )
 
+    def warm_up(self) -> None:
+        """Run the device transform on a dummy batch in the calling thread (the
+        loader's open), as a block and row by row, with a mean column when the
+        transform has a mean: CuPy compiles those kernels here, once, rather than
+        in every filler thread at its first batch."""
+        if not self.on_device:
+            return
+        backend = self._backend
+        xp = backend.xp
+        t = self._transform
+        c = 1 if t.force_gray else 3
+        side = t.crop_size or 2
+        stream = backend.default_stream()
+        with backend.using(stream):
+            src = xp.zeros((2, c, side, side), np.uint8)
+            out = xp.empty(
+                (2, c, side, side) if t.layout == "NCHW" else (2, side, side, c), np.float32
+            )
+            mean = xp.zeros((c, 1, 1), np.float32) if (t.mean_file or t.mean_value) else None
+            spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
+            zeros = np.zeros(2, np.intp)
+            geometry = Geometry(zeros, zeros, np.array([False, True]))
+            for rows in (src, (src[0], src[1])):  # the whole block at once; row by row
+                apply(xp, rows, out, geometry, spec, cropped=True)
+        stream.synchronize()
+
     def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
         """The device transform's output shape for ``plan`` (None without one)."""
         if not self.on_device:

@@ -315,6 +315,7 @@ class Loader:
 
     async def _start(self) -> anyio.abc.TaskGroup:
         """UNOPENED → OPEN: allocate the ring, start the fillers in a new task group."""
+        await anyio.to_thread.run_sync(self._device.warm_up)
         self._lifecycle.open()
         self._ring.open()
         self._limiter = anyio.CapacityLimiter(self._workers)
@@ -621,6 +622,7 @@ class Loader:
             StateError: the loader was opened before.
         """
         self._lifecycle.check_enter()
+        self._device.warm_up()
         self._lifecycle.open()
         self._ring.open()
         self._fillers_running = self._n_fillers
