@@ -356,3 +356,38 @@ async def test_the_transform_kernels_run_once_at_open(
         assert len(seen) > len(at_open)  # and the batches' own kernels after
     else:
         assert seen == []
+
+
+# -- a torch consumer on its own stream (the GPU check's target) ----------------------------------
+
+
+@pytest.mark.gpu
+def test_torch_consumer_on_a_side_stream_sees_no_torn_batch(
+    db30: Path,
+) -> None:  # pragma: no cover - GPU machines
+    """1,000 batches summed late on a torch side stream equal the host's sums."""
+    backend = cupy_backend_or_skip()
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream(device=backend.device_id)
+    t = Transform(scale=0.5)
+    n = 1000
+    sums = []
+    with (
+        Loader(db30, 4, device=backend, prefetch=2, transform=t, stream=side) as loader,
+        torch.cuda.stream(side),
+    ):
+        for _, batch in zip(range(n), loader, strict=False):
+            x = torch.from_dlpack(batch.data)
+            torch.cuda._sleep(200_000)  # the consumer's step, on its stream
+            sums.append(x.double().sum())
+    side.synchronize()
+    want = [
+        float(np.asarray(d, np.float64).sum())
+        for d in _expected(db30, n, batch_size=4, transform=t)
+    ]
+    torn = [
+        k
+        for k, (s, w) in enumerate(zip(sums, want, strict=True))
+        if not np.isclose(float(s), w, rtol=1e-9)
+    ]
+    assert not torn, f"{len(torn)} of {n} batches torn, the first: {torn[:5]}"
