@@ -305,7 +305,9 @@ class EmulatedBackend(Backend):
         )
 
     def stream_wait(self, stream: Stream, event: Event) -> None:
-        self._stream(stream).enqueue(event.synchronize, delay=0.0)
+        target = self._stream(stream)
+        if not event.query():
+            target.enqueue(event.synchronize, delay=0.0)
 
     def run_later(
         self, fn: Callable[[], object], seconds: float | None = None, stream: Stream | None = None
