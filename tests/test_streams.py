@@ -23,16 +23,11 @@ from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
 from tests._helpers import queue_late, raw_db
 from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
+from tests.test_loader import make_backend
 
 LATE = 0.2  # seconds the consumer's queued work runs late
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
 MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
-
-
-def make_backend(name: str) -> Backend:
-    if name == "emulated":
-        return EmulatedBackend(delay=0.001)
-    return cupy_backend_or_skip()
 
 
 DEVICES = [
