@@ -253,7 +253,8 @@ def queue_late(backend: blobpipe.Backend, fn: Callable[[], object], seconds: flo
         return
     cp = backend.xp  # pragma: no cover - GPU machines
     with cp.cuda.Device(backend.device_id):  # pragma: no cover
-        rate_khz = cp.cuda.Device(backend.device_id).attributes["ClockRate"]
+        # kHz; 2 GHz where the attribute is missing (then it spins at least as long)
+        rate_khz = cp.cuda.Device(backend.device_id).attributes.get("ClockRate") or 2_000_000
         kernel = cp.RawKernel(_SPIN, "blobpipe_spin")
         kernel((1,), (1,), (np.int64(seconds * rate_khz * 1000),))
         fn()
