@@ -665,8 +665,10 @@ class Blob:
         return head is not Head.HEAD_AT_CPU
 
     def _run_on_device(self, fn: Callable[[], object]) -> None:
-        # In the order of the backend's stream, after the copies that brought
-        # the operands; waited for, so no later copy or host read can overtake.
+        # After the work queued on the caller's current stream (launch() orders
+        # it so) and on the backend's stream (the copies that brought the
+        # operands); waited for, so the caller's later work, copies and host
+        # reads all come after it (docs/design.md, "Streams and events").
         self._backend.launch(fn).synchronize()
 
     def update(self) -> None:

@@ -214,12 +214,14 @@ class MemoryPool:
                     self._used -= cap  # give the reservation back
                     used = self._used
                 if attempt == 0:
+                    # one memory budget: blobpipe's cache and the array library's
                     self.free_all_blocks(wait=True)
+                    self.backend.release_cached(self.kind)
                     continue
                 raise PoolMemoryError(
                     f"out of {self.kind} memory on {self.backend!r}: cannot allocate "
                     f"{_fmt(cap)} for a request of {_fmt(nbytes)} even after freeing the "
-                    f"pool's cache ({_fmt(used)} still in use): {exc}"
+                    f"pool's cache and the array library's ({_fmt(used)} still in use): {exc}"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 

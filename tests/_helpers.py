@@ -9,6 +9,8 @@ Also the waits tests use instead of sleeping: :func:`wait_until` a condition hol
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -230,3 +232,49 @@ class GatedBackend(EmulatedBackend):
         timer = threading.Timer(seconds, self.gate.set)
         timer.daemon = True
         timer.start()
+
+
+def in_forked_child(fn: Callable[[], bool]) -> int:
+    """Run ``fn`` in a forked child; return its exit status (0: it returned true)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = 0 if fn() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+# -- consumer-side device work, queued late ------------------------------------------------------
+
+_SPIN = r"""
+extern "C" __global__ void blobpipe_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def queue_late(backend: blobpipe.Backend, fn: Callable[[], object], seconds: float) -> None:
+    """Queue ``fn`` (device work on ``backend.xp`` arrays, as a training step's
+    kernels) on the caller's current stream, to run ``seconds`` late.
+
+    On the emulated device it runs on the current stream's thread after
+    ``seconds``; on CUDA it is launched at once behind a kernel that spins for
+    ``seconds``. Anything that reads what ``fn`` writes, or overwrites what it
+    reads, without being ordered after the current stream sees the difference.
+    """
+    if isinstance(backend, EmulatedBackend):
+        backend.run_later(fn, seconds)
+        return
+    cp = backend.xp  # pragma: no cover - GPU machines
+    with cp.cuda.Device(backend.device_id):  # pragma: no cover
+        # kHz; 2 GHz where the attribute is missing (then it spins at least as long)
+        rate_khz = cp.cuda.Device(backend.device_id).attributes.get("ClockRate") or 2_000_000
+        kernel = cp.RawKernel(_SPIN, "blobpipe_spin")
+        kernel((1,), (1,), (np.int64(seconds * rate_khz * 1000),))
+        fn()

@@ -93,7 +93,7 @@ PINNED = (
 )
 
 #: ``blobpipe.testing``: the emulated device for users' CPU-only CI.
-PINNED_TESTING = ("EmulatedBackend", "EmulatedEvent", "EmulatedStream")
+PINNED_TESTING = ("EmulatedArray", "EmulatedBackend", "EmulatedEvent", "EmulatedStream")
 
 #: Imported lazily, on first use of a device or an image decoder, never by ``import blobpipe``.
 HEAVY = ("cupy", "cv2", "torch")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from blobpipe._backends import (
     set_default_backend,
     wait_event,
 )
+from tests._helpers import in_forked_child
 
 
 def test_names() -> None:
@@ -127,4 +130,27 @@ def test_testing_module_exports_the_emulated_device() -> None:
 
     assert blobpipe.testing.EmulatedBackend is EmulatedBackend
     backend = blobpipe.testing.EmulatedBackend(delay=0.0)
-    assert backend.has_device and backend.xp is np
+    assert backend.has_device and backend.xp.float32 is np.float32
+    made = backend.xp.zeros(3, np.float32)
+    assert isinstance(made, blobpipe.testing.EmulatedArray) and made.device_id == 0
+    assert type(made.get()) is np.ndarray
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_makes_its_backends_anew() -> None:
+    """CUDA contexts and the emulated streams' threads do not survive fork: the child
+    resolves names (and the default) to new backends, with new pools."""
+    host = get_backend("cpu")
+    emu = EmulatedBackend()
+    old = set_default_backend(emu)
+    try:
+
+        def child() -> bool:
+            fresh = get_backend("cpu")
+            default = get_backend(None)
+            return fresh is not host and default is not emu and get_backend("cpu") is fresh
+
+        assert in_forked_child(child) == 0
+        assert get_backend("cpu") is host and get_backend(None) is emu  # the parent's stay
+    finally:
+        set_default_backend(old)

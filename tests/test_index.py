@@ -28,6 +28,7 @@ from tests._helpers import (
     encoded_db,
     float_db,
     image,
+    in_forked_child,
     key,
     lmdb_items,
     lmdb_stat,
@@ -36,7 +37,6 @@ from tests._helpers import (
     write_lmdb,
 )
 from tests.test_batches import REF_CASES
-from tests.test_lmdb import _child
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -428,7 +428,7 @@ def test_index_in_a_forked_child(tmp_path: Path, kind: str) -> None:
                 for x, y in zip(again, first[1], strict=True)
             )
 
-        assert _child(child) == 0
+        assert in_forked_child(child) == 0
 
 
 def _mean_file(path: Path, shape: tuple[int, int, int]) -> Path:

@@ -28,7 +28,15 @@ from blobpipe._io import _lmdb
 from blobpipe._io._datum import decode_datum, decode_datum_into
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import BlobProto
-from tests._helpers import dupsort_db, image, key, lmdb_items, open_lmdb, write_lmdb
+from tests._helpers import (
+    dupsort_db,
+    image,
+    in_forked_child,
+    key,
+    lmdb_items,
+    open_lmdb,
+    write_lmdb,
+)
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 RAW = CAFFE / "lmdb" / "raw_color"
@@ -359,21 +367,6 @@ def test_threads_open_and_close_readers_of_one_path() -> None:
     assert errors == []
 
 
-def _child(fn: object) -> int:
-    """Run ``fn`` in a forked child; return its exit status (0: passed)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            code = 0 if fn() else 2  # type: ignore[operator]
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_fork_child_reopens_and_reads(raw: LmdbReader) -> None:
     keys = raw.keys()
@@ -390,7 +383,7 @@ def test_fork_child_reopens_and_reads(raw: LmdbReader) -> None:
         raw.close()
         return ok and _lmdb._registry == {}
 
-    assert _child(child) == 0
+    assert in_forked_child(child) == 0
     assert raw.get(keys[4]) == RAW_ITEMS[4][1]  # the parent is untouched
     assert _lmdb._registry[raw._shared.file_id] is raw._shared
 
@@ -411,7 +404,7 @@ def test_fork_inside_a_transaction_and_close_in_child(raw: LmdbReader) -> None:
             raw.close()  # closing an inherited reader opens nothing
             return _lmdb._registry == {} and raw.closed
 
-        assert _child(child) == 0
+        assert in_forked_child(child) == 0
         assert bytes(txn.get(key)) == RAW_ITEMS[3][1]
 
 

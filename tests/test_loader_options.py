@@ -32,6 +32,7 @@ LOADER_SIGNATURE = {
     "last": "keep",
     "workers": None,
     "device_transform": None,
+    "stream": None,
     "state": None,
     "readahead": False,
     "label_dtype": "float32",

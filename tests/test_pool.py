@@ -128,6 +128,42 @@ def test_backend_out_of_memory_retries_after_freeing_cache() -> None:
         pool.malloc(1 << 20)
 
 
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_out_of_memory_frees_the_array_librarys_cache_too(kind: str) -> None:
+    """One memory budget: the device transform's temporaries sit in CuPy's pool; a
+    blobpipe pool out of memory has it give its blocks back before the last try."""
+
+    class Shared(EmulatedBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.library_cache = 1 << 20  # bytes the array library holds, free but cached
+            self.free = 4096
+            self.released: list[str] = []
+
+        def _take(self, nbytes: int) -> np.ndarray:
+            if nbytes > self.free:
+                raise MemoryError("no room")
+            self.free -= nbytes
+            return np.empty(nbytes, np.uint8)
+
+        def _alloc_host(self, nbytes: int):  # type: ignore[no-untyped-def]
+            return self._take(nbytes)
+
+        def _alloc_device(self, nbytes: int):  # type: ignore[no-untyped-def]
+            return self._take(nbytes)
+
+        def release_cached(self, kind: str) -> None:
+            self.released.append(kind)
+            self.free += self.library_cache
+            self.library_cache = 0
+
+    backend = Shared()
+    pool = MemoryPool(backend, kind)
+    block = pool.malloc(1 << 19)  # fits only once the library's cache is released
+    assert block.capacity == 1 << 19
+    assert backend.released == [kind]
+
+
 def test_pending_block_not_reused_until_event() -> None:
     backend = GatedBackend()  # the copy stays in flight until the gate opens
     pool = MemoryPool(backend, "host")

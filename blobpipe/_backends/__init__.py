@@ -34,6 +34,20 @@ _cache: dict[str, Backend] = {}
 _default: Backend | None = None
 
 
+def _forget_in_child() -> None:
+    """After fork, in the child: a CUDA context and the emulated streams' threads
+    do not survive a fork, so the backends (and the pools on them) are made anew
+    on first use."""
+    global _lock, _default
+    _lock = threading.Lock()
+    _cache.clear()
+    _default = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _cuda_backend(device_id: int) -> Backend:
     from ._cupy import CupyBackend
 

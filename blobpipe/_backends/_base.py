@@ -10,16 +10,25 @@ loader) speaks only this interface:
     Backend.create_stream()         -> Stream
     Backend.copy_to_device(dst, src, stream) -> Event   (asynchronous)
     Backend.copy_to_host(dst, src, stream)   -> Event   (asynchronous)
+    Backend.launch(fn, stream)               -> Event   (asynchronous)
     Backend.fill_device_zero(dst)
+    Backend.current_stream() / using(stream) / as_stream(obj)
+    Backend.record_event(stream) / stream_wait(stream, event)
     Event.query() / Event.synchronize() / await wait_event(event)
 
-Invariant: a buffer that a copy reads or writes must not be reused or handed
-out again before that copy's event has completed.
+Invariants (the stream discipline, docs/design.md):
+
+* a buffer that a copy reads or writes must not be reused or handed out again
+  before that copy's event has completed;
+* every copy and launch is ordered after the work the caller queued so far on
+  its current stream (:meth:`Backend.current_stream`), so device bytes the
+  caller's kernels write are there before blobpipe reads them.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +99,10 @@ class Stream(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Block until all work queued on this stream has completed."""
+
+    def same(self, other: Stream) -> bool:
+        """True when ``other`` queues work on the same device stream as this one."""
+        return other is self
 
 
 async def wait_event(event: Event) -> None:
@@ -184,6 +197,13 @@ class Backend:
             self._device_allocs += 1
         return buf
 
+    def release_cached(self, kind: str) -> None:
+        """Give the blocks the array library caches for ``kind`` ("host" or
+        "device") memory back to the system (CuPy's default memory pools, which
+        hold the temporaries of device code such as the device transform). A
+        blobpipe pool out of memory calls it before its last try."""
+        return None
+
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)
 
@@ -215,7 +235,9 @@ class Backend:
             raise ValueError(
                 f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes"
             )
-        event = self._copy_to_device(dst, src, stream or self.default_stream())
+        stream = stream or self.default_stream()
+        self._after_current(stream)
+        event = self._copy_to_device(dst, src, stream)
         with self._stats_lock:
             self._h2d_copies += 1
             self._h2d_bytes += src.nbytes
@@ -230,7 +252,9 @@ class Backend:
             raise ValueError(
                 f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes"
             )
-        event = self._copy_to_host(dst, src, stream or self.default_stream())
+        stream = stream or self.default_stream()
+        self._after_current(stream)
+        event = self._copy_to_host(dst, src, stream)
         with self._stats_lock:
             self._d2h_copies += 1
             self._d2h_bytes += src.nbytes
@@ -246,10 +270,13 @@ class Backend:
         """Run device work ``fn`` (kernels on ``xp`` arrays) in ``stream``'s order.
 
         ``fn`` runs after the work already queued on the stream (e.g. the copy
-        that brings its input) and the returned event completes after it.
+        that brings its input) and after the work the caller queued so far on
+        its current stream; the returned event completes after it.
         """
         self._require_device("launch")
-        return self._launch(fn, stream or self.default_stream())
+        stream = stream or self.default_stream()
+        self._after_current(stream)
+        return self._launch(fn, stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
         raise NotImplementedError  # pragma: no cover
@@ -270,6 +297,50 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for all outstanding device work of this backend."""
         return None
+
+    # -- the caller's stream ------------------------------------------------------
+    def current_stream(self) -> Stream:
+        """The calling thread's current stream on this device: where the caller's
+        own device work goes (CuPy's current stream; on the emulated device the
+        stream :meth:`using` made current, else its null stream)."""
+        self._require_device("current_stream")
+        raise NotImplementedError  # pragma: no cover
+
+    def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        """Inside the ``with`` block, ``stream`` is the calling thread's current
+        stream and this backend's device the current device (CuPy's ``with
+        device, stream``); both are restored after it."""
+        self._require_device("using")
+        raise NotImplementedError  # pragma: no cover
+
+    def as_stream(self, stream: object) -> Stream:
+        """A Stream of this backend for a caller's stream: a Stream of this
+        backend as is; on CUDA also a CuPy stream, a torch stream (its
+        ``cuda_stream`` handle) or a raw ``cudaStream_t`` handle (an int).
+
+        Raises:
+            TypeError: ``stream`` is none of those.
+        """
+        self._require_device("as_stream")
+        raise NotImplementedError  # pragma: no cover
+
+    def stream_wait(self, stream: Stream, event: Event) -> None:
+        """Work queued on ``stream`` after this call runs only once ``event`` has
+        completed (``cudaStreamWaitEvent``); the calling thread does not wait."""
+        self._require_device("stream_wait")
+        raise NotImplementedError  # pragma: no cover
+
+    def _after_current(self, stream: Stream) -> None:
+        """Order ``stream`` after the work queued so far on the caller's current stream.
+
+        Kernels a user runs on ``mutable_gpu_data()`` arrays go to the current
+        stream, which blobpipe's non-blocking streams do not wait for by
+        themselves: without this, a copy or a Blob operation could read device
+        bytes before the kernel that writes them has run.
+        """
+        current = self.current_stream()
+        if not current.same(stream):
+            self.stream_wait(stream, self.record_event(current))
 
     # -- views -----------------------------------------------------------------
     def device_view(self, buf: Any, dtype: Any, shape: tuple[int, ...], readonly: bool) -> Any:

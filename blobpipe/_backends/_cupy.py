@@ -6,8 +6,9 @@ CuPy is imported when this backend is first constructed, never at
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -50,6 +51,9 @@ class _CupyStream(Stream):
 
     def synchronize(self) -> None:
         self.raw.synchronize()
+
+    def same(self, other: Stream) -> bool:
+        return isinstance(other, _CupyStream) and int(other.raw.ptr) == int(self.raw.ptr)
 
 
 class CupyBackend(Backend):
@@ -97,8 +101,10 @@ class CupyBackend(Backend):
         try:
             # Straight from CUDA (cudaHostAlloc, page-aligned: HOST_ALIGN holds),
             # not through CuPy's pinned pool, which rounds to powers of two:
-            # blobpipe's own pool does the caching.
-            mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
+            # blobpipe's own pool does the caching. Under this device: CUDA
+            # would otherwise create a context on device 0 for it.
+            with self._device:
+                mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
         except cp.cuda.runtime.CUDARuntimeError as exc:
             raise MemoryError(
                 f"cannot allocate {nbytes} bytes of pinned host memory: {exc}"
@@ -120,6 +126,14 @@ class CupyBackend(Backend):
                 ) from exc
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
+
+    def release_cached(self, kind: str) -> None:
+        cp = self._cp
+        with self._device:
+            if kind == "host":
+                cp.get_default_pinned_memory_pool().free_all_blocks()
+            else:
+                cp.get_default_memory_pool().free_all_blocks()
 
     def fill_device_zero(self, dst: Any) -> None:
         with self._device:
@@ -143,24 +157,51 @@ class CupyBackend(Backend):
         ev.record(stream.raw)
         return _CupyEvent(ev)
 
-    def _after_current_stream(self, stream: _CupyStream) -> None:
-        """Order ``stream`` after the work queued on CuPy's current stream.
+    def current_stream(self) -> Stream:
+        with self._device:
+            return _CupyStream(self._cp.cuda.get_current_stream())
 
-        Kernels a user runs on ``mutable_gpu_data()`` arrays go to CuPy's current
-        stream (the legacy null stream by default), which a non-blocking copy
-        stream does not wait for: without this, a copy could read device bytes
-        before the kernel that writes them has run.
-        """
-        current = self._cp.cuda.get_current_stream()
-        if current.ptr != stream.raw.ptr:
-            stream.raw.wait_event(current.record())
+    @contextlib.contextmanager
+    def _using(self, stream: _CupyStream) -> Iterator[None]:
+        with self._device, stream.raw:
+            yield
+
+    def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        return self._using(self._own(stream))
+
+    def as_stream(self, stream: object) -> Stream:
+        cp = self._cp
+        if isinstance(stream, _CupyStream):
+            return stream
+        if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            return _CupyStream(stream)
+        handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return _CupyStream(cp.cuda.ExternalStream(handle, self._device_id))
+        raise TypeError(
+            f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
+            f"(an int), got {type(stream).__name__}"
+        )
+
+    def stream_wait(self, stream: Stream, event: Event) -> None:
+        raw = self._own(stream).raw
+        if isinstance(event, _CupyEvent):
+            with self._device:
+                raw.wait_event(event._event)
+        elif not event.query():  # not a CUDA event: the host waits for it
+            event.synchronize()
+
+    @staticmethod
+    def _own(stream: Stream) -> _CupyStream:
+        if not isinstance(stream, _CupyStream):
+            raise TypeError(f"expected a stream of the CuPy backend, got {stream!r}")
+        return stream
 
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
         assert isinstance(stream, _CupyStream)
         if not src.flags.c_contiguous:
             raise ValueError("host source of a device copy must be C-contiguous")
         with self._device:
-            self._after_current_stream(stream)
             if src.nbytes:
                 dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.raw)
             return self._record(stream)
@@ -170,7 +211,6 @@ class CupyBackend(Backend):
         if not dst.flags.c_contiguous:
             raise ValueError("host destination of a device copy must be C-contiguous")
         with self._device:
-            self._after_current_stream(stream)
             if src.nbytes:
                 src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
             return self._record(stream)

@@ -4,22 +4,45 @@ Device memory is separate host memory. Each stream owns a worker thread that
 runs its copies in order, each after ``delay`` seconds; the event of a copy
 completes only once the bytes have landed. Code that forgets to wait for an
 event therefore reads stale bytes, and CPU-only CI catches it.
+
+The caller has a current stream, as on CUDA: the backend's null stream (CUDA's
+legacy default stream), or the stream a ``with backend.using(stream)`` block
+makes current in the calling thread. Consumer-side device work (a training
+step's kernels) is queued there with :meth:`EmulatedBackend.run_later` and runs
+late on that stream's thread, so blobpipe code that reads or reuses a buffer
+without ordering itself after the consumer's work sees wrong data.
+
+Device indices, as on CUDA: ``EmulatedBackend(device_id=1)`` is a second device.
+Each thread has a current emulated device (0 unless ``using()`` says otherwise;
+a stream's thread has its backend's). Device arrays (:class:`EmulatedArray`)
+belong to a device: the backend's for its allocations, the current one for
+arrays its ``xp`` makes. As CuPy does, device work on an array of another
+device than the current one raises ValueError, and a copy refuses memory of
+another device, so work issued outside its device's scope shows as an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ._base import Backend, Event, Stream
 
-__all__ = ["EmulatedBackend", "EmulatedEvent", "EmulatedStream"]
+__all__ = [
+    "EmulatedArray",
+    "EmulatedBackend",
+    "EmulatedEvent",
+    "EmulatedStream",
+    "current_device",
+]
 
 
 class EmulatedEvent(Event):
@@ -28,6 +51,7 @@ class EmulatedEvent(Event):
     def __init__(self) -> None:
         self._done = threading.Event()
         self.completed_at = 0.0  # time.perf_counter() when it completed
+        self.error: BaseException | None = None  # raised by the work before it
 
     def _set(self) -> None:
         self.completed_at = time.perf_counter()
@@ -37,28 +61,118 @@ class EmulatedEvent(Event):
         return self._done.is_set()
 
     def synchronize(self) -> None:
+        """Wait for it; raises the error of the work it covers, if that failed."""
         self._done.wait()
+        if self.error is not None:
+            raise self.error
 
     def __repr__(self) -> str:
         return f"<EmulatedEvent {'done' if self.query() else 'pending'}>"
 
 
 _STOP = object()
+_device = threading.local()  # .id: the calling thread's current emulated device
 
 
-def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float]) -> None:
+def current_device() -> int:
+    """The calling thread's current emulated device (0 unless set)."""
+    return int(getattr(_device, "id", 0))
+
+
+@contextlib.contextmanager
+def _device_scope(device_id: int) -> Iterator[None]:
+    previous = current_device()
+    _device.id = device_id
+    try:
+        yield
+    finally:
+        _device.id = previous
+
+
+class EmulatedArray(np.ndarray):
+    """A NumPy array standing in for memory of emulated device ``device_id``.
+
+    Elementwise work (ufuncs) on it from a thread whose current emulated device
+    is another raises ValueError, as CuPy's kernels do; ``get()`` copies it to a
+    plain NumPy array, as CuPy's does.
+    """
+
+    device_id: int
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.device_id = getattr(obj, "device_id", current_device())
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        here = current_device()
+        out = kwargs.get("out") or ()
+        for a in (*inputs, *out):
+            if isinstance(a, EmulatedArray) and a.device_id != here:
+                raise ValueError(
+                    f"array device must be same as the current device: array device = "
+                    f"{a.device_id} while current = {here} (emulated; enter the array's "
+                    "device first, e.g. backend.using(stream))"
+                )
+        plain = tuple(a.view(np.ndarray) if isinstance(a, EmulatedArray) else a for a in inputs)
+        if out:
+            kwargs["out"] = tuple(
+                o.view(np.ndarray) if isinstance(o, EmulatedArray) else o for o in out
+            )
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if out:
+            return out[0] if len(out) == 1 else out
+        if isinstance(result, np.ndarray):
+            return result.view(EmulatedArray)
+        return result
+
+    def get(self) -> np.ndarray[Any, Any]:
+        """A host copy (a plain NumPy array)."""
+        return np.array(self.view(np.ndarray))
+
+
+_MAKERS = frozenset(
+    {"array", "asarray", "ascontiguousarray", "empty", "zeros", "ones", "full", "arange"}
+    | {"empty_like", "zeros_like", "ones_like", "full_like"}
+)
+
+
+class _DeviceNumpy(ModuleType):
+    """NumPy whose array constructors make :class:`EmulatedArray` s of the current
+    emulated device (CuPy's make arrays on the current CUDA device)."""
+
+    def __init__(self) -> None:
+        super().__init__("blobpipe.testing.xp", "NumPy over the emulated device")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(np, name)
+        if name not in _MAKERS:
+            return attr
+
+        def make(*args: Any, **kwargs: Any) -> EmulatedArray:
+            made = np.asarray(attr(*args, **kwargs)).view(EmulatedArray)
+            made.device_id = current_device()
+            return made
+
+        return make
+
+
+_XP = _DeviceNumpy()
+
+
+def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id: int) -> None:
+    _device.id = device_id
     while True:
         item = q.get()
         if item is _STOP:
             return
-        fn, event, delayed = item
-        if delayed:
-            d = delay_ref()
-            if d > 0:
-                threading.Event().wait(d)
+        fn, event, delay = item
+        d = delay_ref() if delay is None else delay
+        if d > 0:
+            threading.Event().wait(d)
         try:
             if fn is not None:
                 fn()
+        except BaseException as exc:  # kept for synchronize(), as CUDA reports it
+            event.error = exc
         finally:
             event._set()
 
@@ -75,18 +189,25 @@ class EmulatedStream(Stream):
             return b.delay if b is not None else 0.0
 
         self._thread = threading.Thread(
-            target=_worker, args=(self._queue, delay), name="blobpipe-emulated-stream", daemon=True
+            target=_worker,
+            args=(self._queue, delay, backend.emulated_device),
+            name="blobpipe-emulated-stream",
+            daemon=True,
         )
         self._thread.start()
         weakref.finalize(self, self._queue.put, _STOP)
 
-    def enqueue(self, fn: Callable[[], None] | None, *, delayed: bool = True) -> EmulatedEvent:
+    def enqueue(
+        self, fn: Callable[[], None] | None, *, delay: float | None = None
+    ) -> EmulatedEvent:
+        """Queue ``fn`` to run after the work queued before it, ``delay`` seconds
+        late (None: the backend's ``delay``); the event completes after it ran."""
         event = EmulatedEvent()
-        self._queue.put((fn, event, delayed))
+        self._queue.put((fn, event, delay))
         return event
 
     def synchronize(self) -> None:
-        self.enqueue(None, delayed=False).synchronize()
+        self.enqueue(None, delay=0.0).synchronize()
 
 
 class EmulatedBackend(Backend):
@@ -100,15 +221,41 @@ class EmulatedBackend(Backend):
     has_device = True
     pinned = False
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, device_id: int = 0) -> None:
         super().__init__()
         self.delay = float(delay)
+        self.emulated_device = int(device_id)
         self._default: EmulatedStream | None = None
+        self._null: EmulatedStream | None = None
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._local = threading.local()  # .stream: the stream using() made current
+
+    def __repr__(self) -> str:
+        return f"<EmulatedBackend emulated:{self.emulated_device}>"
+
+    @property
+    def xp(self) -> ModuleType:
+        return _XP
 
     def _alloc_device(self, nbytes: int) -> Any:
-        return np.empty(nbytes, dtype=np.uint8)
+        buf = np.empty(nbytes, dtype=np.uint8).view(EmulatedArray)
+        buf.device_id = self.emulated_device
+        return buf
+
+    def _own(self, array: Any, what: str) -> Any:
+        """``array`` as flat bytes, refused when it is memory of another device."""
+        device = getattr(array, "device_id", self.emulated_device)
+        if device != self.emulated_device:
+            raise ValueError(
+                f"{what}: memory of emulated device {device} given to emulated device "
+                f"{self.emulated_device}"
+            )
+        return array.reshape(-1).view(np.uint8)
+
+    def fill_device_zero(self, dst: Any) -> None:
+        self._require_device("fill_device_zero")
+        self.current_stream().enqueue(lambda: dst.fill(0), delay=0.0).synchronize()
 
     def create_stream(self) -> Stream:
         stream = EmulatedStream(self)
@@ -123,19 +270,74 @@ class EmulatedBackend(Backend):
                 self._streams.add(self._default)
             return self._default
 
-    def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
+    def null_stream(self) -> EmulatedStream:
+        """The stream current in every thread outside :meth:`using` (CUDA's legacy
+        default stream)."""
+        with self._lock:
+            if self._null is None:
+                self._null = EmulatedStream(self)
+                self._streams.add(self._null)
+            return self._null
+
+    def current_stream(self) -> EmulatedStream:
+        stream: EmulatedStream | None = getattr(self._local, "stream", None)
+        return stream if stream is not None else self.null_stream()
+
+    @contextlib.contextmanager
+    def _using(self, stream: EmulatedStream) -> Iterator[None]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            with _device_scope(self.emulated_device):
+                yield
+        finally:
+            self._local.stream = previous
+
+    def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        return self._using(self._stream(stream))
+
+    def as_stream(self, stream: object) -> Stream:
+        if isinstance(stream, EmulatedStream):
+            return stream
+        raise TypeError(
+            f"the emulated device takes its own streams (create_stream()), got "
+            f"{type(stream).__name__}"
+        )
+
+    def stream_wait(self, stream: Stream, event: Event) -> None:
+        target = self._stream(stream)
+        if not event.query():
+            target.enqueue(event.synchronize, delay=0.0)
+
+    def run_later(
+        self, fn: Callable[[], object], seconds: float | None = None, stream: Stream | None = None
+    ) -> EmulatedEvent:
+        """Queue consumer-side device work ``fn`` (a training step's kernel) on the
+        caller's current stream, or ``stream``, to run ``seconds`` late (default:
+        ``delay``); returns its event. Nothing waits for it unless ordered after it."""
+
+        def run() -> None:
+            fn()
+
+        return self._stream(stream or self.current_stream()).enqueue(run, delay=seconds)
+
+    @staticmethod
+    def _stream(stream: Stream) -> EmulatedStream:
         if not isinstance(stream, EmulatedStream):
             raise TypeError(f"expected a stream of the emulated backend, got {stream!r}")
-        return stream.enqueue(fn)
+        return stream
+
+    def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
+        return self._stream(stream).enqueue(fn)
 
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
-        d = dst.reshape(-1).view(np.uint8)
+        d = self._own(dst, "copy_to_device")
         s = src.reshape(-1).view(np.uint8)
         return self._enqueue(stream, lambda: np.copyto(d, s))
 
     def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
         d = dst.reshape(-1).view(np.uint8)
-        s = src.reshape(-1).view(np.uint8)
+        s = self._own(src, "copy_to_host")
         return self._enqueue(stream, lambda: np.copyto(d, s))
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
@@ -152,10 +354,7 @@ class EmulatedBackend(Backend):
         return end.completed_at - start.completed_at
 
     def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
-        s = stream or self.default_stream()
-        if not isinstance(s, EmulatedStream):
-            raise TypeError(f"expected a stream of the emulated backend, got {s!r}")
-        return s.enqueue(None, delayed=False)
+        return self._stream(stream or self.default_stream()).enqueue(None, delay=0.0)
 
     def synchronize(self) -> None:
         with self._lock:

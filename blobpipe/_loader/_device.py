@@ -6,8 +6,15 @@ uint8 (the staging transform); the batch crosses to the device as uint8 (4×
 less traffic than float32) and the transform kernel (``_io/_kernels.py``, the
 host's own, with ``xp`` the device's array module) does the rest there.
 
-Invariant: once anything is queued on a slot's stream, the slot's event covers
-it, so its buffers are not reused (or released) while the device reads them.
+Invariants (the stream discipline, docs/design.md):
+
+* a slot's work is issued with the slot's stream current and the backend's
+  device current, so nothing of it lands on another stream or device;
+* it starts with a wait for the slot's ``released`` event (the consumer's work
+  on the slot's previous batch), and the timing event is recorded after that
+  wait, so ``copy_time`` is the copy and transform alone;
+* once anything is queued on a slot's stream, the slot's event covers it, so
+  its buffers are not reused (or released) while the device reads them.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import COMPLETED, Backend
+from .._backends import COMPLETED, Backend, Event, Stream
 from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry, KernelSpec, apply
@@ -79,6 +86,32 @@ class DeviceWork:
             dtype="uint8",
         )
 
+    def warm_up(self) -> None:
+        """Run the device transform on a dummy batch in the calling thread (the
+        loader's open), as a block and row by row, with a mean column when the
+        transform has a mean: CuPy compiles those kernels here, once, rather than
+        in every filler thread at its first batch."""
+        if not self.on_device:
+            return
+        backend = self._backend
+        xp = backend.xp
+        t = self._transform
+        c = 1 if t.force_gray else 3
+        side = t.crop_size or 2
+        stream = backend.default_stream()
+        with backend.using(stream):
+            src = xp.zeros((2, c, side, side), np.uint8)
+            out = xp.empty(
+                (2, c, side, side) if t.layout == "NCHW" else (2, side, side, c), np.float32
+            )
+            mean = xp.zeros((c, 1, 1), np.float32) if (t.mean_file or t.mean_value) else None
+            spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
+            zeros = np.zeros(2, np.intp)
+            geometry = Geometry(zeros, zeros, np.array([False, True]))
+            for rows in (src, (src[0], src[1])):  # the whole block at once; row by row
+                apply(xp, rows, out, geometry, spec, cropped=True)
+        stream.synchronize()
+
     def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
         """The device transform's output shape for ``plan`` (None without one)."""
         if not self.on_device:
@@ -98,21 +131,39 @@ class DeviceWork:
             slot.event = COMPLETED
             slot.started = None
             return
-        assert slot.host is not None and slot.label is not None
+        assert slot.host is not None and slot.label is not None and slot.stream is not None
+        stream = slot.stream
         # Everything that can fail before work is queued happens first ...
-        mean = self._mean(plan, path) if self.on_device else None
-        slot.started = backend.record_event(slot.stream, timing=True)
-        try:
-            slot.label.data.start_gpu_push(slot.stream)
-            for blob in slot.extra.values():
-                blob.data.start_gpu_push(slot.stream)
+        mean = self._mean(plan, path, stream) if self.on_device else None
+        with backend.using(stream):
             if self.on_device:
-                self._launch_transform(slot, plan, mean)
-            else:
-                slot.host.data.start_gpu_push(slot.stream)
-        finally:
-            # ... and once anything is queued, the slot's event covers it.
-            slot.event = backend.record_event(slot.stream, timing=True)
+                # zero-filled on first use only, on this stream (idle: its last
+                # work completed before the slot was refilled), before any push
+                assert slot.staged is not None and slot.out is not None
+                slot.staged.mutable_gpu_data()
+                slot.out.mutable_gpu_data()
+            backend.stream_wait(stream, slot.released)
+            slot.started = backend.record_event(stream, timing=True)
+            try:
+                slot.label.data.start_gpu_push(stream)
+                for blob in slot.extra.values():
+                    blob.data.start_gpu_push(stream)
+                if self.on_device:
+                    self._launch_transform(slot, plan, mean)
+                else:
+                    slot.host.data.start_gpu_push(stream)
+            finally:
+                # ... and once anything is queued, the slot's event covers it.
+                slot.event = backend.record_event(stream, timing=True)
+
+    def release(self, stream: Stream | None) -> Event:
+        """An event on the consumer's stream (``stream``, else its current one) that
+        completes after the work it queued so far: the consumer's work on the batch
+        it lets go now. The slot's next device work waits for it."""
+        backend = self._backend
+        if not backend.has_device:
+            return COMPLETED
+        return backend.record_event(stream or backend.current_stream())
 
     def elapsed(self, slot: Slot) -> float:
         """Seconds the slot's last device work took (0 without timing events)."""
@@ -143,8 +194,9 @@ class DeviceWork:
 
         backend.launch(kernel, slot.stream)
 
-    def _mean(self, plan: BatchPlan, path: object) -> Any:
-        """The transform's mean on the device for the plan's record shape (cached)."""
+    def _mean(self, plan: BatchPlan, path: object, stream: Stream) -> Any:
+        """The transform's mean on the device for the plan's record shape (cached),
+        uploaded on ``stream`` under the backend's device."""
         key = plan.record_shape
         with self._lock:
             if key in self._means:
@@ -155,8 +207,8 @@ class DeviceWork:
             raise DataError(str(exc), path=path, key=plan.keys[0]) from exc
         device = None
         if mean is not None:
-            device = self._backend.xp.asarray(mean)
-            # uploaded on the current stream: finished before any slot stream reads it
-            self._backend.synchronize()
+            with self._backend.using(stream):
+                device = self._backend.xp.asarray(mean)
+            stream.synchronize()  # landed before any slot's stream reads it
         with self._lock:
             return self._means.setdefault(key, device)

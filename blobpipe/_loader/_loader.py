@@ -81,6 +81,12 @@ class Loader:
             uint8 transfers (4× less host→device traffic). Default: on when the
             backend has a device and the transform outputs float32. Records
             holding float_data need it off.
+        stream: the stream the consumer's device work on batches runs on (a
+            CuPy stream, a ``torch.cuda.Stream``, a ``cudaStream_t`` handle, or
+            a stream of the backend). A batch's buffers are refilled only after
+            the work queued there before the consumer let the batch go. Default:
+            the consumer's current stream when it asks for the next batch
+            (CuPy's current stream; see "Streams" in the README).
         **options: :class:`~blobpipe.Batches`' options, with Batches' defaults
             (see Batches for each in full):
 
@@ -104,7 +110,8 @@ class Loader:
 
     Raises:
         ValueError, TypeError: bad arguments (see :class:`~blobpipe.Batches`).
-        BackendUnavailableError: ``device="cuda"`` without CuPy or a GPU.
+        BackendUnavailableError: ``device="cuda"`` without CuPy or a GPU, or a
+            ``stream`` on a backend without a device.
         DatabaseNotFoundError: the LMDB does not exist.
     """
 
@@ -119,6 +126,7 @@ class Loader:
         shuffle: bool = False,
         workers: int | None = None,
         device_transform: bool | None = None,
+        stream: object | None = None,
         **options: Unpack[BatchesOptions],
     ) -> None:
         check_options(options, "Loader.__init__")
@@ -133,6 +141,7 @@ class Loader:
         elif shuffle and order != "shuffle":
             raise ValueError(f"shuffle=True contradicts order={order!r}")
         self._backend = get_backend(device)
+        self._stream = None if stream is None else self._backend.as_stream(stream)
         self._batches = Batches(source, batch_size, order=order, **options)
         try:
             self._transform = self._batches.transform
@@ -321,6 +330,7 @@ class Loader:
 
     async def _start(self) -> anyio.abc.TaskGroup:
         """UNOPENED → OPEN: allocate the ring, start the fillers in a new task group."""
+        await anyio.to_thread.run_sync(self._device.warm_up)
         self._lifecycle.open()
         self._ring.open()
         self._limiter = anyio.CapacityLimiter(self._workers)
@@ -350,6 +360,7 @@ class Loader:
     async def _shutdown(self) -> None:
         """Stop the fillers (now CLOSED) and release the ring."""
         with anyio.CancelScope(shield=True):
+            self._recycle_current()  # the consumer lets its batch go
             # Fillers are loops in worker threads: each finishes its current
             # batch and returns; no thread is abandoned.
             self._wide.set()  # parked fillers see the loader is closed
@@ -359,9 +370,7 @@ class Loader:
             self._release()
 
     def _release(self) -> None:
-        if self._current is not None:
-            self._current[1]._recycle()
-            self._current = None
+        self._recycle_current()
         self._ring.close()
         self._handoff.close()  # a consumer waiting in another task or thread sees the close
         self._batches.close()
@@ -472,6 +481,7 @@ class Loader:
             return
         slot, batch = current
         batch._recycle()
+        slot.released = self._device.release(self._stream)
         self._ring.put(slot)
 
     def _detach_current(self, batch: Batch) -> None:
@@ -631,6 +641,7 @@ class Loader:
             StateError: the loader was opened before.
         """
         self._lifecycle.check_enter()
+        self._device.warm_up()
         self._lifecycle.open()
         self._ring.open()
         self._fillers_running = self._n_fillers

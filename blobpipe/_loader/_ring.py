@@ -8,8 +8,11 @@ Invariants:
   At most that much batch memory is alive: a slow consumer slows reading.
 * A slot is refilled only after the consumer has moved past its batch (it is
   then :meth:`Ring.put` back) *and* the device work reading its host buffers
-  has completed (its ``event``, which the filler waits for).
-* A slot's buffers are released only after its event completed.
+  has completed (its ``event``, which the filler waits for). Its device
+  buffers are written again only after ``released`` (an event recorded on the
+  consumer's stream when it let the batch go), which the slot's stream waits
+  for: the consumer's queued work on the batch runs first.
+* A slot's buffers are released only after both events completed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Slot:
         self.backend = backend
         self.stream = stream
         self.event: Event = COMPLETED  # completes after the slot's last device work
+        # completes after the consumer's device work queued before it let the batch go
+        self.released: Event = COMPLETED
         self.started: Event | None = None  # timing event before that work
         self.host: Blob | None = None  # data as filled on the host (pinned)
         self.label: Blob | None = None  # labels (pushed to the device too)
@@ -89,6 +94,7 @@ class Slot:
 
     def close(self) -> None:
         self.event.synchronize()
+        self.released.synchronize()
         for blob in (self.host, self.label, self.staged, self.out, *self.extra.values()):
             if blob is not None:
                 blob.close()
@@ -141,9 +147,10 @@ class Ring:
             self._free.put(None)
 
     async def settle(self) -> None:
-        """Wait until no device work reads any slot's buffers."""
+        """Wait until no device work (the slot's or the consumer's) uses any slot's buffers."""
         for slot in self.slots:
             await wait_event(slot.event)
+            await wait_event(slot.released)
 
     def close(self) -> None:
         """Release every slot's buffers (after its device work completed)."""

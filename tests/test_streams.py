@@ -1,0 +1,395 @@
+"""The stream discipline (docs/design.md, "Streams and events").
+
+Every blobpipe operation on device memory is ordered after the caller's current
+stream; a ring slot handed to the consumer is refilled only once the work the
+consumer queued before releasing it has completed; ``copy_time`` measures the
+copy alone.
+
+The consumer's device work is queued *late* (:func:`tests._helpers.queue_late`):
+on the emulated device it runs on its stream's thread ``LATE`` seconds later, on
+CUDA (``-m gpu``) behind a kernel spinning that long. A missing wait therefore
+shows up as wrong data, not as a rare race.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
+from blobpipe._backends import Backend, EmulatedBackend
+from tests._helpers import queue_late, raw_db
+from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
+from tests.test_loader import make_backend
+
+LATE = 0.2  # seconds the consumer's queued work runs late
+RAW_COLOR = CAFFE / "lmdb" / "raw_color"
+MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
+
+
+DEVICES = [
+    pytest.param("emulated", None, id="emulated"),
+    pytest.param("emulated", False, id="emulated-no-dt"),
+    pytest.param("cupy", None, id="cupy", marks=pytest.mark.gpu),
+    pytest.param("cupy", False, id="cupy-no-dt", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture
+def db30(tmp_path: Path) -> Path:
+    """30 raw 3x10x12 records; record i has label i."""
+    return raw_db(tmp_path / "db30", 30)
+
+
+# -- Blob operations after the caller's stream (issue 11, finding 1) -------------------------
+
+
+def _blob(backend: Backend, value: float) -> Blob:
+    blob = Blob((256,), np.float32, backend=backend)
+    blob.mutable_cpu_data()[:] = value
+    blob.mutable_cpu_diff()[:] = 0
+    blob.mutable_gpu_data()
+    blob.mutable_gpu_diff()
+    return blob
+
+
+def _fill_late(backend: Backend, array: Any, value: float) -> None:
+    queue_late(backend, lambda: array.fill(value), LATE)
+
+
+def test_update_after_the_callers_diff(device_backend: Backend) -> None:
+    """train_digits' step: ``mutable_gpu_diff()[...] = g`` on the current stream, then update()."""
+    blob = _blob(device_backend, 3)
+    _fill_late(device_backend, blob.mutable_gpu_diff(), 1)
+    blob.update()
+    assert to_numpy(blob.cpu_data()).tolist() == [2] * 256
+
+
+def test_scale_after_the_callers_write(device_backend: Backend) -> None:
+    blob = _blob(device_backend, 3)
+    _fill_late(device_backend, blob.mutable_gpu_data(), 5)
+    blob.scale_data(2)
+    assert to_numpy(blob.cpu_data()).tolist() == [10] * 256
+
+
+@pytest.mark.parametrize("which", ["asum", "sumsq"])
+def test_reductions_after_the_callers_write(device_backend: Backend, which: str) -> None:
+    blob = _blob(device_backend, 3)
+    _fill_late(device_backend, blob.mutable_gpu_data(), -2)
+    got = blob.asum_data() if which == "asum" else blob.sumsq_data()
+    assert got == (2 * 256 if which == "asum" else 4 * 256)
+
+
+def test_copy_from_after_the_callers_write(device_backend: Backend) -> None:
+    src = _blob(device_backend, 3)
+    dst = _blob(device_backend, 0)
+    _fill_late(device_backend, src.mutable_gpu_data(), 7)
+    dst.copy_from(src)
+    assert to_numpy(dst.cpu_data()).tolist() == [7] * 256
+
+
+def test_callers_later_work_sees_the_update(device_backend: Backend) -> None:
+    """The caller's work queued after update() runs after it (reads the new data)."""
+    blob = _blob(device_backend, 3)
+    blob.mutable_cpu_diff()[:] = 1
+    blob.mutable_gpu_diff()
+    data = blob.mutable_gpu_data()
+    blob.update()
+    seen = device_backend.xp.zeros(256, np.float32)
+    queue_late(device_backend, lambda: device_backend.xp.copyto(seen, data), LATE)
+    device_backend.synchronize()
+    device_backend.current_stream().synchronize()
+    assert to_numpy(seen).tolist() == [2] * 256
+
+
+def test_host_read_after_the_callers_write(device_backend: Backend) -> None:
+    """cpu_data() copies device→host after the caller's queued kernels."""
+    blob = _blob(device_backend, 3)
+    _fill_late(device_backend, blob.mutable_gpu_data(), 4)
+    assert to_numpy(blob.cpu_data()).tolist() == [4] * 256
+
+
+# -- ring slots reused after the consumer's stream (finding 2) --------------------------------
+
+
+def _expected(db: Path, n: int, **options: Any) -> list[np.ndarray]:
+    with Batches(db, **options) as batches:
+        return [np.array(b.data) for _, b in zip(range(n), batches, strict=False)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("known", ["current", "named"])
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_consumer_on_a_side_stream_reads_its_batch_whole(
+    db30: Path, device: str, device_transform: bool | None, known: str
+) -> None:
+    """A consumer on its own stream queues a read of each batch, late, and moves on:
+    the loader refills the slot only after that read ran. The loader knows the
+    stream as the consumer's current one when it asks for the next batch
+    ("current"), or from ``Loader(stream=...)`` ("named")."""
+    backend = make_backend(device)
+    side = backend.create_stream()
+    xp = backend.xp
+    t = Transform(scale=0.5)
+    seen: list[Any] = []
+    named: dict[str, Any] = {"stream": side} if known == "named" else {}
+    async with Loader(
+        db30,
+        4,
+        device=backend,
+        prefetch=2,
+        transform=t,
+        device_transform=device_transform,
+        **named,
+    ) as loader:
+        for _ in range(6):
+            if known == "current":
+                with backend.using(side):
+                    batch = await anext(loader)
+            else:
+                batch = await anext(loader)
+            src = batch.data.gpu_data()
+            dst = xp.empty_like(src)
+            with backend.using(side):
+                queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), LATE)
+            seen.append(dst)
+    side.synchronize()
+    want = _expected(db30, 6, batch_size=4, transform=t)
+    for k, (got, w) in enumerate(zip(seen, want, strict=True)):
+        assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
+
+
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+def test_blocking_consumer_on_a_side_stream(
+    db30: Path, device: str, device_transform: bool | None
+) -> None:
+    """The same for the blocking form (``for batch in loader``)."""
+    backend = make_backend(device)
+    side = backend.create_stream()
+    xp = backend.xp
+    seen: list[Any] = []
+    with (
+        Loader(db30, 4, device=backend, prefetch=2, device_transform=device_transform) as loader,
+        backend.using(side),
+    ):
+        for _, batch in zip(range(6), loader, strict=False):
+            src = batch.data.gpu_data()
+            dst = xp.empty_like(src)
+            queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), LATE)
+            seen.append(dst)
+    side.synchronize()
+    want = _expected(db30, 6, batch_size=4)
+    for k, (got, w) in enumerate(zip(seen, want, strict=True)):
+        assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
+
+
+# -- copy_time is the copy alone (finding 5) --------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_copy_time_excludes_the_consumers_work(
+    db30: Path, device: str, device_transform: bool | None
+) -> None:
+    """The consumer's own work on each batch (LATE seconds on its current stream)
+    is not counted as copy time."""
+    backend = make_backend(device)
+    n = 5
+    async with Loader(
+        db30, 4, device=backend, prefetch=2, device_transform=device_transform
+    ) as loader:
+        for _ in range(n):
+            batch = await anext(loader)
+            src = batch.data.gpu_data()
+            queue_late(backend, lambda src=src: src.sum(), LATE)
+        backend.current_stream().synchronize()
+        stats = loader.statistics()
+    assert stats.batches == n
+    assert stats.copy_time < LATE, stats.copy_time
+
+
+# -- refills overwrite without copying the stale batch back (finding 4) ---------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+async def test_dlpack_export_costs_no_copy_back(db30: Path, device: str) -> None:
+    """A DLPack export moves the head to the device; refilling the slot overwrites
+    the host bytes without copying the stale batch back first."""
+    backend = make_backend(device)
+    async with Loader(db30, 3, device=backend, prefetch=2, device_transform=False) as loader:
+        before = backend.statistics()
+        for _ in range(20):
+            batch = await anext(loader)
+            backend.xp.from_dlpack(batch.data)
+        after = backend.statistics()
+    assert after.d2h_copies == before.d2h_copies
+    assert after.h2d_copies - before.h2d_copies >= 2 * 20  # data and labels pushed
+
+
+# -- naming the consumer's stream -------------------------------------------------------------
+
+
+def test_a_stream_needs_a_device(db30: Path) -> None:
+    with pytest.raises(BackendUnavailableError, match="as_stream needs a GPU"):
+        Loader(db30, 4, device="cpu", stream=object())
+
+
+def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
+    with pytest.raises(TypeError, match="the emulated device takes its own streams"):
+        Loader(db30, 4, device=EmulatedBackend(), stream=3)
+
+
+# -- a second device (finding 3) -----------------------------------------------------------------
+
+
+def second_device(name: str) -> Backend:
+    """Device 1: the emulated one, or CUDA's second GPU (skipped with fewer than two)."""
+    if name == "emulated":
+        return EmulatedBackend(delay=0.001, device_id=1)
+    first = cupy_backend_or_skip()  # pragma: no cover - GPU machines
+    count = first.xp.cuda.runtime.getDeviceCount()  # pragma: no cover
+    if count < 2:  # pragma: no cover
+        pytest.skip(f"needs two CUDA devices, this machine has {count}")
+    from blobpipe._backends._cupy import CupyBackend  # pragma: no cover
+
+    return CupyBackend(1)  # pragma: no cover
+
+
+SECOND = ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", SECOND)
+async def test_loader_on_the_second_device(device: str) -> None:
+    """Every filler thread's device work (the mean upload, the copies, the transform)
+    runs under the loader's device, not the thread's default device 0."""
+    backend = second_device(device)
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    options: dict[str, Any] = {"phase": "train", "order": "shuffle", "seed": 3, "transform": t}
+    got = []
+    async with Loader(
+        RAW_COLOR, 8, device=backend, prefetch=2, workers=2, device_transform=True, **options
+    ) as loader:
+        for _ in range(4):
+            got.append(np.array(to_numpy((await anext(loader)).data.gpu_data())))
+    want = _expected(RAW_COLOR, 4, batch_size=8, **options)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), k
+
+
+@pytest.mark.parametrize("device", SECOND)
+def test_blob_math_on_the_second_device(device: str) -> None:
+    """From a thread whose current device is 0."""
+    backend = second_device(device)
+    blob = _blob(backend, 3)
+    blob.mutable_cpu_diff()[:] = 1
+    blob.update()
+    blob.scale_data(2)
+    assert blob.asum_data() == 4 * 256
+    other = _blob(backend, 0)
+    other.copy_from(blob)
+    assert to_numpy(other.cpu_data()).tolist() == [4] * 256
+
+
+def test_the_emulated_devices_refuse_each_others_memory() -> None:
+    zero, one = EmulatedBackend(), EmulatedBackend(device_id=1)
+    theirs = zero.alloc_device(16)
+    with pytest.raises(ValueError, match="memory of emulated device 0 given to emulated device 1"):
+        one.copy_to_device(theirs, np.zeros(16, np.uint8))
+    with pytest.raises(ValueError, match="memory of emulated device 0 given to emulated device 1"):
+        one.copy_to_host(np.zeros(16, np.uint8), theirs)
+    mine = one.alloc_device(16)
+    with pytest.raises(ValueError, match="array device = 1 while current = 0"):
+        np.add(mine, 1)  # this thread's current device is 0
+    with one.using(one.create_stream()):
+        assert np.add(mine, 1).device_id == 1  # inside using(), device 1 is current
+    event = one.launch(lambda: np.add(theirs, 1))  # device work on the wrong device
+    with pytest.raises(ValueError, match="array device = 0 while current = 1"):
+        event.synchronize()
+
+
+# -- kernels compiled at open (finding 7) ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("device_transform", [True, False])
+async def test_the_transform_kernels_run_once_at_open(
+    db30: Path, monkeypatch: pytest.MonkeyPatch, device_transform: bool, blocking: bool
+) -> None:
+    """With the device transform, open() runs its kernels (CuPy compiles them there,
+    once) before any batch is planned; without it, nothing runs at open."""
+    import blobpipe._loader._device as device_module
+
+    seen: list[int] = []  # batches planned when the kernel ran
+    loader: Loader | None = None
+    real = device_module.apply
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        seen.append(loader._planned if loader is not None else -1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(device_module, "apply", spy)
+    t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
+    loader = Loader(
+        db30,
+        4,
+        device=EmulatedBackend(),
+        prefetch=2,
+        transform=t,
+        device_transform=device_transform,
+    )
+    if blocking:
+        with loader:
+            at_open = list(seen)
+            for _ in range(3):
+                next(loader)
+    else:
+        async with loader:
+            at_open = list(seen)
+            for _ in range(3):
+                await anext(loader)
+    if device_transform:
+        assert at_open[:2] == [0, 0]  # block and row-by-row, before any batch was planned
+        assert len(seen) >= 2 + 3  # then each batch's own (3 delivered, from 2 slots)
+    else:
+        assert seen == []
+
+
+# -- a torch consumer on its own stream (the GPU check's target) ----------------------------------
+
+
+@pytest.mark.gpu
+def test_torch_consumer_on_a_side_stream_sees_no_torn_batch(
+    db30: Path,
+) -> None:  # pragma: no cover - GPU machines
+    """1,000 batches summed late on a torch side stream equal the host's sums."""
+    backend = cupy_backend_or_skip()
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream(device=backend.device_id)
+    t = Transform(scale=0.5)
+    n = 1000
+    sums = []
+    with (
+        Loader(db30, 4, device=backend, prefetch=2, transform=t, stream=side) as loader,
+        torch.cuda.stream(side),
+    ):
+        for _, batch in zip(range(n), loader, strict=False):
+            x = torch.from_dlpack(batch.data)
+            torch.cuda._sleep(200_000)  # the consumer's step, on its stream
+            sums.append(x.double().sum())
+    side.synchronize()
+    want = [
+        float(np.asarray(d, np.float64).sum())
+        for d in _expected(db30, n, batch_size=4, transform=t)
+    ]
+    torn = [
+        k
+        for k, (s, w) in enumerate(zip(sums, want, strict=True))
+        if not np.isclose(float(s), w, rtol=1e-9)
+    ]
+    assert not torn, f"{len(torn)} of {n} batches torn, the first: {torn[:5]}"
