@@ -579,3 +579,19 @@ def test_a_branch_key_that_misleads_lookups_is_refused_at_open(tmp_path: Path) -
         DataError, match=rf"a branch key that does not separate its children \(page {root}\)"
     ):
         LmdbReader(path)
+
+
+def test_key_comparison_is_byte_order() -> None:
+    """The page walker's vectorised key comparison agrees with bytes' own order,
+    zero bytes and prefixes included (keys here are short and mostly 0, 1, 2)."""
+    from blobpipe._io._lmdbfile import _compare
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        keys = [bytes(rng.integers(0, 3, rng.integers(1, 6)).astype(np.uint8)) for _ in range(80)]
+        file = np.frombuffer(b"".join(keys), np.uint8)
+        sizes = np.array([len(k) for k in keys], np.int64)
+        offsets = np.cumsum(sizes) - sizes
+        got = _compare(file, offsets[:40], sizes[:40], offsets[40:], sizes[40:])
+        want = [(a > b) - (a < b) for a, b in zip(keys[:40], keys[40:], strict=True)]
+        assert got.tolist() == want

@@ -188,21 +188,27 @@ def _compare(
     n = len(a_at)
     if n == 0:
         return np.zeros(0, np.int64)
-    cols = np.arange(int(max(a_size.max(), b_size.max())), dtype=np.int64)
+    width = int(max(a_size.max(), b_size.max()))
+    cols = np.arange(width, dtype=np.int64)
+    # every width-byte window of the file, as rows: a key's bytes are one row (a
+    # gather of whole rows, not of single bytes)
+    last = len(file) - width
+    windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
 
-    def padded(at: I64, size: I64) -> npt.NDArray[np.int64]:
-        inside = cols < size[:, np.newaxis]
-        return np.where(inside, file[np.where(inside, at[:, np.newaxis] + cols, 0)], 0).astype(
-            np.int64
-        )
+    def padded(at: I64, size: I64) -> npt.NDArray[np.bytes_]:
+        """The keys as fixed-width byte strings, zero padded."""
+        if int(at.max()) <= last:
+            rows = windows[at]
+        else:  # a key within ``width`` bytes of the file's end
+            rows = file[np.minimum(at[:, np.newaxis] + cols, len(file) - 1)]
+        rows[cols >= size[:, np.newaxis]] = 0
+        return np.ascontiguousarray(rows).view(f"S{width}").reshape(n)
 
     a, b = padded(a_at, a_size), padded(b_at, b_size)
-    differ = a != b
-    first = differ.argmax(axis=1)
-    rows = np.arange(n)
-    # equal up to the shorter key's end (then zero padding): the shorter is less
-    by_byte = np.sign(a[rows, first] - b[rows, first])
-    sign: npt.NDArray[np.int64] = np.where(differ.any(axis=1), by_byte, np.sign(a_size - b_size))
+    # byte order on the zero-padded keys; equal ones differ at most in trailing zero
+    # bytes, where the shorter key is less
+    by_bytes = (a > b).astype(np.int64) - (a < b)
+    sign: npt.NDArray[np.int64] = np.where(by_bytes != 0, by_bytes, np.sign(a_size - b_size))
     return sign
 
 
