@@ -929,23 +929,15 @@ def _check_same_keys(a: _Source, b: _Source) -> None:
     ka, kb = a.keys, b.keys
     if len(ka) == len(kb) and tuple(ka) == tuple(kb):
         return
-    in_b = set(kb)
-    for key in ka:
-        if key not in in_b:
+    for has, lacks in ((a, b), (b, a)):
+        present = set(lacks.keys)
+        key = next((k for k in has.keys if k not in present), None)
+        if key is not None:
             raise DataError(
                 f"sources {a.name!r} and {b.name!r} must hold the same keys: key {key!r} of "
-                f"{a.name!r} ({a.path}) is not in {b.name!r}; sources read in lockstep are "
-                "one dataset, row by row (write both databases from one list)",
-                path=b.path,
-                key=key,
-            )
-    in_a = set(ka)
-    for key in kb:
-        if key not in in_a:
-            raise DataError(
-                f"sources {a.name!r} and {b.name!r} must hold the same keys: key {key!r} of "
-                f"{b.name!r} is not in {a.name!r} ({a.path}); sources read in lockstep are "
-                "one dataset, row by row (write both databases from one list)",
+                f"{has.name!r} ({has.path}) is not in {lacks.name!r} ({lacks.path}); sources "
+                "read in lockstep are one dataset, row by row (write both databases from "
+                "one list)",
                 path=b.path,
                 key=key,
             )
