@@ -41,7 +41,15 @@ import numpy as np
 
 import blobpipe
 
-__all__ = ["DATA_DIR", "FORMAT", "DbSpec", "Prepared", "prepare", "warm_page_cache"]
+__all__ = [
+    "DATA_DIR",
+    "FORMAT",
+    "DbSpec",
+    "Prepared",
+    "imagenet_raw",
+    "prepare",
+    "warm_page_cache",
+]
 
 DATA_DIR = Path(__file__).resolve().parent / "_data"
 # Bump when what is written here changes: the cache key holds it, stale caches are rebuilt.
@@ -76,6 +84,23 @@ class DbSpec:
             else (f"{self.sides[0]}-{self.sides[1]}q{self.quality}")
         )
         return f"{self.name}_{self.count}_{dims}_p{self.pool}_v{FORMAT}"
+
+
+def imagenet_raw(quick: bool = False) -> tuple[DbSpec, int]:
+    """W3's database (caffenet's train_val over ``create_imagenet.sh`` output): raw
+    3×256×256 Datums with a mean file, and its crop (227); tiny with ``quick``.
+    The workload benchmark's W3/W3-test/W5 and the GPU benchmark read it."""
+    side, crop = (96, 80) if quick else (256, 227)
+    spec = DbSpec(
+        name="imagenet_raw",
+        kind="raw",
+        count=192 if quick else 2048,
+        pool=16 if quick else 64,
+        keys="imagenet",
+        shape=(3, side, side),
+        mean_file=True,
+    )
+    return spec, crop
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
-from _workloads_data import DbSpec, Prepared, prepare, warm_page_cache
+from _workloads_data import DbSpec, Prepared, imagenet_raw, prepare, warm_page_cache
 
 import blobpipe
 
@@ -114,7 +114,7 @@ class Workload:
 
 def workloads(quick: bool) -> list[Workload]:
     """W1–W5 at full size, or tiny (``quick``)."""
-    side, crop = (96, 80) if quick else (256, 227)
+    imagenet, crop = imagenet_raw(quick)
     jpeg_crop = 96 if quick else 227
     mnist = DbSpec(
         name="mnist",
@@ -134,15 +134,6 @@ def workloads(quick: bool) -> list[Workload]:
         shape=(3, 32, 32),
         mean_file=True,
         labels=10,
-    )
-    imagenet = DbSpec(
-        name="imagenet_raw",
-        kind="raw",
-        count=192 if quick else 2048,
-        pool=16 if quick else 64,
-        keys="imagenet",
-        shape=(3, side, side),
-        mean_file=True,
     )
     jpeg = DbSpec(
         name="imagenet_jpeg",

@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
-# The versions this project is developed and tested with (protobuf >= 7.35.1 is required
-# by the generated caffe_pb2; the GPU image ships an older protobuf and no lmdb or trio).
+# The versions this project is developed and tested with. The GPU image (the device tool's
+# KINDS.md) has numpy, CuPy, torch, OpenCV, anyio, protobuf, pytest, pytest-timeout and
+# hypothesis, but no lmdb, trio or pytest-asyncio; anyio and protobuf travel too, in case
+# the image's are older than pyproject.toml admits. gpu_check.sh names what is missing.
 for spec in "lmdb==3.0.0" "trio==0.35.0" "outcome==1.3.0.post0" "sniffio==1.3.1" \
             "protobuf==7.36.2" "anyio==4.16.0" "pytest-asyncio==1.5.0" "pytest-timeout==2.4.0" \
             "typing_extensions==4.16.0"; do

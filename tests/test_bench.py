@@ -221,15 +221,20 @@ import blobpipe
 from blobpipe._backends import EmulatedBackend
 
 
-def make_loader(path, workers, device_transform):
+BACKEND = EmulatedBackend(delay=0.0005)
+
+
+def make_loader(db, crop, workers, device_transform):
     return blobpipe.Loader(
-        path, batch_size=64, device=EmulatedBackend(delay=0.0005),
-        transform=blobpipe.Transform(scale=1 / 256), phase="test", workers=workers,
-        prefetch=4, mode="wrap", device_transform=device_transform,
+        db.path, batch_size=64, device=BACKEND,
+        transform=blobpipe.Transform(crop_size=crop, mirror=True, mean_file=db.mean_file),
+        phase="train", shuffle=True, workers=workers, prefetch=4, mode="wrap",
+        device_transform=device_transform,
     )
 
 
 bench_gpu.make_loader = make_loader
+bench_gpu.make_backend = lambda: BACKEND
 sys.exit(bench_gpu.main(sys.argv[1:]))
 """
 
@@ -253,8 +258,7 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
         [
             sys.executable,
             str(tmp_path / "run_fake.py"),
-            "--records",
-            "1024",
+            "--quick",
             "--steps",
             "20",
             "--seconds",
@@ -275,13 +279,34 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     # exit 1 exactly when a target is missed (a fake device's timing decides which)
     assert proc.returncode == (0 if doc["passed"] else 1), proc.stderr[-4000:]
-    assert ("starvation target (< 5%) missed" in proc.stderr) == (not doc["passed"])
+    missed = [t for t in doc["targets"] if not t["passed"]]
+    assert ("target missed" in proc.stderr) == bool(missed)
+    assert [t["target"][:5] for t in doc["targets"]] == ["H2D f"] * 3 + ["starv"]
     for header in (
-        "| size | pinned GB/s | pageable GB/s |",
+        "| size | pinned GB/s | pageable GB/s | blobpipe pool GB/s | pool / pinned |",
         "| workers | transfer | img/s | bus GB/s | of pinned peak |",
         "| workers | wall s | vs synthetic | starvation (wait_time) |",
     ):
         assert header in proc.stdout
     assert doc["pinned_peak_gbps"] > 0
+    assert all(r["pool_gbps"] > 0 for r in doc["bandwidth"])
+    assert doc["workload"]["crop"] == 80
     assert len(doc["loader_throughput"]) == 2
     assert doc["training"][0]["wall_s"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_without_a_gpu_fails_fast_and_says_why(tmp_path: Path) -> None:
+    """scripts/gpu_check.sh on a machine without CuPy: exit 1 in seconds, and a
+    summary.json in $OUT naming exactly what is missing."""
+    script = BENCH.parent / "scripts" / "gpu_check.sh"
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=50, env=env, check=False
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is False
+    assert any(m.startswith("cupy-cuda12x or cupy-cuda13x >= 13") for m in summary["missing"])
+    assert "numpy" in summary["found"] and "lmdb" in summary["found"]
+    assert "packages missing" in done.stderr
