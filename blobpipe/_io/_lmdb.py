@@ -547,6 +547,10 @@ class LmdbReader:
             self._check_open()
             return keys
         with self._keys_lock:
+            tree = self._shared.tree
+            if self._keys is None and tree is not None:
+                self._check_open()
+                self._keys = tree.keys  # read with the tree at open: the same snapshot
             if self._keys is None:
                 self._enter()
                 generation = self._generation

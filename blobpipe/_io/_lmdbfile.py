@@ -26,7 +26,6 @@ never LMDB's; overflow pages (the values) are not read.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -94,12 +93,13 @@ class NamedDatabases(Exception):
 
 class Tree(NamedTuple):
     """The main database's tree as read and checked: per value, in key order, its file
-    offset and length; the transaction read (``mm_txnid``); a digest of the keys."""
+    offset and length; the transaction read (``mm_txnid``); the keys, in order (what
+    LMDB's cursor lists: the reader's ``keys()``)."""
 
     offsets: I64
     lengths: npt.NDArray[np.uint32]
     txnid: int
-    keys_digest: bytes
+    keys: tuple[bytes, ...]
 
 
 class Damaged(Exception):
@@ -258,12 +258,6 @@ def read_tree(file: npt.NDArray[np.uint8]) -> Tree | None:
         raise Damaged(f"an inconsistent B-tree ({exc})") from None
 
 
-def _keys_digest(lengths: npt.NDArray[np.int64], joined: bytes) -> bytes:
-    return (
-        hashlib.sha256(lengths.astype("<u2").tobytes()).digest() + hashlib.sha256(joined).digest()
-    )
-
-
 def value_extents(file: npt.NDArray[np.uint8], keys: Sequence[bytes]) -> Extents | None:
     """Each value's ``(offset, length)`` in ``file`` (an LMDB data file), in the order of
     ``keys`` (all keys, as LMDB lists them); None when the file cannot be read this way
@@ -284,8 +278,7 @@ def extents_of(tree: Tree, keys: Sequence[bytes]) -> Extents | None:
     n = len(keys)
     if n == 0 or len(tree.offsets) != n:
         return None
-    lengths = np.fromiter(map(len, keys), np.int64, n)
-    if _keys_digest(lengths, b"".join(keys)) != tree.keys_digest:
+    if keys is not tree.keys and tuple(keys) != tree.keys:
         return None
     return Extents(tree.offsets, tree.lengths, tree.txnid)
 
@@ -326,12 +319,7 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
     n = _u64(file, main + 32)  # md_entries
     root = _u64(file, main + 40)
     if root == _P_INVALID and depth == 0 and n == 0:
-        return Tree(
-            np.zeros(0, np.int64),
-            np.zeros(0, np.uint32),
-            txnid,
-            _keys_digest(np.zeros(0, np.int64), b""),
-        )
+        return Tree(np.zeros(0, np.int64), np.zeros(0, np.uint32), txnid, ())
     if not 1 <= depth <= _MAX_DEPTH:
         raise Damaged(f"a tree depth of {depth} ({where})")
     if n == 0 or n > npages * psize // _NODESIZE:
@@ -355,7 +343,7 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
     keys_at = np.empty(n, np.int64)
     keys_size = np.empty(n, np.int64)
     leaf_counts = []
-    length_hash, key_hash = hashlib.sha256(), hashlib.sha256()
+    key_bytes: list[bytes] = []  # the keys' bytes, joined per step
     done = 0
     last_key: tuple[I64, I64] | None = None  # the previous step's last key: (at, size)
     c = 0
@@ -410,10 +398,13 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
         keys_at[done : done + m] = key_at
         keys_size[done : done + m] = ksize
         leaf_counts.append(counts)
-        length_hash.update(ksize.astype("<u2").tobytes())
-        key_hash.update(file[_ragged(key_at, ksize, 1)[0]].tobytes())
+        key_bytes.append(file[_ragged(key_at, ksize, 1)[0]].tobytes())
         done += m
     if done != n:
         raise Damaged(f"{done} records in the tree, {n} in the meta page ({where})")
     _check_separators(file, branches, np.concatenate(leaf_counts), keys_at, keys_size)
-    return Tree(offsets, lengths, txnid, length_hash.digest() + key_hash.digest())
+    joined = b"".join(key_bytes)
+    ends = np.cumsum(keys_size).tolist()
+    starts = [0, *ends[:-1]]
+    keys = tuple([joined[a:b] for a, b in zip(starts, ends, strict=True)])
+    return Tree(offsets, lengths, txnid, keys)
