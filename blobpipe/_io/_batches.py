@@ -360,10 +360,9 @@ class Batches:
             arg = named[name]
             src = _Source(name, [])
             self._sources.append(src)
-            several = isinstance(arg, (list, tuple))
-            if several and not arg:
-                raise ValueError(f"source {name!r} is an empty list: name at least one database")
             ones = list(arg) if isinstance(arg, (list, tuple)) else [arg]
+            if not ones:
+                raise ValueError(f"source {name!r} is an empty list: name at least one database")
             for one in ones:
                 if isinstance(one, (str, os.PathLike)):
                     part = _Part(LmdbReader(one, readahead=readahead), True, os.fspath(one))
