@@ -584,21 +584,15 @@ class Blob:
             self._holder.data, self._holder.diff = fresh_data, fresh_diff
 
     # -- DLPack -----------------------------------------------------------------------
-    def _export_array(self) -> Any:
-        if self._backend.has_device and self._mem("data").head in (
-            Head.HEAD_AT_GPU,
-            Head.SYNCED,
-        ):
-            return self.mutable_gpu_data()
-        return self.mutable_cpu_data()
-
     def __dlpack__(self, **kwargs: Any) -> Any:
         """Export the data through DLPack, on the side of the head, without a copy.
 
         The side is the device when the data's head is HEAD_AT_GPU or SYNCED
         (on a device backend), else the host. The export is a writable alias,
         so the head moves there as with ``mutable_gpu_data()`` /
-        ``mutable_cpu_data()``. ``np.from_dlpack(blob)`` and
+        ``mutable_cpu_data()``. A host export holds a reference to the memory: the
+        pool does not reuse it while the exported array lives, even once the blob
+        is closed. ``np.from_dlpack(blob)`` and
         ``torch.from_dlpack(blob)`` take it. Keyword arguments (``stream``,
         ``max_version``, ``dl_device``, ``copy``) go to the array's own
         ``__dlpack__``.
@@ -610,11 +604,24 @@ class Blob:
         tensors); consumers of the older protocol, which cannot be told, and
         device-side exports get the writable alias.
         """
+        mem = self._mem("data")
+        on_device = self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED)
+        if on_device:
+            return self.mutable_gpu_data().__dlpack__(**kwargs)
         if self._export_readonly and self._wants_versioned(kwargs):
-            mem = self._mem("data")
-            if not (self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED)):
-                return self.cpu_data().__dlpack__(**kwargs)
-        return self._export_array().__dlpack__(**kwargs)
+            array = self.cpu_data()
+        else:
+            array = self.mutable_cpu_data()
+        return self._kept_alive(array).__dlpack__(**kwargs)
+
+    def _kept_alive(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """``array`` (a host view of this blob's data) as an array that holds a reference
+        to the data's memory: the pool does not reuse it while the array, or anything
+        exported from it, lives (after the blob, or its batch, is closed)."""
+        assert self._holder.data is not None
+        keeper = _Kept(array, self._holder.data.acquire())
+        kept: np.ndarray[Any, Any] = np.asarray(keeper)
+        return kept
 
     @staticmethod
     def _wants_versioned(kwargs: dict[str, Any]) -> bool:
@@ -923,6 +930,23 @@ class Blob:
             if write_diff:
                 diff = self.cpu_diff()
         return fill_blobproto(proto, self._shape, data, diff)
+
+
+class _Kept:
+    """The base of an exported host array: its memory's reference, released when the
+    last array over it goes."""
+
+    __slots__ = ("__array_interface__", "_array", "_mem")
+
+    def __init__(self, array: np.ndarray[Any, Any], mem: SharedMemory) -> None:
+        self.__array_interface__ = array.__array_interface__
+        self._array = array
+        self._mem: SharedMemory | None = mem
+
+    def __del__(self) -> None:
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            mem.release()
 
 
 def _proto_shape_text(proto: BlobProto) -> str:

@@ -1003,3 +1003,25 @@ def test_alias_shares_memory_and_outlives_source() -> None:
     alias.close()
     with pytest.raises(StateError, match="closed"):
         alias.cpu_data()
+
+
+def test_a_host_export_keeps_its_memory_from_the_pool(host: HostBackend) -> None:
+    """An array exported through DLPack holds the memory: closing the blob does not let
+    the pool hand the bytes to another blob while the array lives; they go back when
+    it does."""
+    backend = host
+    pool = get_pool(backend, "host")
+    blob = Blob((1000,), np.float32, backend=backend)
+    blob.mutable_cpu_data()[:] = 1.5
+    view = np.from_dlpack(blob)
+    used = pool.statistics().used_bytes
+    blob.close()
+    gc.collect()
+    assert pool.statistics().used_bytes == used  # still held by the view
+    other = Blob((1000,), np.float32, backend=backend)
+    other.mutable_cpu_data()[:] = 7.0
+    assert (view == 1.5).all()  # not the other blob's bytes
+    other.close()
+    del view
+    gc.collect()
+    assert pool.statistics().used_bytes < used

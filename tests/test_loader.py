@@ -1280,3 +1280,28 @@ def test_torch_takes_read_only_exports(db30: Path) -> None:
         tensor = torch.from_dlpack(batch.data)
         assert tensor.data_ptr() == batch.data.cpu_data().ctypes.data
         assert np.array_equal(tensor.numpy(), batch.data.cpu_data())
+
+
+def test_an_export_outlives_its_batch_and_loader(db30: Path) -> None:
+    """A host array exported from a batch keeps its memory: after the detached batch is
+    dropped, or the loader closed, the pool does not give those bytes to later batches."""
+    import gc
+
+    with Loader(db30, 4, device="cpu", mode="wrap") as loader:
+        it = iter(loader)
+        kept = next(it).detach()
+        view = np.from_dlpack(kept.data)
+        want = view.copy()
+        del kept
+        gc.collect()
+        for _ in range(20):  # later batches, and the slot's replacement buffers
+            next(it)
+        np.testing.assert_array_equal(view, want)
+        last = np.from_dlpack(next(it).data)
+        last_want = last.copy()
+    gc.collect()
+    with Loader(db30, 4, device="cpu", mode="wrap", order="shuffle", seed=9) as other:
+        for batch in islice(other, 20):
+            batch.data.cpu_data()
+    np.testing.assert_array_equal(view, want)
+    np.testing.assert_array_equal(last, last_want)
