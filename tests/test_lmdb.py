@@ -24,7 +24,7 @@ from blobpipe._errors import (
     RecordNotFoundError,
     StateError,
 )
-from blobpipe._io import _lmdb
+from blobpipe._io import _lmdbenv
 from blobpipe._io._datum import decode_datum, decode_datum_into
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import BlobProto
@@ -49,7 +49,7 @@ RAW_ITEMS = lmdb_items(RAW)
 @pytest.fixture(autouse=True)
 def _no_leaked_environments() -> Iterator[None]:
     yield
-    assert _lmdb._registry == {}, "a test left an LmdbReader open"
+    assert _lmdbenv.REGISTRY.envs == {}, "a test left an LmdbReader open"
 
 
 @pytest.fixture
@@ -248,7 +248,7 @@ def test_last_close_closes_the_environment_so_others_can_open(tmp_path: Path) ->
     a.close()  # idempotent
     assert b.get(b.keys()[0]) == RAW_ITEMS[0][1]
     b.close()
-    assert _lmdb._registry == {}
+    assert _lmdbenv.REGISTRY.envs == {}
     env = lmdb.open(str(RAW), readonly=True, lock=False, create=False)  # py-lmdb agrees
     try:
         with pytest.raises(DataError, match="already open in this process outside blobpipe"):
@@ -291,8 +291,8 @@ def test_close_inside_a_transaction_waits_for_it() -> None:
             reader.get(key)
         assert bytes(view) == RAW_ITEMS[0][1]  # still mapped
         assert bytes(txn.get(key)) == RAW_ITEMS[0][1]
-        assert _lmdb._registry != {}
-    assert _lmdb._registry == {}
+        assert _lmdbenv.REGISTRY.envs != {}
+    assert _lmdbenv.REGISTRY.envs == {}
 
 
 def test_close_while_iterating_stops_the_iterator() -> None:
@@ -302,7 +302,7 @@ def test_close_while_iterating_stops_the_iterator() -> None:
     reader.close()
     with pytest.raises(StateError):
         next(it)
-    assert _lmdb._registry == {}
+    assert _lmdbenv.REGISTRY.envs == {}
 
 
 def test_pickle_reopens_the_path(raw: LmdbReader) -> None:
@@ -374,18 +374,18 @@ def test_fork_child_reopens_and_reads(raw: LmdbReader) -> None:
 
     def child() -> bool:
         ok = raw.get(keys[4]) == RAW_ITEMS[4][1]
-        ok &= raw._generation == _lmdb._generation
+        ok &= raw._generation == _lmdbenv.REGISTRY.generation
         with raw.transaction() as txn:
             ok &= bytes(txn.get(keys[9])) == RAW_ITEMS[9][1]
         with LmdbReader(RAW) as other:
             ok &= other._shared is raw._shared
         ok &= list(raw.values()) == [v for _, v in RAW_ITEMS]
         raw.close()
-        return ok and _lmdb._registry == {}
+        return ok and _lmdbenv.REGISTRY.envs == {}
 
     assert in_forked_child(child) == 0
     assert raw.get(keys[4]) == RAW_ITEMS[4][1]  # the parent is untouched
-    assert _lmdb._registry[raw._shared.file_id] is raw._shared
+    assert _lmdbenv.REGISTRY.envs[raw._shared.file_id] is raw._shared
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
@@ -402,7 +402,7 @@ def test_fork_inside_a_transaction_and_close_in_child(raw: LmdbReader) -> None:
             else:
                 return False
             raw.close()  # closing an inherited reader opens nothing
-            return _lmdb._registry == {} and raw.closed
+            return _lmdbenv.REGISTRY.envs == {} and raw.closed
 
         assert in_forked_child(child) == 0
         assert bytes(txn.get(key)) == RAW_ITEMS[3][1]
