@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import zlib
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -52,21 +50,16 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._concat import ConcatFiller
-from ._fill import BLOBPROTO, DATUM, Filler, RecordKind, RecordSource, detect_kind
-from ._kernels import _splitmix64_np
-from ._lmdb import LmdbReader
+from ._fill import DATUM, RecordKind, RecordSource
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
+from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
 Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
-Record = Literal["auto", "datum", "blobproto"]
-SourceArg = str | os.PathLike[str] | RecordSource
-Sources = SourceArg | list[SourceArg] | tuple[SourceArg, ...]
 
 _STATE_VERSION = 1
 
@@ -114,36 +107,6 @@ class ArrayBatch:
             raise KeyError(
                 f"no source named {name!r}; this batch has {sorted(self.arrays)}"
             ) from None
-
-
-@dataclass(eq=False)
-class _Part:
-    """One database: its reader (closed by Batches when ``owned``), path and keys."""
-
-    reader: RecordSource
-    owned: bool
-    path: object
-    keys: Any = ()
-
-
-@dataclass(eq=False)
-class _Source:
-    """One named source of a Batches: its databases (several read as one), their
-    keys joined, its filler, and the salt of its random words (0: the first
-    source's words; sources sharing their crops and flips share a salt)."""
-
-    name: str
-    parts: list[_Part]
-    keys: Any = ()
-    filler: Any = None
-    salt: int = 0
-
-    @property
-    def path(self) -> object:
-        paths = [p.path for p in self.parts]
-        if len(paths) == 1:
-            return paths[0]
-        return " + ".join(str(p) for p in paths)
 
 
 class Batches:
@@ -281,11 +244,14 @@ class Batches:
         self._last: Last = last
 
         self._closed = False
-        self._sources: list[_Source] = []
+        self._sources: list[Source] = []
         try:
-            self._open_sources(
-                source, transform, record, np.dtype(blob_dtype), share_random, readahead
-            )
+            self._sharing = open_sources(
+                self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
+                readahead, self._phase,
+            )  # fmt: skip
+            # whether any source draws crops or flips (a Loader's host transform keeps them)
+            self._random = any(src.filler.transform.needs_random for src in self._sources)
             primary = self._sources[0]
             self._reader = primary.parts[0].reader  # the first database's
             self._path = primary.path
@@ -329,92 +295,11 @@ class Batches:
 
     # -- sources -------------------------------------------------------------------------
 
-    def _open_sources(
-        self,
-        source: Sources | Mapping[str, Sources],
-        transform: Transform | Mapping[str, Transform] | None,
-        record: Record | Mapping[str, Record],
-        blob_dtype: np.dtype[Any],
-        share_random: bool | Collection[str],
-        readahead: bool,
-    ) -> None:
-        """Open every source (into ``self._sources``, the primary first), tell each
-        one's record kind, check that their keys agree, and give each its filler."""
-        if isinstance(source, Mapping):
-            named = dict(source)
-            if not named:
-                raise ValueError("source is an empty mapping: name at least one database")
-            for name in named:
-                if not isinstance(name, str) or not name:
-                    raise TypeError(f"source names must be non-empty strings, got {name!r}")
-        else:
-            named = {"data": source}
-        names = list(named)
-        if "data" in names:  # batch.data is the source named "data", else the first
-            names.remove("data")
-            names.insert(0, "data")
-        transforms = _per_source("transform", transform, names, multi=isinstance(source, Mapping))
-        records = _per_source("record", record, names, multi=True)
-        shared = _shared_names(share_random, names)
-        for name in names:
-            arg = named[name]
-            src = _Source(name, [])
-            self._sources.append(src)
-            ones = list(arg) if isinstance(arg, (list, tuple)) else [arg]
-            if not ones:
-                raise ValueError(f"source {name!r} is an empty list: name at least one database")
-            for one in ones:
-                if isinstance(one, (str, os.PathLike)):
-                    part = _Part(LmdbReader(one, readahead=readahead), True, os.fspath(one))
-                else:
-                    part = _Part(one, False, getattr(one, "path", None))
-                src.parts.append(part)
-                keys = part.reader.keys()
-                if not isinstance(part.reader, LmdbReader):  # LmdbReader's are bytes already
-                    keys = tuple(bytes(k) for k in keys)
-                part.keys = keys
-            if len(src.parts) == 1:
-                src.keys = src.parts[0].keys
-            else:
-                src.keys = tuple(k for part in src.parts for k in part.keys)
-        primary = self._sources[0]
-        for src in self._sources[1:]:
-            _check_same_keys(primary, src)
-        group_salt = 0 if primary.name in shared else _salt("\0shared")
-        for src in self._sources:
-            t = transforms.get(src.name)
-            t = Transform() if t is None else t
-            kinds = [_record_kind(records[src.name], part) for part in src.parts]
-            for part, kind in zip(src.parts[1:], kinds[1:], strict=True):
-                if kind != kinds[0]:
-                    raise DataError(
-                        f"the databases of source {src.name!r} hold different kinds of "
-                        f"record: {src.parts[0].path} holds {kinds[0]}s, {part.path} "
-                        f"{kind}s; databases read as one must hold one kind",
-                        path=part.path,
-                    )
-            src.filler = _filler(src, t, self._phase, kinds[0], blob_dtype)
-            if src is not primary:
-                src.salt = group_salt if src.name in shared else _salt(src.name)
-        sharing = [s for s in self._sources if s.name in shared]
-        for src in sharing[1:]:
-            a, b = sharing[0].filler.transform, src.filler.transform
-            if (a.crop_size, a.mirror) != (b.crop_size, b.mirror):
-                raise ValueError(
-                    f"sources {sharing[0].name!r} and {src.name!r} share their random crops "
-                    f"and flips but their transforms differ (crop_size {a.crop_size} and "
-                    f"{b.crop_size}, mirror {a.mirror} and {b.mirror}): give them the same "
-                    "crop_size and mirror"
-                )
-        self._sharing = tuple(sharing)
-
     def _use_transform(self, transform: Transform) -> None:
         """Fill the primary source with ``transform`` instead (a Loader's host half
         of a device transform); before the first plan."""
         primary = self._sources[0]
-        old = primary.filler
-        primary.filler = _filler(primary, transform, self._phase, old.kind, old._blob_dtype)
-        old.close()
+        primary.refill(transform, self._phase)
         self._filler = primary.filler
         self._transform = transform
         self._out_shapes.clear()
@@ -626,7 +511,7 @@ class Batches:
         state = self._state(epoch, pos)
 
         orders = self._epochs
-        random = any(src.filler.transform.needs_random for src in self._sources)
+        random = self._random
         if len(runs) == 1:  # the usual case: one stretch of one epoch's order
             e, a, b = runs[0]
             indices = tuple(orders.order(e)[a:b].tolist())
@@ -664,7 +549,7 @@ class Batches:
                     indices=indices,
                     epochs=epochs,
                     positions=positions,
-                    words=_salted(words, src.salt) if random else words,
+                    words=src.words(words) if random else words,
                     valid=valid,
                     record_shape=record_shape,
                     data_shape=(len(indices), *out_shape),
@@ -678,29 +563,8 @@ class Batches:
             )
         if len(plans) == 1:
             return plans[0]
-        self._check_shared(plans)
+        check_shared(plans, self._sharing)
         return dataclasses.replace(plans[0], extra=tuple((p.name, p) for p in plans[1:]))
-
-    def _check_shared(self, plans: list[BatchPlan]) -> None:
-        """Sources that share their crops and flips have records of one height and
-        width (rows of one batch share their shape, so the first rows tell).
-
-        Raises:
-            DataError: naming the key and both sources.
-        """
-        sharing = [p for p in plans if any(p.name == s.name for s in self._sharing)]
-        for p in sharing[1:]:
-            a, b = sharing[0], p
-            if a.record_shape[-2:] != b.record_shape[-2:]:
-                src = next(s for s in self._sources if s.name == b.name)
-                raise DataError(
-                    f"sources {a.name!r} and {b.name!r} share their random crops and flips, "
-                    f"but record {a.keys[0]!r} has shape {a.record_shape} in {a.name!r} and "
-                    f"{b.record_shape} in {b.name!r}: shared crops need records of one height "
-                    "and width",
-                    path=src.path,
-                    key=a.keys[0],
-                )
 
     def fill(
         self,
@@ -747,7 +611,7 @@ class Batches:
             )
         if params_out is not None and params_out.shape != (n, 3):
             raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
-        outs: list[tuple[Filler, BatchPlan, np.ndarray]] = []
+        outs: list[tuple[Any, BatchPlan, np.ndarray]] = []  # (filler, part, out)
         if plan.extra:
             given = dict(extra_out or {})
             for (name, part), src in zip(plan.extra, self._sources[1:], strict=True):
@@ -821,127 +685,10 @@ class Batches:
         if not self._closed:
             self._closed = True
             for src in getattr(self, "_sources", ()):
-                if src.filler is not None:
-                    src.filler.close()
-                for part in src.parts:
-                    if part.owned:
-                        close = getattr(part.reader, "close", None)
-                        if close is not None:
-                            close()
+                src.close()
 
     def __enter__(self) -> Batches:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _per_source(what: str, value: Any, names: list[str], *, multi: bool) -> dict[str, Any]:
-    """``value`` (one for all, or a mapping by source name) as a mapping by name.
-
-    Raises:
-        ValueError: a mapping naming a source that does not exist, or one transform
-            for several sources.
-    """
-    if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in names]
-        if unknown:
-            raise ValueError(f"{what} names {unknown[0]!r}, which is not a source; the sources "
-                             f"are {names}")  # fmt: skip
-        return dict(value)
-    if what == "transform" and multi and len(names) > 1 and value is not None:
-        raise ValueError(
-            "with several sources, give transform as a mapping {name: Transform}: each "
-            "source has its own (an image's mean does not belong on its label map)"
-        )
-    return dict.fromkeys(names, value)
-
-
-def _shared_names(share_random: bool | Collection[str], names: list[str]) -> frozenset[str]:
-    """The sources that share their random crops and flips."""
-    if share_random is True:
-        return frozenset(names)
-    if share_random is False:
-        return frozenset()
-    if isinstance(share_random, str):
-        raise TypeError("share_random takes True, False or a collection of source names")
-    chosen = frozenset(share_random)
-    unknown = sorted(chosen - set(names))
-    if unknown:
-        raise ValueError(
-            f"share_random names {unknown[0]!r}, which is not a source; the sources are {names}"
-        )
-    return chosen
-
-
-def _salt(name: str) -> int:
-    """A source's salt for its random words (never 0, the primary's)."""
-    return (zlib.crc32(name.encode()) << 1) | 1
-
-
-def _salted(words: tuple[int, ...], salt: int) -> tuple[int, ...]:
-    """A source's own random words: ``words`` mixed with its salt."""
-    if not salt:
-        return words
-    w = np.fromiter(words, np.uint64, len(words))
-    out: tuple[int, ...] = tuple(_splitmix64_np(w ^ np.uint64(salt)).tolist())
-    return out
-
-
-def _filler(
-    src: _Source, transform: Transform, phase: Phase, kind: RecordKind, blob_dtype: Any
-) -> Filler | ConcatFiller:
-    """The filler of ``src``: one database's, or one per database joined."""
-    fillers = [
-        Filler(p.reader, p.keys, transform, phase, p.path, kind, blob_dtype) for p in src.parts
-    ]
-    if len(fillers) == 1:
-        return fillers[0]
-    return ConcatFiller(fillers, [len(p.keys) for p in src.parts])
-
-
-def _record_kind(record: Any, src: _Part) -> RecordKind:
-    """The record kind of the database ``src``: named, or told from its first record.
-
-    Raises:
-        ValueError: a bad ``record`` value.
-    """
-    if record == "datum":
-        return DATUM
-    if record == "blobproto":
-        return BLOBPROTO
-    if record != "auto":
-        raise ValueError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
-    if not len(src.keys):
-        return DATUM  # empty: refused with its own message
-    # neither kind: read as Datums, whose checked path names what is wrong with it
-    kind = detect_kind(src.reader.get(src.keys[0]))
-    return DATUM if kind is None else kind
-
-
-def _check_same_keys(a: _Source, b: _Source) -> None:
-    """Sources read in lockstep hold the same keys, in the same order.
-
-    Raises:
-        DataError: naming the first key that differs and both databases.
-    """
-    ka, kb = a.keys, b.keys
-    if len(ka) == len(kb) and tuple(ka) == tuple(kb):
-        return
-    for has, lacks in ((a, b), (b, a)):
-        present = set(lacks.keys)
-        key = next((k for k in has.keys if k not in present), None)
-        if key is not None:
-            raise DataError(
-                f"sources {a.name!r} and {b.name!r} must hold the same keys: key {key!r} of "
-                f"{has.name!r} ({has.path}) is not in {lacks.name!r} ({lacks.path}); sources "
-                "read in lockstep are one dataset, row by row (write both databases from "
-                "one list)",
-                path=b.path,
-                key=key,
-            )
-    raise DataError(
-        f"sources {a.name!r} and {b.name!r} hold the same keys in another order "
-        f"({a.name!r} is {a.path}); read them through LMDB, which orders keys by bytes",
-        path=b.path,
-    )

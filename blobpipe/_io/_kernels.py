@@ -37,6 +37,7 @@ __all__ = [
     "draw_geometry",
     "draw_word",
     "draw_words",
+    "mix_words",
     "prefers_block",
 ]
 
@@ -63,6 +64,12 @@ def _splitmix64_np(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
     out: npt.NDArray[np.uint64] = x ^ (x >> _U64(31))
     return out
+
+
+def mix_words(words: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
+    """Other random words derived from ``words`` and ``salt`` (a second source's own
+    draws for the same records)."""
+    return _splitmix64_np(words ^ _U64(salt))
 
 
 def draw_word(seed: int, epoch: int, index: int) -> int:
