@@ -20,19 +20,8 @@ Invariants:
   run on the side of the head, as Caffe does in GPU mode: ``HEAD_AT_CPU`` on
   the host, ``HEAD_AT_GPU`` and ``SYNCED`` on the device.
 
-Differences from Caffe, all of them raising where Caffe aborts or misbehaves:
-
-* ``offset`` refuses ``n == num`` (and ``c == channels`` …): every index must
-  name an element.
-* ``Blob()`` without a shape is Caffe's default blob (no axes, count 0,
-  capacity 0); its array accessors raise StateError until :meth:`reshape`,
-  where Caffe's ``CHECK(data_)`` aborts. ``Blob(())`` is a 0-axis scalar blob
-  of count 1.
-* ``set_cpu_data`` with a different size replaces data and diff by memories of
-  exactly ``count`` elements and sets ``capacity`` to match (Caffe leaves its
-  capacity stale).
-* Integer blobs (int32, uint32; uint8 for raw pixel batches, int64 for labels) have no
-  math and no proto form (Caffe has neither): both raise UnsupportedOperationError.
+Where it differs from Caffe (raising where Caffe aborts or misbehaves): docs/design.md,
+"Blob".
 """
 
 from __future__ import annotations
@@ -45,10 +34,9 @@ from typing import Any, Final
 import numpy as np
 
 from ._backends import Backend, get_backend
-from ._codec import BlobProto, blob_shape, blob_values, fill_blobproto
+from ._codec import BlobProto, fill_blobproto, proto_arrays, proto_shape_equals
 from ._errors import (
     BlobIndexError,
-    ProtoError,
     ShapeError,
     StateError,
     UnsupportedOperationError,
@@ -57,34 +45,23 @@ from ._shape import (
     FLOAT_DTYPES,
     MAX_BLOB_AXES,
     SUPPORTED_DTYPES,
-    as_dim,
+    canonical_axis,
     check_dtype,
+    count_range,
+    flat_offset,
     format_shape,
+    legacy_dim,
     validate_shape,
 )
-from ._syncedmem import Head, SharedMemory, SyncedMemory
+from ._syncedmem import Head, MemoryPair, SharedMemory, SyncedMemory
 
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
-_LEGACY_NAMES: Final = ("num", "channels", "height", "width")
 _DLPACK_CPU: Final = 1  # DLDeviceType.kDLCPU
-
-
-class _Holder:
-    """The two memories of a blob; shared with the blob's finalizer."""
-
-    __slots__ = ("data", "diff")
-
-    def __init__(self, data: SharedMemory, diff: SharedMemory) -> None:
-        self.data: SharedMemory | None = data
-        self.diff: SharedMemory | None = diff
-
-    def release(self) -> None:
-        data, diff, self.data, self.diff = self.data, self.diff, None, None
-        if data is not None:
-            data.release()
-        if diff is not None:
-            diff.release()
+_NO_INTEGERS: Final = (
+    "{what}: BlobProto has no integer fields (float or double values only), and this blob "
+    "is {dtype}"
+)
 
 
 class Blob:
@@ -124,7 +101,7 @@ class Blob:
             self._shaped = True
         self._backend = get_backend(backend)
         nbytes = self._count * self._itemsize
-        self._holder = _Holder(self._new_memory(nbytes), self._new_memory(nbytes))
+        self._holder = MemoryPair(self._new_memory(nbytes), self._new_memory(nbytes))
         self._closed = False
         self._closed_message: str | None = None
         self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
@@ -153,7 +130,7 @@ class Blob:
         alias._count = self._count
         alias._shaped = self._shaped
         alias._backend = self._backend
-        alias._holder = _Holder(data.acquire(), diff.acquire())
+        alias._holder = MemoryPair(data.acquire(), diff.acquire())
         alias._closed = False
         alias._closed_message = None
         alias._typed = {}
@@ -305,13 +282,7 @@ class Blob:
 
         Raises BlobIndexError outside ``[-num_axes, num_axes)``.
         """
-        axis = as_dim(axis_index, "axis")
-        n = self.num_axes
-        if not -n <= axis < n:
-            raise BlobIndexError(
-                f"axis {axis} out of range for {n}-D Blob with shape {self.shape_string()}"
-            )
-        return axis + n if axis < 0 else axis
+        return canonical_axis(self._shape, axis_index, self.shape_string())
 
     def shape_at(self, axis: int) -> int:
         """The dimension of ``axis`` (negative counts from the end); Caffe's ``shape(i)``.
@@ -330,17 +301,7 @@ class Blob:
         """
         if start_axis is None and end_axis is None:
             return self._count
-        start = 0 if start_axis is None else as_dim(start_axis, "start_axis")
-        end = self.num_axes if end_axis is None else as_dim(end_axis, "end_axis")
-        if not 0 <= start <= end <= self.num_axes:
-            raise BlobIndexError(
-                f"count({start}, {end}) needs 0 <= start_axis <= end_axis <= num_axes "
-                f"({self.num_axes}) for Blob with shape {self.shape_string()}"
-            )
-        result = 1
-        for d in self._shape[start:end]:
-            result *= d
-        return result
+        return count_range(self._shape, start_axis, end_axis, self.shape_string())
 
     def legacy_shape(self, index: int) -> int:
         """Caffe's ``LegacyShape``: the dim of ``index`` in ``[-4, 4)``, 1 for the
@@ -349,20 +310,7 @@ class Blob:
         Raises ShapeError for a blob of more than 4 axes, BlobIndexError for an
         index outside ``[-4, 4)``.
         """
-        idx = as_dim(index, "index")
-        if self.num_axes > 4:
-            raise ShapeError(
-                "cannot use legacy accessors (num/channels/height/width, legacy_shape, "
-                f"offset(n, c, h, w)) on a Blob with more than 4 axes: shape "
-                f"{self.shape_string()}; use shape_at() and offset(indices)"
-            )
-        if not -4 <= idx < 4:
-            raise BlobIndexError(
-                f"legacy axis {idx} out of range [-4, 4) for Blob with shape {self.shape_string()}"
-            )
-        if idx >= self.num_axes or idx < -self.num_axes:
-            return 1
-        return self._shape[idx]
+        return legacy_dim(self._shape, index, self.shape_string())
 
     @property
     def num(self) -> int:
@@ -396,42 +344,7 @@ class Blob:
         this does not). Raises BlobIndexError for an index out of range or too
         many indices, ShapeError for the legacy form on more than 4 axes.
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
-            if (c, h, w) != (0, 0, 0):
-                raise TypeError("offset(indices) takes the indices as one sequence only")
-            return self._offset_indices(n)
-        dims = (self.num, self.channels, self.height, self.width)
-        result = 0
-        for name, dim, value in zip(_LEGACY_NAMES, dims, (n, c, h, w), strict=True):
-            idx = as_dim(value, name)
-            if not 0 <= idx < dim:
-                raise BlobIndexError(
-                    f"index {name}={idx} out of range [0, {dim}) for Blob with shape "
-                    f"{self.shape_string()}"
-                )
-            result = result * dim + idx
-        return result
-
-    def _offset_indices(self, indices: Any) -> int:
-        if isinstance(indices, (str, bytes)) or not hasattr(indices, "__len__"):
-            raise TypeError(f"offset expects ints or a sequence of ints, got {indices!r}")
-        idx = [as_dim(v, f"index {i}") for i, v in enumerate(indices)]
-        if len(idx) > self.num_axes:
-            raise BlobIndexError(
-                f"{len(idx)} indices given for a {self.num_axes}-D Blob with shape "
-                f"{self.shape_string()}"
-            )
-        result = 0
-        for axis, dim in enumerate(self._shape):
-            result *= dim
-            if axis < len(idx):
-                if not 0 <= idx[axis] < dim:
-                    raise BlobIndexError(
-                        f"index {idx[axis]} out of range [0, {dim}) for axis {axis} of Blob "
-                        f"with shape {self.shape_string()}"
-                    )
-                result += idx[axis]
-        return result
+        return flat_offset(self._shape, n, c, h, w, self.shape_string())
 
     # -- typed views ----------------------------------------------------------------
     def _check_shaped(self, what: str) -> None:
@@ -604,24 +517,15 @@ class Blob:
         tensors); consumers of the older protocol, which cannot be told, and
         device-side exports get the writable alias.
         """
-        mem = self._mem("data")
-        on_device = self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED)
-        if on_device:
+        if self._head_on_device("data"):
             return self.mutable_gpu_data().__dlpack__(**kwargs)
         if self._export_readonly and self._wants_versioned(kwargs):
             array = self.cpu_data()
         else:
             array = self.mutable_cpu_data()
-        return self._kept_alive(array).__dlpack__(**kwargs)
-
-    def _kept_alive(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """``array`` (a host view of this blob's data) as an array that holds a reference
-        to the data's memory: the pool does not reuse it while the array, or anything
-        exported from it, lives (after the blob, or its batch, is closed)."""
         assert self._holder.data is not None
-        keeper = _Kept(array, self._holder.data.acquire())
-        kept: np.ndarray[Any, Any] = np.asarray(keeper)
-        return kept
+        # the export holds the memory: the pool does not reuse it while the array lives
+        return self._holder.data.keep_alive(array).__dlpack__(**kwargs)
 
     @staticmethod
     def _wants_versioned(kwargs: dict[str, Any]) -> bool:
@@ -631,8 +535,7 @@ class Blob:
     def __dlpack_device__(self) -> tuple[Any, int]:
         """The DLPack device of what :meth:`__dlpack__` would export."""
         self._check_shaped("__dlpack_device__")
-        mem = self._mem("data")
-        if self._backend.has_device and mem.head in (Head.HEAD_AT_GPU, Head.SYNCED):
+        if self._head_on_device("data"):
             return self.gpu_data().__dlpack_device__()  # type: ignore[no-any-return]
         return (_DLPACK_CPU, 0)
 
@@ -657,26 +560,39 @@ class Blob:
 
     # -- math -------------------------------------------------------------------------
     def _check_math(self, what: str) -> None:
-        if self._dtype not in FLOAT_DTYPES:
-            raise UnsupportedOperationError(
-                f"{what}() is not implemented for {self._dtype} blobs (Caffe's "
-                "NOT_IMPLEMENTED); use a float32 or float64 blob"
-            )
+        self._check_float(f"{what}() is not implemented for {self._dtype} blobs (NOT_IMPLEMENTED)")
         self._check_open()
+
+    def _check_float(self, why: str) -> None:
+        if self._dtype not in FLOAT_DTYPES:
+            raise UnsupportedOperationError(f"{why}; use a float32 or float64 blob")
 
     def _on_device(self, which: str) -> bool | None:
         """True: compute on the device; False: on the host; None: uninitialised."""
         head = self._mem(which).head
-        if head is Head.UNINITIALIZED:
-            return None
-        return head is not Head.HEAD_AT_CPU
+        return None if head is Head.UNINITIALIZED else self._head_on_device(which)
 
-    def _run_on_device(self, fn: Callable[[], object]) -> None:
-        # After the work queued on the caller's current stream (launch() orders
-        # it so) and on the backend's stream (the copies that brought the
-        # operands); waited for, so the caller's later work, copies and host
-        # reads all come after it (docs/design.md, "Streams and events").
-        self._backend.launch(fn).synchronize()
+    def _head_on_device(self, which: str) -> bool:
+        """Whether ``which``'s current bytes are on the device (HEAD_AT_GPU, SYNCED)."""
+        head = self._mem(which).head
+        return self._backend.has_device and head in (Head.HEAD_AT_GPU, Head.SYNCED)
+
+    def _array(self, which: str, on_device: bool, mutable: bool) -> Any:
+        """The data or diff on the side the math runs on."""
+        return self._device(which, mutable) if on_device else self._host(which, mutable)
+
+    def _compute(self, on_device: bool, fn: Callable[[Any], Any]) -> Any:
+        """``fn(xp)``, ``xp`` the device's array module or NumPy. On the device: after
+        the work queued on the caller's current stream (launch() orders it so) and on
+        the backend's stream (the copies that brought the operands); waited for, so
+        the caller's later work, copies and host reads all come after it
+        (docs/design.md, "Streams and events")."""
+        if not on_device:
+            return fn(np)
+        xp = self._backend.xp
+        result: list[Any] = []
+        self._backend.launch(lambda: result.append(fn(xp))).synchronize()
+        return result[0]
 
     def update(self) -> None:
         """``data -= diff`` (Caffe's ``Update``), on the side of the data's head.
@@ -693,15 +609,9 @@ class Blob:
                 "(Caffe: 'Syncedmem not initialized'); write it with mutable_cpu_data() "
                 "or mutable_gpu_data() first"
             )
-        if side:
-            xp = self._backend.xp
-            diff = self.gpu_diff()
-            data = self.mutable_gpu_data()
-            self._run_on_device(lambda: xp.subtract(data, diff, out=data))
-        else:
-            diff = self.cpu_diff()
-            data = self.mutable_cpu_data()
-            data -= diff
+        diff = self._array("diff", side, False)
+        data = self._array("data", side, True)
+        self._compute(side, lambda xp: xp.subtract(data, diff, out=data))
 
     def _reduce(self, which: str, what: str, squares: bool) -> float:
         self._check_math(what)
@@ -710,18 +620,10 @@ class Blob:
         side = self._on_device(which)
         if side is None:
             return 0.0
-        if not side:
-            flat = self._host(which, False).reshape(-1)
-            return float((flat * flat).sum() if squares else np.abs(flat).sum())
-        xp = self._backend.xp
-        dev = self._device(which, False).reshape(-1)
-        result: list[Any] = []
-
-        def reduce() -> None:
-            result.append((dev * dev).sum() if squares else xp.abs(dev).sum())
-
-        self._run_on_device(reduce)
-        return float(result[0])
+        flat = self._array(which, side, False).reshape(-1)
+        return float(
+            self._compute(side, lambda xp: (flat * flat).sum() if squares else xp.abs(flat).sum())
+        )
 
     def asum_data(self) -> float:
         """The sum of absolute values of the data, on the side of its head (0 when
@@ -749,13 +651,8 @@ class Blob:
         if side is None:
             return
         value = self._dtype.type(factor)
-        if side:
-            xp = self._backend.xp
-            dev = self._device(which, True)
-            self._run_on_device(lambda: xp.multiply(dev, value, out=dev))
-        else:
-            host = self._host(which, True)
-            host *= value
+        array = self._array(which, side, True)
+        self._compute(side, lambda xp: xp.multiply(array, value, out=array))
 
     def scale_data(self, factor: float) -> None:
         """Multiply the data by ``factor`` in place, on the side of its head (nothing
@@ -837,19 +734,10 @@ class Blob:
         if self._count == 0:
             return
         which = "diff" if copy_diff else "data"
-        src_head = source._mem(which).head
-        on_device = (
-            source._backend is self._backend
-            and self._backend.has_device
-            and src_head in (Head.HEAD_AT_GPU, Head.SYNCED)
-        )
-        if on_device:
-            xp = self._backend.xp
-            src = source._device(which, False)
-            dst = self._device(which, True)
-            self._run_on_device(lambda: xp.copyto(dst, src))
-        else:
-            np.copyto(self._host(which, True), source._host(which, False))
+        on_device = source._backend is self._backend and source._head_on_device(which)
+        src = source._array(which, on_device, False)
+        dst = self._array(which, on_device, True)
+        self._compute(on_device, lambda xp: xp.copyto(dst, src))
 
     # -- protobuf ------------------------------------------------------------------------
     def shape_equals(self, proto: BlobProto) -> bool:
@@ -859,12 +747,7 @@ class Blob:
         must have at most 4 axes and match them padded with leading 1s, as
         legacy parameter blobs were indexed from the end.
         """
-        dims, legacy = blob_shape(proto)
-        if legacy:
-            if self.num_axes > 4:
-                return False
-            return tuple(self.legacy_shape(i) for i in (-4, -3, -2, -1)) == dims
-        return dims == self._shape
+        return proto_shape_equals(proto, self._shape)
 
     def from_proto(self, proto: BlobProto, reshape: bool = True) -> None:
         """Load shape (with ``reshape``), data and diff from a ``caffe.BlobProto``.
@@ -882,27 +765,16 @@ class Blob:
         UnsupportedOperationError for integer blobs.
         """
         self._check_open()
-        if self._dtype not in FLOAT_DTYPES:
-            raise UnsupportedOperationError(
-                f"from_proto: BlobProto holds float or double values, but this blob is "
-                f"{self._dtype}; use a float32 or float64 blob"
-            )
-        if reshape:
-            try:
-                shape, count = validate_shape(blob_shape(proto)[0], self._itemsize)
-            except ShapeError as exc:
-                raise ProtoError(f"BlobProto has an unusable shape: {exc}") from exc
-        else:
-            if not self.shape_equals(proto):
-                raise ShapeError(
-                    f"from_proto: shape mismatch (reshape not set): blob "
-                    f"{self.shape_string()}, proto {_proto_shape_text(proto)}"
-                )
-            shape, count = self._shape, self._count
-        data, diff = blob_values(proto, count, format_shape(shape, count))
+        self._check_float(_NO_INTEGERS.format(what="from_proto", dtype=self._dtype))
+        shape, data, diff = proto_arrays(
+            proto,
+            self._itemsize,
+            None if reshape else (self._shape, self._count),
+            self.shape_string(),
+        )
         if reshape:
             self.reshape(shape)
-        if count:
+        if data.size:
             self.mutable_cpu_data().reshape(-1)[:] = data
             if diff is not None:
                 self.mutable_cpu_diff().reshape(-1)[:] = diff
@@ -919,37 +791,7 @@ class Blob:
         integer fields), StateError when closed.
         """
         self._check_open()
-        if self._dtype not in FLOAT_DTYPES:
-            raise UnsupportedOperationError(
-                f"to_proto: BlobProto has no integer fields, and this blob is {self._dtype}; "
-                "convert it to a float32 or float64 blob first"
-            )
-        data = diff = None
-        if self._count:
-            data = self.cpu_data()
-            if write_diff:
-                diff = self.cpu_diff()
+        self._check_float(_NO_INTEGERS.format(what="to_proto", dtype=self._dtype))
+        data = self.cpu_data() if self._count else None
+        diff = self.cpu_diff() if self._count and write_diff else None
         return fill_blobproto(proto, self._shape, data, diff)
-
-
-class _Kept:
-    """The base of an exported host array: its memory's reference, released when the
-    last array over it goes."""
-
-    __slots__ = ("__array_interface__", "_array", "_mem")
-
-    def __init__(self, array: np.ndarray[Any, Any], mem: SharedMemory) -> None:
-        self.__array_interface__ = array.__array_interface__
-        self._array = array
-        self._mem: SharedMemory | None = mem
-
-    def __del__(self) -> None:
-        mem, self._mem = self._mem, None
-        if mem is not None:
-            mem.release()
-
-
-def _proto_shape_text(proto: BlobProto) -> str:
-    dims, legacy = blob_shape(proto)
-    text = " ".join(str(d) for d in dims)
-    return f"legacy {text}" if legacy else text or "()"

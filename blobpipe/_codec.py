@@ -19,8 +19,10 @@ of blobpipe works on NumPy arrays and Python values:
 Protobuf's ``DecodeError`` is turned into :class:`ProtoError` in one place
 (:func:`_decode`); every message names the file and what to do about it.
 
-Layering: this module imports only the errors and the generated messages
-(``blobpipe._proto``), so Blob can use it. The three Blob-returning
+Layering: this module imports only the errors, the shape checks (``_shape``)
+and the generated messages (``blobpipe._proto``), so Blob can use it: Blob's
+``from_proto``/``to_proto`` are :func:`proto_arrays`, :func:`proto_shape_equals`
+and :func:`fill_blobproto`. The three Blob-returning
 conveniences (:func:`read_blobproto`, :func:`read_caffemodel`,
 :func:`write_blobproto`) import Blob when called.
 """
@@ -38,7 +40,7 @@ import numpy.typing as npt
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError, Message
 
-from ._errors import ProtoError
+from ._errors import ProtoError, ShapeError
 from ._proto.caffe_pb2 import (
     TEST,
     TRAIN,
@@ -50,6 +52,7 @@ from ._proto.caffe_pb2 import (
     TransformationParameter,
     V1LayerParameter,
 )
+from ._shape import format_shape, validate_shape
 
 if TYPE_CHECKING:
     from ._backends import Backend
@@ -69,6 +72,8 @@ __all__ = [
     "fill_blobproto",
     "load_mean_file",
     "parse_net",
+    "proto_arrays",
+    "proto_shape_equals",
     "read_blobproto",
     "read_caffemodel",
     "transform_fields",
@@ -203,6 +208,49 @@ def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.n
             f"{n} values in {field}"
         )
     return _as_array(proto, field).reshape(shape)
+
+
+def proto_shape_equals(proto: BlobProto, shape: tuple[int, ...]) -> bool:
+    """Whether ``proto``'s shape equals ``shape`` (Caffe's ``Blob::ShapeEquals``): with
+    legacy fields, ``shape`` must have at most 4 axes and match them padded with
+    leading 1s (legacy parameter blobs were indexed from the end)."""
+    dims, legacy = blob_shape(proto)
+    if legacy:
+        return len(shape) <= 4 and (1,) * (4 - len(shape)) + tuple(shape) == dims
+    return dims == shape
+
+
+def proto_arrays(
+    proto: BlobProto,
+    itemsize: int,
+    expected: tuple[tuple[int, ...], int] | None,
+    blob_text: str,
+) -> tuple[tuple[int, ...], npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]] | None]:
+    """What ``Blob.from_proto`` loads: the proto's shape (checked as a blob's shape of
+    ``itemsize``-byte elements) and its data and diff values (Caffe's rules); with
+    ``expected`` (no reshape: the blob's shape and count), the proto's shape must
+    equal it.
+
+    Raises:
+        ProtoError: an unusable shape, or value counts that differ from the shape's.
+        ShapeError: the shape differs from ``expected`` (``blob_text`` names the blob).
+    """
+    if expected is None:
+        try:
+            shape, count = validate_shape(blob_shape(proto)[0], itemsize)
+        except ShapeError as exc:
+            raise ProtoError(f"BlobProto has an unusable shape: {exc}") from exc
+    else:
+        shape, count = expected
+        if not proto_shape_equals(proto, shape):
+            dims, legacy = blob_shape(proto)
+            text = " ".join(str(d) for d in dims)
+            text = f"legacy {text}" if legacy else text or "()"
+            raise ShapeError(
+                f"from_proto: shape mismatch (reshape not set): blob {blob_text}, proto {text}"
+            )
+    data, diff = blob_values(proto, count, format_shape(shape, count))
+    return shape, data, diff
 
 
 def load_mean_file(path: StrPath) -> npt.NDArray[np.float32]:

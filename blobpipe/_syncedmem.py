@@ -33,7 +33,7 @@ from ._backends import Backend, Event, Stream, get_backend, wait_event
 from ._errors import ShapeError, StateError
 from ._pool import Block, MemoryPool, get_pool
 
-__all__ = ["Head", "SharedMemory", "SyncedMemory"]
+__all__ = ["Head", "MemoryPair", "SharedMemory", "SyncedMemory"]
 
 
 class Head(enum.Enum):
@@ -395,3 +395,44 @@ class SharedMemory:
             last = self.refs == 0
         if last:
             self.mem.close()
+
+    def keep_alive(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """``array`` (a host view of this memory) as an array holding a reference to
+        it, released when the last array over it goes: the pool does not reuse the
+        bytes while an export made from it lives, even after the blobs let go."""
+        kept: np.ndarray[Any, Any] = np.asarray(_Kept(array, self.acquire()))
+        return kept
+
+
+class _Kept:
+    """The base of a kept-alive array: the view's interface and the reference."""
+
+    __slots__ = ("__array_interface__", "_array", "_mem")
+
+    def __init__(self, array: np.ndarray[Any, Any], mem: SharedMemory) -> None:
+        self.__array_interface__ = array.__array_interface__
+        self._array = array
+        self._mem: SharedMemory | None = mem
+
+    def __del__(self) -> None:
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            mem.release()
+
+
+class MemoryPair:
+    """A blob's data and diff memories, one reference to each; shared with the blob's
+    finalizer, which releases them."""
+
+    __slots__ = ("data", "diff")
+
+    def __init__(self, data: SharedMemory, diff: SharedMemory) -> None:
+        self.data: SharedMemory | None = data
+        self.diff: SharedMemory | None = diff
+
+    def release(self) -> None:
+        data, diff, self.data, self.diff = self.data, self.diff, None, None
+        if data is not None:
+            data.release()
+        if diff is not None:
+            diff.release()

@@ -287,7 +287,8 @@ def test_transform_fields() -> None:
 
 def test_codec_imports_only_the_errors_and_the_generated_module() -> None:
     # Blob uses the codec, so the codec must not import Blob (or anything above
-    # the errors) at import time; its Blob conveniences import Blob when called.
+    # the errors and the shape checks) at import time; its Blob conveniences
+    # import Blob when called.
     import blobpipe._codec as codec
 
     tree = ast.parse(Path(codec.__file__).read_text())
@@ -296,7 +297,7 @@ def test_codec_imports_only_the_errors_and_the_generated_module() -> None:
         for node in tree.body
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
     }
-    assert imported == {"_errors", "_proto.caffe_pb2"}
+    assert imported == {"_errors", "_shape", "_proto.caffe_pb2"}
 
 
 def test_only_the_codec_imports_the_generated_protobuf_module() -> None:
