@@ -194,20 +194,17 @@ def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.n
     """
     proto = _decode(BlobProto(), bytes(data), label, "valid caffe.BlobProto")
     shape, legacy = blob_shape(proto)
-    fields = "num/channels/height/width" if legacy else "shape"
     if any(d < 0 for d in shape):
+        fields = "num/channels/height/width" if legacy else "shape"
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
-    field = _value_field(proto, "data")
-    n = len(getattr(proto, field))
     count = 1
     for d in shape:
         count *= int(d)  # Python ints: no overflow
-    if count != n:
-        raise ProtoError(
-            f"{label} is a BlobProto of shape {shape} ({fields}: {count} values) but holds "
-            f"{n} values in {field}"
-        )
-    return _as_array(proto, field).reshape(shape)
+    try:
+        values, _ = blob_values(proto, count, format_shape(shape, count))
+    except ProtoError as exc:
+        raise ProtoError(f"{label}: {exc}") from None
+    return values.reshape(shape)
 
 
 def proto_shape_equals(proto: BlobProto, shape: tuple[int, ...]) -> bool:

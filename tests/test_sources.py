@@ -109,7 +109,7 @@ def test_blobproto_bad_count_names_key_and_path(tmp_path: Path) -> None:
         list(b)
     msg = str(info.value)
     assert "b'00000003'" in msg and str(db) in msg
-    assert "shape (2, 4)" in msg and "6 values" in msg
+    assert "BlobProto of shape 2 4 (8) has 6 values in data, expected 8" in msg
 
 
 def test_mixed_record_kinds_are_a_clear_error(tmp_path: Path) -> None:
