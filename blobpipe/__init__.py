@@ -22,12 +22,15 @@ from ._codec import load_mean_file as load_mean_file
 from ._codec import read_blobproto as read_blobproto
 from ._codec import read_caffemodel as read_caffemodel
 from ._codec import write_blobproto as write_blobproto
+from ._errors import ArgumentError as ArgumentError
+from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError
 from ._errors import DatabaseNotFoundError as DatabaseNotFoundError
 from ._errors import DataError as DataError
 from ._errors import DiskFullError as DiskFullError
+from ._errors import FileMissingError as FileMissingError
 from ._errors import OutputExistsError as OutputExistsError
 from ._errors import PoolMemoryError as PoolMemoryError
 from ._errors import ProtoError as ProtoError

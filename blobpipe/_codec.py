@@ -40,7 +40,7 @@ import numpy.typing as npt
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError, Message
 
-from ._errors import ProtoError, ShapeError
+from ._errors import FileMissingError, ProtoError, ShapeError
 from ._proto.caffe_pb2 import (
     TEST,
     TRAIN,
@@ -110,8 +110,12 @@ def _decode(message: _M, data: bytes, label: str, what: str, fix: str = "") -> _
 
 
 def _read(message: _M, path: StrPath, label: str, what: str, fix: str) -> _M:
-    """Read the file ``path`` into ``message``; FileNotFoundError when it is missing."""
-    return _decode(message, Path(path).read_bytes(), label, what, fix)
+    """Read the file ``path`` into ``message``; FileMissingError when it is missing."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise FileMissingError(f"{label} does not exist", path=path) from exc
+    return _decode(message, data, label, what, fix)
 
 
 def decode_blobproto(data: bytes, label: str = "the record") -> BlobProto:

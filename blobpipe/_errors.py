@@ -5,6 +5,9 @@ the standard exception a caller would naturally catch, so ``except ValueError``
 keeps working::
 
     BlobpipeError
+    ├── ArgumentError(ValueError)          a bad argument value (batch_size=0, phase="val", ...)
+    ├── ArgumentTypeError(TypeError)       an argument of the wrong type
+    ├── FileMissingError(FileNotFoundError)  a named file (mean file, prototxt, list) is missing
     ├── ShapeError(ValueError)             bad shape, axis count, negative dim, dtype
     ├── BlobIndexError(IndexError)         axis or index out of range
     ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
@@ -24,12 +27,15 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BackendUnavailableError",
     "BlobIndexError",
     "BlobpipeError",
     "DataError",
     "DatabaseNotFoundError",
     "DiskFullError",
+    "FileMissingError",
     "OutputExistsError",
     "PoolMemoryError",
     "ProtoError",
@@ -42,6 +48,37 @@ __all__ = [
 
 class BlobpipeError(Exception):
     """Base class of every error raised by blobpipe."""
+
+
+class ArgumentError(BlobpipeError, ValueError):
+    """An argument's value is not acceptable; the message names the argument, the
+    value given and what is expected."""
+
+
+class ArgumentTypeError(BlobpipeError, TypeError):
+    """An argument is of the wrong type (the message shows what was passed)."""
+
+
+class FileMissingError(BlobpipeError, FileNotFoundError):
+    """A file named by the caller (mean file, prototxt, list file) does not exist.
+
+    ``filename`` is the path, as for :class:`FileNotFoundError`.
+    """
+
+    def __init__(self, message: str, *, path: object) -> None:
+        super().__init__(errno.ENOENT, message, str(path))
+
+    def __str__(self) -> str:
+        if str(self.filename) in str(self.strerror):
+            return str(self.strerror)
+        return f"{self.strerror}: {self.filename!r}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_file_missing, (self.strerror, self.filename))
+
+
+def _rebuild_file_missing(message: str, path: str) -> FileMissingError:
+    return FileMissingError(message, path=path)
 
 
 class ShapeError(BlobpipeError, ValueError):

@@ -613,7 +613,7 @@ async def test_without_the_wait_data_is_wrong(
     """The emulated device lands copies late, so the waits above are really tested."""
     backend = GatedBackend()  # copies land only once the gate opens
     if removed == "loader wait":
-        monkeypatch.setattr(blobpipe._loader._loader, "wait_event", _noop_wait)
+        monkeypatch.setattr(blobpipe._loader._pipeline, "wait_event", _noop_wait)
     elif removed == "event":
         monkeypatch.setattr(EmulatedEvent, "query", lambda self: True)
         monkeypatch.setattr(EmulatedEvent, "synchronize", lambda self: None)
@@ -741,11 +741,6 @@ async def test_cancel_while_waiting_loses_no_batch(
 @pytest.mark.anyio
 async def test_close_is_idempotent_and_final(db30: Path) -> None:
     loader = Loader(db30, 4, device="cpu")
-    with pytest.raises(StateError, match=r"inside 'async with Loader\(...\) as loader:'"):
-        async for _ in loader:
-            pass
-    with pytest.raises(StateError, match=r"inside 'async with Loader\(...\) as loader:'"):
-        await anext(loader)
     await loader.open()
     with pytest.raises(StateError, match="this Loader is open; a Loader can be opened once"):
         await loader.open()
@@ -769,8 +764,6 @@ async def test_close_is_idempotent_and_final(db30: Path) -> None:
 
 def test_blocking_close_is_idempotent_and_final(db30: Path) -> None:
     loader = Loader(db30, 4, device="cpu")
-    with pytest.raises(StateError, match=r"inside 'with Loader\(...\) as loader:'"):
-        iter(loader)
     with loader:
         next(iter(loader))
     loader.close()
@@ -1095,7 +1088,7 @@ async def test_an_error_outside_the_fill_reaches_the_consumer_as_itself(
     def broken(self: Loader, slot: Any) -> Any:
         raise RuntimeError("the device fell off the bus")
 
-    monkeypatch.setattr(Loader, "_plan_and_fill", broken)
+    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_plan_and_fill", broken)
     async with Loader(db30, 4, device="cpu") as loader:
         with pytest.raises(RuntimeError, match="fell off the bus") as info:
             await anext(loader)

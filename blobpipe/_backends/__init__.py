@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 
-from .._errors import BackendUnavailableError
+from .._errors import ArgumentError, ArgumentTypeError, BackendUnavailableError
 from ._base import COMPLETED, Backend, BackendStatistics, CompletedEvent, Event, Stream, wait_event
 from ._emulated import EmulatedBackend
 from ._host import HostBackend
@@ -63,7 +63,7 @@ def get_backend(device: str | Backend | None = None) -> Backend:
     ``BLOBPIPE_DEVICE`` sets it from the environment, else ``"auto"``).
 
     Raises BackendUnavailableError for ``"cuda"`` without CuPy or a GPU, and
-    ValueError for an unknown name.
+    ArgumentError (a ValueError) for an unknown name.
     """
     global _default
     if isinstance(device, Backend):
@@ -72,13 +72,17 @@ def get_backend(device: str | Backend | None = None) -> Backend:
         with _lock:
             if _default is not None:
                 return _default
-        backend = get_backend(os.environ.get("BLOBPIPE_DEVICE", "auto"))
+        named = os.environ.get("BLOBPIPE_DEVICE", "auto")
+        try:
+            backend = get_backend(named)
+        except ArgumentError as exc:
+            raise ArgumentError(f"the environment's BLOBPIPE_DEVICE={named!r}: {exc}") from exc
         with _lock:
             if _default is None:
                 _default = backend
             return _default
     if not isinstance(device, str):
-        raise TypeError(f"device must be a str or a Backend, got {type(device).__name__}")
+        raise ArgumentTypeError(f"device must be a str or a Backend, got {type(device).__name__}")
     name = device.strip().lower()
     if name == "host":
         name = "cpu"
@@ -99,14 +103,16 @@ def get_backend(device: str | Backend | None = None) -> Backend:
         try:
             idx = int(name[5:])
         except ValueError:
-            raise ValueError(
+            raise ArgumentError(
                 f"bad device {device!r}: expected 'cuda:N' with N an integer"
             ) from None
         if idx < 0:
-            raise ValueError(f"bad device {device!r}: the device number must be >= 0")
+            raise ArgumentError(f"bad device {device!r}: the device number must be >= 0")
         backend = _cuda_backend(idx)
     else:
-        raise ValueError(f"unknown device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise ArgumentError(
+            f"unknown device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        )
     with _lock:
         return _cache.setdefault(name, backend)
 

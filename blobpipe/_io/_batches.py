@@ -49,7 +49,13 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import DataError, ShapeError, StateError
+from .._errors import (
+    ArgumentError,
+    DataError,
+    ShapeError,
+    StateError,
+    UnsupportedOperationError,
+)
 from ._fill import DATUM, RecordKind, RecordSource
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
@@ -172,8 +178,9 @@ class Batches:
         state: a :meth:`state_dict` to resume from.
 
     Raises:
-        ValueError: a bad argument (batch size, order, mode, last, shard...).
-        TypeError: ``shard`` of the wrong type.
+        ArgumentError: a bad argument (batch size, order, mode, last, shard...);
+            also a ValueError.
+        ArgumentTypeError: ``shard`` of the wrong type; also a TypeError.
         DatabaseNotFoundError: ``source`` does not exist.
         DataError: the database is empty, this shard holds no records, or the
             resume state does not match the database.
@@ -210,35 +217,35 @@ class Batches:
         share_random: bool | Collection[str] = False,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         self._phase = _check_phase(phase)
         if order not in ("key", "shuffle", "buffer"):
-            raise ValueError(f"order must be 'key', 'shuffle' or 'buffer', got {order!r}")
+            raise ArgumentError(f"order must be 'key', 'shuffle' or 'buffer', got {order!r}")
         if order == "buffer":
             if buffer_size is None or buffer_size < 1:
-                raise ValueError(
+                raise ArgumentError(
                     f"order='buffer' needs buffer_size >= 1, got buffer_size={buffer_size!r}"
                 )
         elif buffer_size is not None:
-            raise ValueError(f"buffer_size is only used with order='buffer', not {order!r}")
+            raise ArgumentError(f"buffer_size is only used with order='buffer', not {order!r}")
         if mode not in ("wrap", "epoch"):
-            raise ValueError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
+            raise ArgumentError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
         if last not in ("keep", "drop", "pad"):
-            raise ValueError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
+            raise ArgumentError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
         if shard_mode not in ("strided", "contiguous"):
-            raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
+            raise ArgumentError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
         if label_dtype not in ("float32", "int64"):
-            raise ValueError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
+            raise ArgumentError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
         self._label_dtype = np.dtype(label_dtype)
         if int(seed) != seed or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+            raise ArgumentError(f"seed must be a non-negative integer, got {seed!r}")
         if blob_dtype not in ("float32", "float64"):
-            raise ValueError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
+            raise ArgumentError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
         self._rank, self._world = shard_from(shard)
         self._batch_size = int(batch_size)
         self._seed = int(seed)
         if pad_shards not in (True, False, "drop"):
-            raise ValueError(f"pad_shards must be True, False or 'drop', got {pad_shards!r}")
+            raise ArgumentError(f"pad_shards must be True, False or 'drop', got {pad_shards!r}")
         self._pad_shards: bool | Literal["drop"] = pad_shards
         self._mode: Mode = mode
         self._last: Last = last
@@ -279,7 +286,7 @@ class Batches:
                     path=self._path,
                 )
             if mode == "epoch" and last == "drop" and self._shard_len < self._batch_size:
-                raise ValueError(
+                raise ArgumentError(
                     f"with last='drop', a shard of {self._shard_len} records never fills a "
                     f"batch of {self._batch_size}: every epoch would be empty; use "
                     "last='keep' or last='pad', or a smaller batch_size"
@@ -367,7 +374,9 @@ class Batches:
             TypeError: in ``mode="wrap"``, which is endless.
         """
         if self._mode != "epoch":
-            raise TypeError("Batches in mode='wrap' are endless and have no length")
+            raise UnsupportedOperationError(
+                "mode='wrap' is endless and has no length: len() needs mode='epoch'"
+            )
         if self._last == "drop":
             return self._shard_len // self._batch_size
         return math.ceil(self._shard_len / self._batch_size)
@@ -386,8 +395,10 @@ class Batches:
             "version": _STATE_VERSION,
             "epoch": epoch,
             "position": pos,
-            "key": bytes(key),
+            # a str: JSON takes it (bytes that are not UTF-8 round-trip as surrogates)
+            "key": bytes(key).decode("utf-8", "surrogateescape"),
             **self._settings,
+            "shard": [self._rank, self._world],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -396,8 +407,10 @@ class Batches:
         Keys: ``epoch``, ``position`` (in this shard's order of that epoch), ``key``
         (the record at that position, checked on restore), ``seed``, ``order``,
         ``buffer_size``, ``shard``, ``shard_mode``, ``num_records``, ``version``.
-        Plain Python values (bytes for the key), picklable. After the last batch of
-        an epoch it points at the start of the next epoch.
+        Plain JSON types (the key a str: bytes that are not UTF-8 as
+        ``surrogateescape`` surrogates), so ``json.dumps``/``json.loads``
+        round-trip it; states holding the key as bytes are accepted too. After
+        the last batch of an epoch it points at the start of the next epoch.
         """
         return self._state(self._epoch, self._pos)
 
@@ -415,26 +428,28 @@ class Batches:
         try:
             version = state["version"]
             epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
+            if isinstance(key, str):
+                key = key.encode("utf-8", "surrogateescape")
             saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
             saved_shard = tuple(state["shard"])
             pad = state.get("pad_shards", False)
             saved["pad_shards"] = pad if saved_shard[1] > 1 else False
             n = int(state["num_records"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
+            raise ArgumentError(f"malformed resume state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
-            raise ValueError(f"unsupported Batches state version {version!r}")
+            raise ArgumentError(f"unsupported resume state version {version!r}")
         if saved_shard != (self._rank, self._world):
-            raise ValueError(
-                f"the state was saved for shard {saved_shard} but these Batches are shard "
+            raise ArgumentError(
+                f"the state was saved for shard {saved_shard} but this one is shard "
                 f"{(self._rank, self._world)}"
             )
         mine = self._epochs.settings()
         for name, value in saved.items():
             if mine[name] != value:
-                raise ValueError(
-                    f"the state was saved with {name}={value!r} but these Batches have "
-                    f"{name}={mine[name]!r}; use the same settings to resume"
+                raise ArgumentError(
+                    f"the state was saved with {name}={value!r}, but {name}={mine[name]!r} "
+                    "was given; resume with the options the state was saved with"
                 )
         if n != self._n:
             raise DataError(
@@ -443,7 +458,7 @@ class Batches:
                 path=self._path,
             )
         if epoch < 0 or not 0 <= pos < self._shard_len:
-            raise ValueError(
+            raise ArgumentError(
                 f"the state's epoch {epoch} / position {pos} is out of range "
                 f"(this shard has {self._shard_len} records per epoch)"
             )
@@ -598,7 +613,7 @@ class Batches:
         n = len(plan.keys)
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
-            raise ValueError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
+            raise ArgumentError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
         if data_out.shape != plan.data_shape or data_out.dtype != plan.dtype:
             raise ShapeError(
                 f"data_out has shape {data_out.shape} dtype {data_out.dtype}; the plan needs "

@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import ArgumentError, ArgumentTypeError
 from ._kernels import draw_words
 
 __all__ = ["EpochOrder", "Order", "ShardMode", "buffer_order", "shard_from"]
@@ -54,16 +55,18 @@ def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, in
             try:
                 shard = (int(rank), int(world))  # type: ignore[arg-type]
             except (TypeError, ValueError):
-                raise ValueError(
+                raise ArgumentError(
                     f"shard='auto' needs both RANK and WORLD_SIZE as integers (torchrun sets "
                     f"them), got RANK={rank!r} WORLD_SIZE={world!r}; set both, or pass "
                     "shard=(rank, world_size)"
                 ) from None
     if not (isinstance(shard, tuple) and len(shard) == 2):
-        raise TypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
+        raise ArgumentTypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
     rank_i, world_i = int(shard[0]), int(shard[1])
     if world_i < 1 or not 0 <= rank_i < world_i:
-        raise ValueError(f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}")
+        raise ArgumentError(
+            f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}"
+        )
     return (rank_i, world_i)
 
 

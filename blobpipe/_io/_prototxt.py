@@ -36,6 +36,7 @@ from typing import Any
 
 from .._codec import data_layer_fields
 from .._codec import parse_net as parse_net
+from .._errors import FileMissingError
 from ._transform import Layout, OutDtype, Phase, Transform, _check_phase
 
 __all__ = ["DataLayerConfig", "read_data_layer"]
@@ -92,7 +93,7 @@ class DataLayerConfig:
 
 def read_data_layer(
     path: str | os.PathLike[str],
-    phase: Phase = "train",
+    phase: Phase | str = "train",
     *,
     name: str | None = None,
     level: int = 0,
@@ -104,26 +105,30 @@ def read_data_layer(
 
     Args:
         path: the net prototxt.
-        phase: "train" or "test".
+        phase: "train" or "test" (or Caffe's "TRAIN" / "TEST").
         name: choose this layer when several Data layers match.
         level, stages: the net state's level and extra stages (added to the
             file's ``state { stage }``), for include/exclude rules.
         layout, dtype: passed to the :class:`Transform`.
 
     Raises:
-        FileNotFoundError: the prototxt or the mean file does not exist.
+        FileMissingError: the prototxt or the mean file does not exist (a
+            FileNotFoundError).
         ProtoError: the file does not parse; no Data layer (or several, without
             ``name``) is selected for the phase (the message lists the layers
             found); the backend is not LMDB (LEVELDB is protobuf's default when
             ``backend`` is absent); ``source`` or ``batch_size`` is missing;
             deprecated ``data_param`` transform fields in a new-format layer;
             ``mean_file`` together with ``mean_value``; a bad mean file.
-        ValueError: a bad ``phase``, ``layout`` or ``dtype``.
+        ArgumentError: a bad ``phase``, ``layout`` or ``dtype`` (a ValueError).
     """
     phase = _check_phase(phase)
     where = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError as exc:
+        raise FileMissingError("the net prototxt does not exist", path=where) from exc
     fields = data_layer_fields(text, where, phase, name=name, level=level, stages=stages)
     return DataLayerConfig(
         name=fields.name,

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._errors import DataError
+from .._errors import ArgumentError, ArgumentTypeError, DataError
 from ._concat import ConcatFiller
 from ._fill import BLOBPROTO, DATUM, Filler, RecordKind, RecordSource, detect_kind
 from ._kernels import mix_words
@@ -116,10 +116,10 @@ def open_sources(
     if isinstance(source, Mapping):
         named = dict(source)
         if not named:
-            raise ValueError("source is an empty mapping: name at least one database")
+            raise ArgumentError("source is an empty mapping: name at least one database")
         for name in named:
             if not isinstance(name, str) or not name:
-                raise TypeError(f"source names must be non-empty strings, got {name!r}")
+                raise ArgumentTypeError(f"source names must be non-empty strings, got {name!r}")
     else:
         named = {"data": source}
     names = list(named)
@@ -135,7 +135,7 @@ def open_sources(
         opened.append(src)
         ones = list(arg) if isinstance(arg, (list, tuple)) else [arg]
         if not ones:
-            raise ValueError(f"source {name!r} is an empty list: name at least one database")
+            raise ArgumentError(f"source {name!r} is an empty list: name at least one database")
         for one in ones:
             if isinstance(one, (str, os.PathLike)):
                 part = Part(LmdbReader(one, readahead=readahead), True, os.fspath(one))
@@ -173,7 +173,7 @@ def open_sources(
     for src in sharing[1:]:
         a, b = sharing[0].filler.transform, src.filler.transform
         if (a.crop_size, a.mirror) != (b.crop_size, b.mirror):
-            raise ValueError(
+            raise ArgumentError(
                 f"sources {sharing[0].name!r} and {src.name!r} share their random crops "
                 f"and flips but their transforms differ (crop_size {a.crop_size} and "
                 f"{b.crop_size}, mirror {a.mirror} and {b.mirror}): give them the same "
@@ -215,11 +215,11 @@ def _per_source(what: str, value: Any, names: list[str], *, multi: bool) -> dict
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in names]
         if unknown:
-            raise ValueError(f"{what} names {unknown[0]!r}, which is not a source; the sources "
+            raise ArgumentError(f"{what} names {unknown[0]!r}, which is not a source; the sources "
                              f"are {names}")  # fmt: skip
         return dict(value)
     if what == "transform" and multi and len(names) > 1 and value is not None:
-        raise ValueError(
+        raise ArgumentError(
             "with several sources, give transform as a mapping {name: Transform}: each "
             "source has its own (an image's mean does not belong on its label map)"
         )
@@ -233,11 +233,11 @@ def _shared_names(share_random: bool | Collection[str], names: list[str]) -> fro
     if share_random is False:
         return frozenset()
     if isinstance(share_random, str):
-        raise TypeError("share_random takes True, False or a collection of source names")
+        raise ArgumentTypeError("share_random takes True, False or a collection of source names")
     chosen = frozenset(share_random)
     unknown = sorted(chosen - set(names))
     if unknown:
-        raise ValueError(
+        raise ArgumentError(
             f"share_random names {unknown[0]!r}, which is not a source; the sources are {names}"
         )
     return chosen
@@ -271,7 +271,7 @@ def _record_kind(record: Any, src: Part) -> RecordKind:
     if record == "blobproto":
         return BLOBPROTO
     if record != "auto":
-        raise ValueError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
+        raise ArgumentError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
     if not len(src.keys):
         return DATUM  # empty: refused with its own message
     # neither kind: read as Datums, whose checked path names what is wrong with it

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._codec import TransformationParameter, load_mean_file, transform_fields
-from .._errors import ProtoError, ShapeError
+from .._errors import ArgumentError, ProtoError, ShapeError
 from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
 __all__ = ["Phase", "RecordParams", "Transform", "load_mean_file"]
@@ -66,8 +66,13 @@ class RecordParams:
 
 
 def _check_phase(phase: str) -> Phase:
+    """``phase`` as "train"/"test"; Caffe's spellings "TRAIN"/"TEST" are taken too."""
+    if phase in ("TRAIN", "TEST"):
+        phase = phase.lower()
     if phase not in ("train", "test"):
-        raise ValueError(f"phase must be 'train' or 'test', got {phase!r}")
+        raise ArgumentError(
+            f"phase must be 'train' or 'test' (Caffe's 'TRAIN'/'TEST' work too), got {phase!r}"
+        )
     return cast(Phase, phase)
 
 
@@ -113,13 +118,13 @@ class Transform:
         dtype: OutDtype = "float32",
     ) -> None:
         if layout not in ("NCHW", "NHWC"):
-            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+            raise ArgumentError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
         if dtype not in ("float32", "uint8"):
-            raise ValueError(f"dtype must be 'float32' or 'uint8', got {dtype!r}")
+            raise ArgumentError(f"dtype must be 'float32' or 'uint8', got {dtype!r}")
         if int(crop_size) != crop_size or crop_size < 0:
-            raise ValueError(f"crop_size must be a non-negative integer, got {crop_size!r}")
+            raise ArgumentError(f"crop_size must be a non-negative integer, got {crop_size!r}")
         if force_color and force_gray:
-            raise ValueError("force_color and force_gray cannot both be set")
+            raise ArgumentError("force_color and force_gray cannot both be set")
         values = tuple(float(v) for v in mean_value)
         if mean_file is not None and values:
             raise ProtoError(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._backends import COMPLETED, Backend, Event, Stream
-from .._errors import DataError, ShapeError
+from .._errors import ArgumentError, DataError, ShapeError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry, KernelSpec, apply
 from .._io._transform import Transform
@@ -49,7 +49,7 @@ def wants_device_transform(
     if requested is None:
         requested = backend.has_device and transform.dtype == np.float32
     elif requested and not backend.has_device:
-        raise ValueError(
+        raise ArgumentError(
             f"device_transform=True needs a device, but device={device!r} resolved to the "
             f"{backend.name!r} backend"
         )

@@ -7,7 +7,8 @@
         └──────────────────┴─────────── aclose() / close() ─────────────────────────┴──► CLOSED
 
 * UNOPENED: constructed; nothing runs. Closing it releases the database.
-* OPEN: the fillers run (``open()``, ``async with``, or ``with``).
+  Iterating it opens it (a plain ``for`` / ``async for``, ``next``, ``anext``).
+* OPEN: the fillers run (``open()``, ``async with``, ``with``, or first use).
 * FAILING: making a batch raised; nothing after it is planned, and the batches
   before it are still delivered, then its error.
 * FAILED: the consumer received that error; iterating again raises StateError.
@@ -18,8 +19,6 @@ A Loader is opened once. The errors for the illegal moves (StateError):
 =================================  ============================================================
 open() / async with, not UNOPENED  "this Loader is <state>; a Loader can be opened once — …"
 with, not UNOPENED                 "this Loader is <state>; create a new one"
-iterate, UNOPENED                  "iterate a Loader inside 'async with Loader(...) as loader:' …"
-                                   (blocking form: "… inside 'with Loader(...) as loader:' …")
 iterate, CLOSED                    "this Loader is closed; create a new one to iterate again"
 iterate, FAILED                    "this Loader stopped after an error: <error>" (from the error)
 =================================  ============================================================
@@ -35,13 +34,6 @@ from .._errors import StateError
 __all__ = ["CLOSED_ERROR", "Lifecycle", "State"]
 
 CLOSED_ERROR = "this Loader is closed; create a new one to iterate again"
-_UNOPENED_ERROR = (
-    "iterate a Loader inside 'async with Loader(...) as loader:' "
-    "(or 'with Loader(...) as loader:' without async)"
-)
-_UNOPENED_BLOCKING_ERROR = (
-    "iterate a Loader inside 'with Loader(...) as loader:' (or 'async with' in async code)"
-)
 
 
 class State(enum.Enum):
@@ -107,13 +99,19 @@ class Lifecycle:
         self.error = error
         self.move(State.FAILED)
 
-    def check_iterable(self, *, blocking: bool = False) -> None:
-        """Raises StateError when the loader is UNOPENED or CLOSED."""
+    def check_closed(self) -> None:
+        """Raises StateError when the loader is CLOSED."""
+        if self.state is State.CLOSED:
+            raise StateError(CLOSED_ERROR)
+
+    def check_iterable(self) -> None:
+        """Raises StateError unless the pipeline runs (OPEN, FAILING or FAILED);
+        a Loader opens an UNOPENED pipeline before it asks it for a batch."""
         state = self.state
-        if state is State.UNOPENED:
-            raise StateError(_UNOPENED_BLOCKING_ERROR if blocking else _UNOPENED_ERROR)
         if state is State.CLOSED:
             raise StateError(CLOSED_ERROR)
+        if state is State.UNOPENED:  # pragma: no cover - the Loader opens it first
+            raise StateError("this Loader is not open")
 
     def check_next(self) -> None:
         """Raises StateError unless a batch may be asked for (OPEN or FAILING)."""

@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal, TypedDict
 
+from .._errors import ArgumentTypeError
 from .._io._batches import Batches
 from .._io._transform import Phase, Transform
 
@@ -46,7 +47,7 @@ def check_options(options: Mapping[str, object], owner: str) -> None:
     would for ``owner``'s own signature."""
     for name in options:
         if name not in BatchesOptions.__optional_keys__:
-            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+            raise ArgumentTypeError(f"{owner}() got an unexpected keyword argument {name!r}")
 
 
 def signature_with_options(function: Callable[..., Any]) -> inspect.Signature:
