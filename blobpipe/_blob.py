@@ -496,6 +496,31 @@ class Blob:
             self._holder.release()
             self._holder.data, self._holder.diff = fresh_data, fresh_diff
 
+    # -- NumPy ------------------------------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        """``np.asarray(blob)``: the host data as :meth:`cpu_data` gives it (a
+        read-only view, no copy); ``copy=True`` copies, ``copy=False`` raises
+        ValueError where a ``dtype`` would need a copy (NumPy 2's rules).
+
+        Raises:
+            UnsupportedOperationError: on a device backend (use ``cpu_data()``,
+                which copies from the device, or ``gpu_data()``).
+        """
+        if self._backend.has_device:
+            raise UnsupportedOperationError(
+                f"a Blob on {self._backend.name} does not convert implicitly: "
+                "use blob.cpu_data() for a host copy (or blob.gpu_data() on the device)"
+            )
+        array = self.cpu_data()
+        if dtype is not None and np.dtype(dtype) != array.dtype:
+            if copy is False:
+                raise ValueError(
+                    f"np.asarray(blob, dtype={np.dtype(dtype)}, copy=False): the blob holds "
+                    f"{array.dtype}, so a copy is needed"
+                )
+            return array.astype(dtype)
+        return array.copy() if copy else array
+
     # -- DLPack -----------------------------------------------------------------------
     def __dlpack__(self, **kwargs: Any) -> Any:
         """Export the data through DLPack, on the side of the head, without a copy.

@@ -432,13 +432,13 @@ def test_resume_errors(db10: Path, tmp_path: Path) -> None:
         state = b.state_dict()
     assert state["epoch"] == 0
     assert state["position"] == 6
-    with pytest.raises(ValueError, match="saved with seed=1 but these Batches have seed=2"):
+    with pytest.raises(ValueError, match="saved with seed=1, but seed=2 was given"):
         Batches(db10, 3, order="shuffle", seed=2, state=state)
     with pytest.raises(ValueError, match="saved with order='shuffle'"):
         Batches(db10, 3, seed=1, state=state)
-    with pytest.raises(ValueError, match=r"saved for shard \(0, 1\) but these Batches are shard"):
+    with pytest.raises(ValueError, match=r"saved for shard \(0, 1\) but this one is shard"):
         Batches(db10, 3, order="shuffle", seed=1, shard=(0, 2), state=state)
-    with pytest.raises(ValueError, match="malformed Batches state"):
+    with pytest.raises(ValueError, match="malformed resume state"):
         Batches(db10, 3, state={"epoch": 0})
     # the same number of records, one key renamed
     changed = write_lmdb(

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -206,3 +207,129 @@ def test_a_key_that_is_not_utf8_round_trips_through_json(tmp_path: Path) -> None
         state = json.loads(json.dumps(batches.state_dict()))
     with Batches(db, 2, state=state) as again:
         assert next(iter(again)).keys[0] == b"caf\xe9-2"
+
+
+# -- every bad argument is a BlobpipeError (and the stdlib type) -----------------------------
+
+BAD_ARGUMENTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    # (constructor, keywords, the stdlib type, the message)
+    ("Loader", {"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+    ("Batches", {"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+    ("Loader", {"phase": "val"}, ValueError, "phase must be 'train' or 'test'"),
+    ("Batches", {"phase": "val"}, ValueError, "phase must be 'train' or 'test'"),
+    ("Loader", {"mode": "once"}, ValueError, "mode must be 'wrap' or 'epoch'"),
+    ("Batches", {"last": "all"}, ValueError, "last must be"),
+    ("Loader", {"shuffle": True, "order": "key"}, ValueError, "Loader: shuffle=True contradicts"),
+    ("Loader", {"prefetch": 0}, ValueError, "Loader: prefetch must be"),
+    ("Loader", {"workers": 0}, ValueError, "Loader: workers must be"),
+    ("Loader", {"order": "random"}, ValueError, "order must be"),
+    ("Batches", {"order": "buffer"}, ValueError, "needs buffer_size"),
+    ("Batches", {"seed": -1}, ValueError, "seed must be"),
+    ("Loader", {"shard": (2, 2)}, ValueError, "0 <= rank < world_size"),
+    ("Loader", {"shard": "everyone"}, TypeError, "shard must be"),
+    ("Loader", {"label_dtype": "int8"}, ValueError, "label_dtype must be"),
+    ("Loader", {"device": "tpu"}, ValueError, "unknown device 'tpu'"),
+    ("Loader", {"device": 3}, TypeError, "device must be a str or a Backend"),
+    ("Loader", {"state": {"epoch": 0}}, ValueError, "malformed resume state"),
+    ("Loader", {"shuffle": True, "seed": 9, "state": "SAVED"}, ValueError, "seed=1, but seed=9"),
+    ("Loader", {"bogus": 1}, TypeError, "unexpected keyword argument 'bogus'"),
+    ("Loader", {"record": "image"}, ValueError, "record must be"),
+    ("Transform", {"crop_size": -1}, ValueError, "crop_size must be"),
+    ("Transform", {"layout": "CHWN"}, ValueError, "layout must be"),
+    ("Transform", {"mean_file": "MISSING"}, FileNotFoundError, "does not exist"),
+    ("read_data_layer", {"path": "MISSING"}, FileNotFoundError, "prototxt does not exist"),
+    ("read_data_layer", {"phase": "val"}, ValueError, "phase must be"),
+    ("from_prototxt", {"path": "MISSING"}, FileNotFoundError, "prototxt does not exist"),
+    ("get_backend", {"device": "cuda:x"}, ValueError, "bad device"),
+]
+
+
+def _construct(what: str, kwargs: dict[str, Any], db: Path, tmp_path: Path) -> None:
+    kwargs = dict(kwargs)
+    if kwargs.get("mean_file") == "MISSING" or kwargs.get("path") == "MISSING":
+        kwargs.update({k: tmp_path / "missing" for k in ("mean_file", "path") if k in kwargs})
+    if kwargs.get("state") == "SAVED":
+        with Batches(db, 4, order="shuffle", seed=1) as saved:
+            kwargs["state"] = saved.state_dict()
+    prototxt = CAFFE / "ref/raw_color_b8/net.prototxt"
+    if what == "Loader":
+        size = kwargs.pop("batch_size", 4)
+        kwargs.setdefault("device", "cpu")
+        Loader(db, size, **kwargs).close()
+    elif what == "Batches":
+        Batches(db, kwargs.pop("batch_size", 4), **kwargs).close()
+    elif what == "Transform":
+        blobpipe.Transform(**kwargs)
+    elif what == "read_data_layer":
+        blobpipe.read_data_layer(kwargs.get("path", prototxt), kwargs.get("phase", "test"))
+    elif what == "from_prototxt":
+        Loader.from_prototxt(kwargs["path"], "test", device="cpu").close()
+    else:
+        blobpipe.get_backend(kwargs["device"])
+
+
+@pytest.mark.parametrize(
+    ("what", "kwargs", "stdlib", "message"),
+    BAD_ARGUMENTS,
+    ids=[f"{w}-{'-'.join(map(str, k))}" for w, k, _, _ in BAD_ARGUMENTS],
+)
+def test_every_bad_argument_is_a_blobpipe_error(
+    db30: Path,
+    tmp_path: Path,
+    what: str,
+    kwargs: dict[str, Any],
+    stdlib: type[Exception],
+    message: str,
+) -> None:
+    with pytest.raises(blobpipe.BlobpipeError, match=re.escape(message)) as info:
+        _construct(what, kwargs, db30, tmp_path)
+    assert isinstance(info.value, stdlib)
+    assert "Batches" not in str(info.value) or what == "Batches"
+
+
+def test_a_bad_blobpipe_device_variable_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import blobpipe._backends as backends
+
+    monkeypatch.setenv("BLOBPIPE_DEVICE", "bogus")
+    monkeypatch.setattr(backends, "_default", None)
+    with pytest.raises(blobpipe.ArgumentError, match="BLOBPIPE_DEVICE='bogus'") as info:
+        blobpipe.Blob((2, 3))
+    assert isinstance(info.value, ValueError)
+
+
+def test_read_data_layer_takes_caffes_phase_spelling() -> None:
+    prototxt = CAFFE / "ref/raw_color_b8/net.prototxt"
+    caffe, ours = (
+        blobpipe.read_data_layer(prototxt, "TEST"),
+        blobpipe.read_data_layer(prototxt, "test"),
+    )
+    assert (caffe.phase, caffe.source, caffe.batch_size) == ("test", ours.source, ours.batch_size)
+
+
+# -- NumPy conversion --------------------------------------------------------------------------
+
+
+def test_numpy_converts_a_host_batch_without_a_copy(db30: Path) -> None:
+    with Loader(db30, 4, device="cpu") as loader:
+        batch = next(iter(loader))
+        view = batch.data.cpu_data()
+        array = np.asarray(batch.data)
+        assert array.shape == (4, 3, 10, 12) and array.dtype == np.float32
+        assert np.shares_memory(array, view) and not array.flags.writeable
+        assert np.array_equal(np.asarray(batch.label), [0, 1, 2, 3])
+        copied = np.array(batch.data, copy=True)
+        assert not np.shares_memory(copied, view) and np.array_equal(copied, view)
+        assert np.asarray(batch.data, dtype=np.float64).dtype == np.float64
+        with pytest.raises(ValueError, match="a copy is needed"):
+            np.asarray(batch.data, dtype=np.float64, copy=False)
+        assert np.shares_memory(np.asarray(batch.data, copy=False), view)
+
+
+def test_numpy_refuses_a_device_blob_and_names_cpu_data() -> None:
+    from blobpipe.testing import EmulatedBackend
+
+    blob = blobpipe.Blob((2, 3), backend=EmulatedBackend())
+    with pytest.raises(blobpipe.UnsupportedOperationError, match=r"blob\.cpu_data\(\)"):
+        np.asarray(blob)
+    assert np.asarray(blob.cpu_data()).shape == (2, 3)
+    blob.close()

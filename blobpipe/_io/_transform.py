@@ -71,7 +71,7 @@ def _check_phase(phase: str) -> Phase:
         phase = phase.lower()
     if phase not in ("train", "test"):
         raise ArgumentError(
-            f"phase must be 'train' or 'test' (Caffe's 'TRAIN'/'TEST' work too), got {phase!r}"
+            f"phase must be 'train' or 'test', got {phase!r} (Caffe's 'TRAIN'/'TEST' work too)"
         )
     return cast(Phase, phase)
 
