@@ -1,0 +1,141 @@
+"""Every code block of README.md runs as written, and prints what the README shows.
+
+* ```` ```python ```` blocks run in order, in one namespace (a later block uses the
+  names of earlier ones, as a reader follows them), from a scratch directory where
+  ``tests`` points at the repository's tests (so ``tests/data/...`` paths resolve
+  and what the snippets write lands in the scratch directory). A block preceded by
+  ``<!-- readme: needs X -->`` needs hardware or packages CI lacks (a GPU, torch,
+  JAX): it is compiled, not run.
+* Blocks of ``$ blobpipe ...`` lines (the command-line examples) run in a copy of
+  ``tests/data/caffe/``, as the README says; the lines after each command are its
+  output, compared line by line (``...`` stands for any lines).
+* ``bash`` blocks (installing, the test suite, benchmarks) and ``$`` blocks of other
+  programs (``torchrun``: torch is not a test dependency) are not run here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CAFFE = ROOT / "tests" / "data" / "caffe"
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+_NEEDS = re.compile(r"<!-- readme: needs ([^>]+?) -->\s*$")
+
+
+@dataclass
+class Block:
+    lang: str
+    code: str
+    line: int  # where it starts in README.md
+    needs: str | None
+
+
+def blocks() -> list[Block]:
+    text = README.read_text(encoding="utf-8")
+    found = []
+    for m in _FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        needs = _NEEDS.search(before)
+        line = text.count("\n", 0, m.start()) + 1
+        found.append(Block(m.group(1), m.group(2), line, needs.group(1) if needs else None))
+    return found
+
+
+def python_blocks() -> list[Block]:
+    return [b for b in blocks() if b.lang == "python"]
+
+
+def cli_examples() -> list[tuple[str, list[str], int]]:
+    """(command, the output shown, line) of every ``$ blobpipe`` line."""
+    found = []
+    for b in blocks():
+        if b.lang or not b.code.startswith("$ blobpipe "):
+            continue
+        command, output = None, []
+        for line in b.code.splitlines():
+            if line.startswith("$ "):
+                if command is not None:
+                    found.append((command, output, b.line))
+                command, output = line[2:], []
+            else:
+                output.append(line)
+        assert command is not None
+        found.append((command, output, b.line))
+    return found
+
+
+def test_the_readme_has_the_blocks_this_test_runs() -> None:
+    assert len(python_blocks()) >= 8
+    assert len(cli_examples()) >= 5
+    skipped = [b for b in python_blocks() if b.needs]
+    assert len(skipped) <= 3, [b.line for b in skipped]  # DLPack, Streams, DDP
+
+
+@pytest.mark.timeout(120)
+def test_python_blocks_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    for block in python_blocks():
+        code = compile(block.code, f"README.md:{block.line}", "exec")
+        if block.needs:
+            continue
+        exec(code, namespace)  # the README's own snippet
+    for value in list(namespace.values()):  # loaders the snippets left open
+        close = getattr(value, "close", None)
+        if type(value).__name__ in ("Loader", "Batches") and callable(close):
+            close()
+
+
+def _line(shown: str) -> str:
+    """A shown line as a pattern: exact, but for the size a file system gives a
+    database (its blocks on disk), which is any number."""
+    pattern = re.escape(shown.rstrip())
+    return re.sub(
+        r"\\\(\d+\\\.\d\\ (KiB|MiB)\\ on\\ disk", r"\\(\\d+\\.\\d\\ \1\\ on\\ disk", pattern
+    )
+
+
+def _matches(shown: list[str], printed: list[str]) -> bool:
+    pattern = "".join(
+        r"(?:.*\n)*?" if line.strip() == "..." else _line(line) + r"\n" for line in shown
+    )
+    return re.fullmatch(pattern, "".join(line.rstrip() + "\n" for line in printed)) is not None
+
+
+@pytest.mark.timeout(120)
+def test_command_line_examples_print_what_the_readme_shows(tmp_path: Path) -> None:
+    work = tmp_path / "caffe"
+    shutil.copytree(CAFFE, work)
+    env = {**os.environ, "COLUMNS": "100"}
+    for command, shown, line in cli_examples():
+        args = shlex.split(command)
+        assert args[0] == "blobpipe", line
+        proc = subprocess.run(
+            [sys.executable, "-m", "blobpipe", *args[1:]],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert proc.returncode == 0, f"README.md:{line}: {command}\n{proc.stderr}"
+        printed = proc.stdout.splitlines()
+        if shown:
+            assert _matches(shown, printed), (
+                f"README.md:{line}: {command}\nshown:\n"
+                + "\n".join(shown)
+                + "\nprinted:\n"
+                + proc.stdout
+            )
