@@ -8,7 +8,9 @@ a terminal and never with ``--quiet``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -446,6 +448,12 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _printable(text: str) -> str:
+    """``text`` with control characters (ESC, NUL, BEL, ...) escaped as Python
+    writes them, so that a key cannot drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._tools import inspect_db
 
@@ -461,12 +469,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"INCOMPLETE (conversion stopped at line {done} of {lines}; "
             "rerun the same convert-imageset command to finish it)"
         )
-    print(f"database:  {data['path']}  ({_human(info.size_bytes)} on disk, {status})")
+    print(f"database:  {_printable(data['path'])}  ({_human(info.size_bytes)} on disk, {status})")
     scanned = "" if info.scanned == info.records else f"  (first {info.scanned} scanned)"
     print(f"records:   {info.records}{scanned}")
     print("first keys:")
     for key in data["first_keys"]:
-        print(f"  {key}")
+        print(f"  {_printable(key)}")
     if not info.scanned:
         return 0
     print("kinds:     " + ", ".join(f"{k} {n}" for k, n in sorted(info.kinds.items())))
@@ -485,7 +493,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if info.errors:
         print(f"unreadable records: {len(info.errors)}")
         for key, msg in list(data["errors"].items())[:5]:
-            print(f"  {key}: {msg}")
+            print(f"  {_printable(key)}: {_printable(msg)}")
     return 0
 
 
@@ -535,6 +543,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"blobpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.set_defaults(commands=sub.choices)  # each command's parser, for its usage
     _add_convert(sub)
     _add_mean(sub)
     _add_export(sub)
@@ -605,23 +614,52 @@ class _UsageError(Exception):
     """A command line that cannot mean anything (exit status 2)."""
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the command ``argv`` names (the top-level one when none)."""
+    commands: dict[str, argparse.ArgumentParser] = parser.get_default("commands")
+    for token in argv:
+        if token in commands:
+            return commands[token]
+    return parser
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout went away (``blobpipe inspect db | head -1``): send the
+    rest of the output nowhere, so that the interpreter's final flush is silent."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``blobpipe`` command line; returns the exit code (0, 1, 2 or 130)."""
+    """Run the ``blobpipe`` command line; returns the exit code (0, 1, 2 or 130).
+
+    A closed stdout (a pipe into ``head``) ends the command quietly with 0, as Unix
+    tools do. Usage errors print the usage of the command they belong to.
+    """
     parser = _build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
         raw = _caffe_spellings(raw)
     except _UsageError as exc:
-        parser.print_usage(sys.stderr)
+        _command_parser(parser, raw).print_usage(sys.stderr)
         print(f"blobpipe {raw[0]}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        args = parser.parse_args(raw)
+        args, extra = parser.parse_known_args(raw)
+        if extra:
+            _command_parser(parser, raw).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     handler: _Handler = args.handler
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        return 0
     except KeyboardInterrupt:
         _err(args.command, "interrupted")
         return 130

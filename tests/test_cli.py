@@ -418,3 +418,88 @@ def test_gflags_that_cannot_mean_anything_are_usage_errors(
     err = capsys.readouterr().err
     assert f"blobpipe {argv[0]}: error:" in err
     assert ("LMDB only" in err) == ("leveldb" in " ".join(argv))
+
+
+# -- pipes, usage, what inspect prints -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", str(CAFFE / "lmdb" / "encoded_jpg"), "--first", "50"],
+        ["inspect", "--json", str(CAFFE / "lmdb" / "raw_color")],
+        ["compute-mean", str(CAFFE / "lmdb" / "raw_color")],
+    ],
+    ids=["inspect", "inspect-json", "compute-mean"],
+)
+def test_a_closed_stdout_ends_the_command_quietly(argv: list[str]) -> None:
+    """``blobpipe inspect db | head -1``: the reader is gone before blobpipe writes."""
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe fails: EPIPE
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with os.fdopen(write, "wb") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "blobpipe", *argv],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert proc.returncode == 0
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["inspect", "--bogus", "db"], "usage: blobpipe inspect"),
+        (["export", "db", "out", "--frobnicate"], "usage: blobpipe export"),
+        (["compute-mean", "-backend=leveldb", "db"], "usage: blobpipe compute-mean"),
+        (["convert-imageset", "--shuffle=maybe", "a/", "l.txt", "db"], "usage: blobpipe convert"),
+    ],
+)
+def test_usage_errors_print_the_commands_usage(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert "usage: blobpipe [-h]" not in err
+
+
+def test_inspect_escapes_control_bytes_in_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blobpipe
+
+    image = np.zeros((1, 2, 2), np.uint8)
+    keys = [b"\x1b[2Jclear", b"nul\x00bel\x07", b"plain"]
+    db = tmp_path / "db"
+    blobpipe.write_lmdb(db, [(image, i) for i in range(3)], keys=keys)
+    assert main(["inspect", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x00" not in out and "\x07" not in out
+    assert "  \\x1b[2Jclear" in out and "  nul\\x00bel\\x07" in out and "  plain" in out
+
+
+def test_inspect_reads_a_directory_it_cannot_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory that can be entered but not listed (mode 0o311 for another user;
+    the test may run as root, so listing is refused by a patch): read as the Loader
+    reads it, by the names of LMDB's files."""
+    import shutil
+
+    db = tmp_path / "db"
+    shutil.copytree(CAFFE / "lmdb" / "raw_color", db)
+
+    def refuse(self: Path) -> object:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    monkeypatch.setattr(os, "listdir", lambda *a: refuse(Path(str(a[0]) if a else ".")))
+    monkeypatch.setattr(os, "scandir", lambda *a: refuse(Path(str(a[0]) if a else ".")))
+    assert main(["inspect", str(db)]) == 0
+    assert "records:   50" in capsys.readouterr().out

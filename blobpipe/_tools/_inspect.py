@@ -87,7 +87,10 @@ def _kind(datum: ParsedDatum) -> str:
 def _size(path: Path) -> int:
     if not path.is_dir():  # an LMDB data file opened directly
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".mdb"))
+    # LMDB's own files, by name: a directory that can be entered but not listed is
+    # read as the reader reads it
+    files = (path / name for name in ("data.mdb", "lock.mdb"))
+    return sum(f.stat().st_size for f in files if f.exists())
 
 
 def inspect_db(
