@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -350,6 +351,14 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     assert err.startswith("blobpipe convert-imageset: interrupted: ")
     assert "rerun the same command to resume" in err
     assert not out.exists()
+    # the message says what the rerun resumes from: the marker's line, and its records
+    marker = read_marker(tmp_path / "db.partial")
+    assert marker is not None
+    at = re.search(r"(\d+) records \(list lines up to (\d+) of 50\).*resume at line (\d+)", err)
+    assert at is not None, err
+    records, upto, resume = map(int, at.groups())
+    assert upto == resume == marker["next_index"]
+    assert records == resume - len(marker["skipped"])
 
 
 # -- Caffe's own scripts ------------------------------------------------------------------

@@ -178,3 +178,28 @@ def test_nothing_is_written_when_not_a_terminal(quiet: bool) -> None:
     with terminal(60) as (stream, received), Progress(10, "x", stream=stream, quiet=True) as bar:
         bar.advance(10)
     assert received == []
+
+
+def test_a_resumed_job_counts_only_new_units_in_its_rate() -> None:
+    now = [0.0]
+    bar = Progress(1000, "convert", enabled=True, stream=io.StringIO(), clock=lambda: now[0])
+    bar.skip(900)  # done by the interrupted run
+    now[0] = 2.0
+    bar.advance(10)
+    line = bar.render(width=200)
+    assert "910/1000" in line
+    assert "5.0 records/s" in line  # 10 new records in 2 s, not 910
+    assert "ETA 0:00:18" in line
+
+
+def test_stop_leaves_no_bar_behind() -> None:
+    out = io.StringIO()
+    now = [0.0]
+    bar = Progress(10, "convert", enabled=True, stream=out, clock=lambda: now[0])
+    bar.advance(3)
+    bar.stop()
+    drawn = out.getvalue()
+    bar.advance(1)
+    bar.close()  # after stop: nothing more
+    assert out.getvalue() == drawn
+    assert drawn.endswith("\r")  # the line blanked, the cursor at its start

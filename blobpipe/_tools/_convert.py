@@ -328,10 +328,11 @@ def convert_imageset(
         LmdbWriter(partial, map_size=map_size) as writer,
         Progress(len(entries), "convert", quiet=quiet) as bar,
     ):
-        bar.advance(start)
+        bar.skip(start)
+        committed = writer.entries()  # the records the marker accounts for
 
         def commit(next_index: int) -> None:
-            nonlocal pending_bytes
+            nonlocal pending_bytes, committed
             writer.put_many(pending)
             pending.clear()
             pending_bytes = 0
@@ -343,6 +344,7 @@ def convert_imageset(
             except OSError as exc:
                 full = disk_full(exc, partial, "the records committed before are kept")
                 raise exc if full is None else full from exc
+            committed = writer.entries()
 
         def notice(message: str) -> None:
             bar.clear()
@@ -393,9 +395,12 @@ def convert_imageset(
         except BaseException as exc:
             what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
             fix = "" if isinstance(exc, KeyboardInterrupt) else "fix the problem and "
-            notice(
-                f"{what}: {writer.entries()} records are committed in {str(partial)!r}; "
-                f"{fix}rerun the same command to resume"
+            bar.stop()  # nothing is drawn after this message
+            # what the marker records is what a rerun resumes from
+            say(
+                f"{what}: {committed} records (list lines up to {marker['next_index']} of "
+                f"{len(entries)}) are committed in {str(partial)!r}; {fix}rerun the same "
+                f"command to resume at line {marker['next_index']}"
             )
             raise
         records = writer.entries()

@@ -82,6 +82,7 @@ class Progress:
         self.description = description
         self.unit = unit
         self.done = 0
+        self._skipped = 0  # done before this run (a resumed job): not in the rate
         self._clock = clock
         self._start = clock()
         self._last_draw = -float("inf")
@@ -102,6 +103,12 @@ class Progress:
             if now - self._last_draw >= _REDRAW_INTERVAL_S:
                 self._draw(now)
 
+    def skip(self, n: int) -> None:
+        """Count ``n`` units as done already (a resumed job's earlier work): they
+        count towards the total, not towards the rate."""
+        self.done += n
+        self._skipped += n
+
     def set_total(self, total: int | None) -> None:
         """Change the expected total (e.g. once a resumed job knows what is left)."""
         self.total = total
@@ -111,7 +118,7 @@ class Progress:
         ``width`` characters (no limit when ``None``)."""
         now = self._clock() if now is None else now
         elapsed = max(now - self._start, 1e-9)
-        rate = self.done / elapsed
+        rate = (self.done - self._skipped) / elapsed
         frac = min(self.done / self.total, 1.0) if self.total else 0.0
         if self.total:
             count = f"{self.done}/{self.total} {self.unit} {frac:4.0%}"
@@ -153,6 +160,12 @@ class Progress:
             self._stream.flush()
             self._width = 0
             self._last_draw = -float("inf")
+
+    def stop(self) -> None:
+        """Blank the drawn line and end the bar without a final state (an
+        interrupted job says what became of it instead); further calls do nothing."""
+        self.clear()
+        self._closed = True
 
     def close(self) -> None:
         """Draw the final state and end the line; further calls do nothing."""
