@@ -13,14 +13,13 @@ Usage: python examples/blob_basics.py
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
-from blobpipe._backends import Backend, EmulatedBackend, get_backend
-from blobpipe._blob import Blob
-from blobpipe._errors import BackendUnavailableError
-from blobpipe._pool import get_pool
+from blobpipe import Backend, BackendUnavailableError, Blob, get_backend, get_pool
+from blobpipe.testing import EmulatedBackend
 
 
 def device_backend() -> Backend:
@@ -113,7 +112,11 @@ def update(backend: Backend) -> bool:
     return ok
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        description=(__doc__ or "").strip().splitlines()[0],
+        epilog="Run without arguments; it prints each step.",
+    ).parse_args(argv)
     backend = device_backend()
     print(f"backend: {backend!r}\n")
     results = [nine_steps(backend), reshape_within_capacity(backend), update(backend)]

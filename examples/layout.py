@@ -12,14 +12,13 @@ Usage: python examples/layout.py
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from blobpipe._blob import Blob
-from blobpipe._codec import read_blobproto
-from blobpipe._layout import nchw_offset, nchw_to_nhwc, nhwc_offset
+from blobpipe import Blob, nchw_offset, nchw_to_nhwc, nhwc_offset, read_blobproto
 
 MEAN = Path(__file__).resolve().parent.parent / "tests/data/caffe/raw_color_mean.binaryproto"
 BGR_LUMA = np.array([0.114, 0.587, 0.299], np.float32)  # weights of B, G, R
@@ -62,7 +61,11 @@ def gray() -> bool:
         return diff < 1e-3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        description=(__doc__ or "").strip().splitlines()[0],
+        epilog="Run without arguments; it prints each step.",
+    ).parse_args(argv)
     ok = worked_offset() & gray()
     print("\nok" if ok else "\nMISMATCH")
     return 0 if ok else 1

@@ -39,11 +39,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import blobpipe
+
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+except ImportError:  # --help works without torch; main() says what to install
+    torch = None  # type: ignore[assignment]
 
 SHAPE = (3, 8, 8)
 
@@ -171,6 +175,9 @@ def say(text: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if torch is None:
+        print("train_ddp.py needs PyTorch: pip install torch", file=sys.stderr)
+        return 1
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="ddp-") as tmp:
         device = init_process_group(tmp)

@@ -109,3 +109,30 @@ def test_train_ddp_under_torchrun(tmp_path: Path, ranks: int) -> None:
         assert mine[-1].endswith(
             f"finished 2 epochs; batches per epoch on ranks 0..{ranks - 1}: {everyone}"
         )
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_answers_help(name: str) -> None:
+    # train_ddp.py with torch hidden, as on a machine without it: --help still works
+    hide = "sys.modules['torch'] = None\n" if name == "train_ddp.py" else ""
+    code = (
+        "import runpy, sys\n"
+        f"{hide}"
+        "sys.argv = [sys.argv[1], '--help']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: {name}"), proc.stdout
+
+
+def test_examples_use_only_the_public_api() -> None:
+    for path in EXAMPLES.glob("*.py"):
+        private = re.findall(r"^\s*(?:from|import) blobpipe\._\w*", path.read_text(), re.M)
+        assert private == [], (path.name, private)
