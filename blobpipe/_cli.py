@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -525,6 +526,48 @@ def _add_inspect(sub: Any) -> None:
     p.set_defaults(handler=_cmd_inspect)
 
 
+# -- show -------------------------------------------------------------------
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from ._tools._output import check_output
+    from ._tools._show import show_grid
+
+    check_output(Path(args.output), force=args.force)
+    if not (args.mean_file or args.mean_value or args.scale != 1.0):
+        args.dtype = "uint8"  # no arithmetic: the records' own pixels
+    transform = _transform(args)
+    grid = show_grid(
+        args.db, args.output, count=args.count, transform=transform,
+        columns=args.columns, zoom=args.zoom,
+    )  # fmt: skip
+    if not args.quiet:
+        print(
+            f"wrote {grid.count} records of {_printable(str(args.db))!r} to "
+            f"{_printable(str(grid.path))!r} ({grid.columns} per row, zoom {grid.zoom})"
+        )
+    return 0
+
+
+def _add_show(sub: Any) -> None:
+    p = _parser_with(
+        sub,
+        "show",
+        "Draw the first records of an LMDB (or transformed batch rows) as a PNG grid, "
+        "each with its key and label; BGR records are shown in their true colours.",
+        "  blobpipe show train_lmdb -o grid.png\n"
+        "  blobpipe show train_lmdb -o crops.png --count 64 --crop-size 24 --mirror\n",
+    )
+    p.add_argument("db", metavar="DB", help="LMDB to draw")
+    p.add_argument("-o", "--output", required=True, metavar="GRID.png", help="the PNG to write")
+    p.add_argument("--count", type=_positive, default=16, metavar="N", help="records (16)")
+    p.add_argument("--columns", type=_positive, default=None, metavar="K", help="per row")
+    p.add_argument("--zoom", type=_positive, default=None, metavar="Z", help="pixel size")
+    p.add_argument("--force", action="store_true", help="overwrite GRID.png")
+    _add_transform_options(p)
+    p.set_defaults(handler=_cmd_show)
+
+
 # -- main -------------------------------------------------------------------
 
 
@@ -538,6 +581,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  blobpipe inspect db\n"
         "  blobpipe export db out.npz\n"
         "  blobpipe bench db --batch-size 64\n"
+        "  blobpipe show db -o grid.png\n"
         "\nRun 'blobpipe COMMAND --help' for a command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -549,6 +593,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_inspect(sub)
     _add_bench(sub)
+    _add_show(sub)
     return parser
 
 

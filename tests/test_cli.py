@@ -25,7 +25,7 @@ CAFFE = REPO / "tests" / "data" / "caffe"
 ROOT = f"{CAFFE / 'images'}/"
 LIST = str(CAFFE / "list_color.txt")
 RAW_FLAGS = ["--resize_height=32", "--resize_width=40"]
-COMMANDS = ["convert-imageset", "compute-mean", "export", "inspect", "bench"]
+COMMANDS = ["convert-imageset", "compute-mean", "export", "inspect", "bench", "show"]
 
 
 def run_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -512,3 +512,60 @@ def test_inspect_reads_a_directory_it_cannot_list(
     monkeypatch.setattr(os, "scandir", lambda *a: refuse(Path(str(a[0]) if a else ".")))
     assert main(["inspect", str(db)]) == 0
     assert "records:   50" in capsys.readouterr().out
+
+
+# -- show ------------------------------------------------------------------------------------
+
+
+def test_show_draws_each_record_in_its_true_colours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import cv2
+
+    import blobpipe
+    from blobpipe._tools._show import show_grid
+
+    db = CAFFE / "lmdb" / "raw_color"
+    out = tmp_path / "grid.png"
+    assert main(["show", str(db), "-o", str(out), "--count", "6", "--columns", "3"]) == 0
+    assert f"wrote 6 records of {str(db)!r}" in capsys.readouterr().out
+    png = cv2.imread(str(out), cv2.IMREAD_UNCHANGED)  # BGR, as the records
+    layout = show_grid(db, tmp_path / "again.png", count=6, columns=3)
+    assert layout.zoom == 3 and layout.columns == 3
+    reader = blobpipe.LmdbReader(db)
+    for i, key in enumerate(reader.keys()[:6]):
+        chw, label = blobpipe.decode_datum(reader.get(key))
+        want = chw.transpose(1, 2, 0).repeat(3, axis=0).repeat(3, axis=1)
+        y, x = layout.origin(i)
+        assert np.array_equal(png[y : y + 96, x : x + 120], want), key
+        assert layout.keys[i] == key and layout.labels is not None
+        assert layout.labels[i] == label
+    reader.close()
+
+
+def test_show_draws_transformed_rows_and_gray(tmp_path: Path) -> None:
+    import cv2
+
+    import blobpipe
+    from blobpipe._tools._show import show_grid
+
+    gray = [(np.full((1, 4, 5), 10 * i, np.uint8), i) for i in range(4)]
+    db = tmp_path / "gray"
+    blobpipe.write_lmdb(db, gray)
+    layout = show_grid(db, tmp_path / "g.png", zoom=1)
+    png = cv2.imread(str(tmp_path / "g.png"), cv2.IMREAD_UNCHANGED)
+    for i in range(4):
+        y, x = layout.origin(i)
+        assert (png[y : y + 4, x : x + 5] == 10 * i).all()  # gray in all three channels
+    # a crop through the transform: the centre of each record, as Batches cuts it
+    db = CAFFE / "lmdb" / "raw_color"
+    t = blobpipe.Transform(crop_size=24, dtype="uint8")
+    layout = show_grid(db, tmp_path / "c.png", count=4, transform=t, zoom=1)
+    png = cv2.imread(str(tmp_path / "c.png"), cv2.IMREAD_UNCHANGED)
+    with blobpipe.Batches(db, 4, transform=t, phase="test") as batches:
+        rows = next(iter(batches)).data
+    for i in range(4):
+        y, x = layout.origin(i)
+        assert np.array_equal(png[y : y + 24, x : x + 24], rows[i].transpose(1, 2, 0))
+    with pytest.raises(blobpipe.ArgumentError, match="PNG"):
+        show_grid(db, tmp_path / "grid.jpg")

@@ -1,0 +1,140 @@
+"""``blobpipe show``: the first records of an LMDB (or transformed batch rows) as a
+PNG grid, each image over a caption with its key and label.
+
+Invariants: a record's pixels are copied into its cell unchanged (uint8 rows) or
+stretched to 0..255 per row (float rows, after a mean and scale), each pixel
+repeated ``zoom`` times along both axes; 3-channel rows are BGR, as Caffe stores
+them, and so is the PNG writer's input, so colours come out right; a 1-channel
+row is shown gray. Captions lie below the image area, never over it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import ArgumentError, DataError, ShapeError
+from .._io._batches import Batches
+from .._io._transform import Transform
+
+__all__ = ["CAPTION_HEIGHT", "GridLayout", "show_grid"]
+
+CAPTION_HEIGHT = 28  # pixels below each image: key, then label
+_PAD = 2  # pixels between cells
+_MIN_CELL = 96  # auto zoom: the smallest side of an image cell at least this
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Where each record lies in the grid written by :func:`show_grid`."""
+
+    path: Path
+    count: int
+    columns: int
+    zoom: int
+    cell: tuple[int, int]  # (height, width) of an image area, zoomed
+    keys: tuple[bytes, ...]
+    labels: tuple[float, ...] | None
+
+    def origin(self, i: int) -> tuple[int, int]:
+        """The (y, x) of record ``i``'s image area in the PNG."""
+        h, w = self.cell
+        row, col = divmod(i, self.columns)
+        return _PAD + row * (h + CAPTION_HEIGHT + _PAD), _PAD + col * (w + _PAD)
+
+
+def _displayable(rows: np.ndarray, layout: str) -> np.ndarray:
+    """(N, H, W, 3) uint8 BGR from (N, C, H, W) (or NHWC) rows of 1 or 3 channels."""
+    if layout == "NCHW":
+        rows = rows.transpose(0, 2, 3, 1)
+    if rows.shape[-1] not in (1, 3):
+        raise ShapeError(
+            f"show draws 1- or 3-channel images; these rows have {rows.shape[-1]} channels"
+        )
+    if rows.dtype != np.uint8:  # transformed: each row stretched to 0..255
+        flat = rows.reshape(len(rows), -1).astype(np.float64)
+        low = flat.min(axis=1)[:, None]
+        span = np.maximum(flat.max(axis=1)[:, None] - low, 1e-12)
+        rows = np.rint((flat - low) / span * 255).astype(np.uint8).reshape(rows.shape)
+    if rows.shape[-1] == 1:
+        rows = np.repeat(rows, 3, axis=-1)
+    return np.ascontiguousarray(rows)
+
+
+def show_grid(
+    db: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    count: int = 16,
+    transform: Transform | None = None,
+    columns: int | None = None,
+    zoom: int | None = None,
+) -> GridLayout:
+    """Write the first ``count`` records of ``db`` (through ``transform``, TEST
+    phase, when given) to the PNG ``out``; returns where each one lies.
+
+    Raises:
+        ArgumentError: ``count``, ``columns`` or ``zoom`` below 1, or ``out`` not a
+            ``.png``.
+        DataError, DatabaseNotFoundError: as :class:`~blobpipe.Batches`.
+        ShapeError: records that are not images of 1 or 3 channels.
+    """
+    import cv2
+
+    for name, value in (("count", count), ("columns", columns), ("zoom", zoom)):
+        if value is not None and (isinstance(value, bool) or int(value) < 1):
+            raise ArgumentError(f"show: {name} must be a positive integer, got {value!r}")
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise ArgumentError(f"show writes a PNG: name the output *.png, got {str(out)!r}")
+    if transform is None:
+        transform = Transform(dtype="uint8")
+    with Batches(db, count, transform=transform, phase="test", mode="epoch") as batches:
+        batch = next(iter(batches))
+        rows = _displayable(batch.data, transform.layout)
+        keys = tuple(batch.keys)
+        labels = None if batch.label is None else tuple(float(v) for v in batch.label)
+    n, h, w, _ = rows.shape
+    if zoom is None:
+        zoom = max(1, math.ceil(_MIN_CELL / max(h, w, 1)))
+    if columns is None:
+        columns = math.ceil(math.sqrt(n))
+    columns = min(columns, n)
+    grid_rows = math.ceil(n / columns)
+    ch, cw = h * zoom, w * zoom
+    image = np.full(
+        (_PAD + grid_rows * (ch + CAPTION_HEIGHT + _PAD), _PAD + columns * (cw + _PAD), 3),
+        32,
+        np.uint8,
+    )
+    layout = GridLayout(out, n, columns, zoom, (ch, cw), keys, labels)
+    for i in range(n):
+        y, x = layout.origin(i)
+        image[y : y + ch, x : x + cw] = rows[i].repeat(zoom, axis=0).repeat(zoom, axis=1)
+        caption = [keys[i].decode("utf-8", "replace")]
+        if labels is not None:
+            caption.append(f"label {labels[i]:g}")
+        for line, text in enumerate(caption):
+            _put_text(cv2, image, text, (x, y + ch + 11 + 12 * line), cw)
+    ok, png = cv2.imencode(".png", image)
+    if not ok:  # pragma: no cover - OpenCV encodes any uint8 BGR image
+        raise DataError("OpenCV could not encode the grid as PNG", path=db)
+    out.write_bytes(png.tobytes())
+    return layout
+
+
+def _put_text(cv2: Any, image: np.ndarray, text: str, at: tuple[int, int], width: int) -> None:
+    """``text`` (printable ASCII, cut to ``width`` pixels) at ``at``, in the caption strip."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in text)
+    scale = 0.35
+    while text:
+        (tw, _), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+        if tw <= width:
+            break
+        text = text[:-1]
+    cv2.putText(image, text, at, cv2.FONT_HERSHEY_SIMPLEX, scale, (230, 230, 230), 1, cv2.LINE_AA)
