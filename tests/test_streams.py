@@ -220,8 +220,8 @@ async def test_dlpack_export_costs_no_copy_back(db30: Path, device: str) -> None
     """A DLPack export moves the head to the device; refilling the slot overwrites
     the host bytes without copying the stale batch back first."""
     backend = make_backend(device)
+    before = backend.statistics()  # the fillers start copying as the loader opens
     async with Loader(db30, 3, device=backend, prefetch=2, device_transform=False) as loader:
-        before = backend.statistics()
         for _ in range(20):
             batch = await anext(loader)
             backend.xp.from_dlpack(batch.data)
@@ -330,7 +330,7 @@ async def test_the_transform_kernels_run_once_at_open(
     real = device_module.apply
 
     def spy(*args: Any, **kwargs: Any) -> None:
-        seen.append(loader._planned if loader is not None else -1)
+        seen.append(loader._pipe._planned if loader is not None else -1)
         real(*args, **kwargs)
 
     monkeypatch.setattr(device_module, "apply", spy)
