@@ -180,7 +180,9 @@ def blob_values(
     return _as_array(proto, data_field), diff
 
 
-def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.ndarray:
+def blobproto_array(
+    data: bytes | bytearray | memoryview, label: str = "the record"
+) -> np.ndarray:
     """One serialized ``caffe.BlobProto`` (an LMDB record) as an array of its shape.
 
     Caffe's rules: the legacy num/channels/height/width shape when any is set,

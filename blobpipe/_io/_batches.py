@@ -50,9 +50,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import DATUM, RecordKind, RecordSource
+from ._fill import RecordSource
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
+from ._records import DATUM, RecordKind
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 

@@ -1,7 +1,7 @@
 """Several databases as one: record ``i`` of the whole is record ``i - start[k]`` of
 database ``k``, in the order the databases were given.
 
-:class:`ConcatFiller` has the filler's interface (``_fill.Filler``) and hands each
+:class:`ConcatFiller` is a ``_fill.RowFiller``, as ``_fill.Filler`` is, and hands each
 database its own rows: a run of rows from one database is filled straight into
 the batch, rows of several databases interleaved (a shuffled order) are filled
 per database into a scratch block and scattered. Each database keeps its own
@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._fill import Filler, RecordKind
+from ._fill import Filler
 from ._plan import BatchPlan
+from ._records import RecordKind
 from ._transform import Transform
 
 __all__ = ["ConcatFiller"]
@@ -31,7 +32,7 @@ class ConcatFiller:
         self._parts = list(parts)
         self._starts = np.cumsum([0, *lengths], dtype=np.int64)
         self.kind: RecordKind = self._parts[0].kind
-        self._blob_dtype = self._parts[0]._blob_dtype
+        self.blob_dtype: np.dtype[Any] = self._parts[0].blob_dtype
 
     @property
     def transform(self) -> Transform:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import DataError
-from .._io._datum import encode_encoded_datum, encode_raw_datum
+from .._io._encode import encode_encoded_datum, encode_raw_datum
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
     MARKER_NAME,
