@@ -41,7 +41,7 @@ from ._plan import BatchPlan
 from ._records import BLOBPROTO, DATUM, ENCODED, PARSED, RAW, RecordKind, blob_record
 from ._transform import Phase, RecordParams, Transform
 
-__all__ = ["Filler", "RecordSource", "RowFiller"]
+__all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix"]
 
 _U1 = np.dtype(np.uint8)
 
@@ -60,6 +60,25 @@ class RecordSource(Protocol):
         returns views valid inside the block (as :class:`LmdbReader` does).
         """
         ...
+
+
+def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
+    """What to do when records of shapes ``a`` and ``b`` (``(C, H, W)`` for Datums)
+    must make rows of one batch."""
+    if not datum:
+        return "BlobProto records of one batch must share a shape: use batch_size=1"
+    if a[0] != b[0]:
+        return (
+            f"their channels differ ({a[0]} and {b[0]}): build the databases alike "
+            "(convert_imageset --gray for 1 channel, without it for 3), or, for encoded "
+            "records, decode them alike with force_color=True (--force-color) or "
+            "force_gray=True (--force-gray)"
+        )
+    return (
+        f"their sizes differ ({a[1]}×{a[2]} and {b[1]}×{b[2]}): resize when building the "
+        "databases (convert_imageset --resize_height/--resize_width), or crop them to one "
+        "size (crop_size no larger than the smallest), or use batch_size=1"
+    )
 
 
 class RowFiller(Protocol):
@@ -463,8 +482,8 @@ class Filler:
                 raise DataError(
                     f"record {key!r} has shape {tuple(chw.shape)} (output {out_shape}) but the "
                     f"batch's first record {plan.keys[0]!r} has shape {plan.record_shape} "
-                    f"(output {expected}); records in one batch must share a shape: use "
-                    "batch_size=1 or a crop_size",
+                    f"(output {expected}); records in one batch must share a shape: "
+                    + shape_fix(plan.record_shape, chw.shape, True),
                     path=self._path,
                     key=key,
                 )

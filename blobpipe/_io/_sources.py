@@ -27,7 +27,7 @@ import numpy as np
 
 from .._errors import DataError
 from ._concat import ConcatFiller
-from ._fill import Filler, RecordSource, RowFiller
+from ._fill import Filler, RecordSource, RowFiller, shape_fix
 from ._kernels import mix_words
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
@@ -172,6 +172,8 @@ def open_sources(
                     path=part.path,
                 )
         src.filler = _make_filler(src, t, phase, kinds[0], blob_dtype)
+        if len(src.parts) > 1:
+            _check_part_shapes(src)
         if src is not primary:
             src.salt = group_salt if src.name in shared else _salt(src.name)
     sharing = [s for s in opened if s.name in shared]
@@ -300,6 +302,36 @@ def _record_kind(record: Any, src: Part) -> RecordKind:
             key=keys[0],
         )
     return first
+
+
+def _check_part_shapes(src: Source) -> None:
+    """The databases of ``src`` make rows of one shape, as far as their first records
+    tell (a batch's rows share a shape).
+
+    Raises:
+        DataError: naming both records (key and database) and the fix.
+    """
+    filler = src.filler
+    seen: tuple[bytes, object, tuple[int, ...], tuple[int, ...]] | None = None
+    start = 0
+    for part in src.parts:
+        if len(part.keys):
+            key = part.keys[0]
+            shape, _ = filler.first(start)
+            out, _ = filler.output(shape, key)
+            if seen is None:
+                seen = (key, part.path, shape, out)
+            elif out != seen[3]:
+                key0, path0, shape0, _ = seen
+                raise DataError(
+                    f"the databases of source {src.name!r} are read as one, but record "
+                    f"{key0!r} of {path0} has shape {shape0} and record {key!r} of "
+                    f"{part.path} has shape {shape}: the rows of a batch share one shape; "
+                    + shape_fix(shape0, shape, filler.kind == DATUM),
+                    path=part.path,
+                    key=key,
+                )
+        start += len(part.keys)
 
 
 def _check_same_keys(a: Source, b: Source) -> None:
