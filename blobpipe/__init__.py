@@ -1,12 +1,7 @@
 """blobpipe: Caffe's Blob, SyncedMemory and DataLayer for modern Python.
 
-Layers, each importing only those before it:
-errors and the protobuf codec → device backends → memory (pool, SyncedMemory)
-→ Blob → io (LMDB reader, transforms, batches) → loader → CLI tools.
-``_codec`` is the only module that touches Caffe's messages (``_proto``); it
-works on NumPy arrays and Python values, and its three Blob-returning
-functions (``read_blobproto``, ``read_caffemodel``, ``write_blobproto``)
-import Blob when called.
+The modules, what each owns and what it may import: the table at the top of
+``docs/design.md`` (held by ``tests/test_layers.py``).
 
 Nothing here imports CuPy or decides on a device: backends are resolved on
 first use (``device="auto"`` tries CUDA, then falls back to the host).
@@ -18,10 +13,10 @@ from ._backends import Backend as Backend
 from ._backends import get_backend as get_backend
 from ._backends import set_default_backend as set_default_backend
 from ._blob import Blob as Blob
+from ._blobfile import read_blobproto as read_blobproto
+from ._blobfile import read_caffemodel as read_caffemodel
+from ._blobfile import write_blobproto as write_blobproto
 from ._codec import load_mean_file as load_mean_file
-from ._codec import read_blobproto as read_blobproto
-from ._codec import read_caffemodel as read_caffemodel
-from ._codec import write_blobproto as write_blobproto
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError

@@ -322,10 +322,8 @@ class Filler:
         rows = []
         shape = plan.record_shape
         for r in range(start, stop):
-            if r == 0 and plan._first is not None:
-                values = plan._first[0]
-            else:
-                values = self._blob(plan.indices[r])
+            first = plan.decoded_first() if r == 0 else None
+            values = first[0] if first is not None else self._blob(plan.indices[r])
             if values.shape != shape:
                 raise DataError(
                     f"record {plan.keys[r]!r} is a blob of shape {values.shape} but the batch's "
@@ -406,10 +404,11 @@ class Filler:
         offsets = loc.offset.tolist()
         lengths = loc.length.tolist()
         kinds = loc.kind.tolist()
+        first = plan.decoded_first() if start == 0 else None
         images = (
             buffer[offsets[r] : offsets[r] + lengths[r]].data
             for r, k in enumerate(kinds)
-            if k == ENCODED and not (start + r == 0 and plan._first is not None)
+            if k == ENCODED and not (r == 0 and first is not None)
         )
         decoded = decode_many(images, self._flag)
         for r, k in enumerate(kinds):
@@ -417,8 +416,8 @@ class Filler:
                 c, h, w = loc.shape[r].tolist()
                 yield r, buffer[offsets[r] : offsets[r] + c * h * w].reshape(c, h, w)
             elif k == ENCODED:
-                if start + r == 0 and plan._first is not None:
-                    yield r, plan._first[0]  # decoded by next_plan
+                if r == 0 and first is not None:
+                    yield r, first[0]  # decoded by next_plan
                     continue
                 hwc = next(decoded)
                 yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
@@ -471,8 +470,9 @@ class Filler:
         flip it used if the record turns out fine after all."""
         t = self._transform
         key = plan.keys[row]
-        if row == 0 and plan._first is not None:
-            chw, label = plan._first
+        first = plan.decoded_first() if row == 0 else None
+        if first is not None:
+            chw, label = first
         else:
             chw, label = self._read(key, self._reader.get)
         expected = plan.data_shape[1:]

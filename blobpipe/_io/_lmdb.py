@@ -266,9 +266,7 @@ class LmdbReader:
         self._check_open()
         return self._shared.mapped
 
-    def mapped_extents(
-        self, keys: Sequence[bytes]
-    ) -> tuple[npt.NDArray[np.uint8], Extents] | None:
+    def mapped_extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
         """For the record index (``_index.py``): the mapped file and each value's
         place in it, in the order of ``keys`` (all keys, as :meth:`keys` lists them);
         None when the file is not mapped or its tree, read at open, does not hold

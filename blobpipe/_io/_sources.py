@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,12 +81,6 @@ class Source:
         out: tuple[int, ...] = tuple(mix_words(w, self.salt).tolist())
         return out
 
-    def refill(self, transform: Transform, phase: Phase) -> None:
-        """Fill with ``transform`` instead (before the first plan)."""
-        old = self.filler
-        self.filler = _make_filler(self, transform, phase, old.kind, old.blob_dtype)
-        old.close()
-
     def close(self) -> None:
         """Close the filler, and the readers this source opened."""
         if self.filler is not None:
@@ -107,11 +101,13 @@ def open_sources(
     share_random: bool | Collection[str],
     readahead: bool,
     phase: Phase,
+    split: Callable[[Transform, RecordKind], Transform | None] | None = None,
 ) -> tuple[Source, ...]:
     """Open every source into ``opened`` (the primary first; appended as they open,
     so the caller closes what opened if this raises), tell each one's record kind,
-    check that their keys agree, and give each its filler. Returns the sources
-    that share their crops and flips.
+    check that their keys agree, and give each its filler (the primary's with the
+    transform ``split`` returns for its transform and kind, when it returns one).
+    Returns the sources that share their crops and flips.
 
     Raises:
         ValueError, TypeError: bad names, transforms, record kinds or sharing.
@@ -171,6 +167,8 @@ def open_sources(
                     f"{kind}s; databases read as one must hold one kind",
                     path=part.path,
                 )
+        if split is not None and src is primary:  # a Loader's host half of its transform
+            t = split(t, kinds[0]) or t
         src.filler = _make_filler(src, t, phase, kinds[0], blob_dtype)
         if len(src.parts) > 1:
             _check_part_shapes(src)
