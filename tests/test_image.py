@@ -101,7 +101,8 @@ def test_decode_many_decodes_each_when_asked() -> None:
     first = next(decoded)
     assert isinstance(first, np.ndarray) and np.array_equal(first, opencv(datas[0], 1))
     assert next(images) is datas[1]  # the second is not read before it is asked for
-    assert [np.array_equal(d, opencv(x, 1)) for d, x in zip(decoded, datas[2:], strict=True)]
+    rest = list(decoded)
+    assert len(rest) == 1 and np.array_equal(rest[0], opencv(datas[2], 1))
 
 
 def test_datums_decode_with_caffes_flags() -> None:

@@ -92,11 +92,13 @@ def test_copy_from_after_the_callers_write(device_backend: Backend) -> None:
 
 
 def test_callers_later_work_sees_the_update(device_backend: Backend) -> None:
-    """The caller's work queued after update() runs after it (reads the new data)."""
+    """update() runs after the caller's queued work (it reads the diff that work
+    writes) and the caller's work queued after it reads the new data."""
     blob = _blob(device_backend, 3)
-    blob.mutable_cpu_diff()[:] = 1
-    blob.mutable_gpu_diff()
+    blob.mutable_cpu_diff()[:] = 7
+    diff = blob.mutable_gpu_diff()
     data = blob.mutable_gpu_data()
+    _fill_late(device_backend, diff, 1)  # the caller's backward pass, still queued
     blob.update()
     seen = device_backend.xp.zeros(256, np.float32)
     queue_late(device_backend, lambda: device_backend.xp.copyto(seen, data), LATE)
