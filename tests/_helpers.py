@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 
 import anyio
@@ -24,6 +25,12 @@ import numpy as np
 
 import blobpipe
 from blobpipe.testing import EmulatedBackend
+
+
+def epochs(b: blobpipe.Batches, n: int) -> list[list[blobpipe.ArrayBatch]]:
+    """``n`` epochs of ``b`` (``mode="epoch"``), each a list of its batches."""
+    return [list(islice(iter(b), 10_000)) for _ in range(n)]
+
 
 # -- LMDBs -------------------------------------------------------------------------------------
 

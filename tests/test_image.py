@@ -27,8 +27,7 @@ from blobpipe._io._image import (
 )
 from blobpipe._io._transform import Transform
 from blobpipe._io._wire import parse_datum
-from tests._helpers import image, key, write_lmdb
-from tests.test_index import epochs
+from tests._helpers import epochs, image, key, write_lmdb
 
 DATA = Path(__file__).parent / "data"
 FLAGS = (1, 0, -1)  # IMREAD_COLOR, IMREAD_GRAYSCALE, IMREAD_UNCHANGED

@@ -39,22 +39,13 @@ from tests._helpers import (
     wait_until,
     write_lmdb,
 )
-from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
+from tests.conftest import CAFFE, make_backend, to_numpy
 
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
 MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def make_backend(name: str) -> Backend:
-    """A fresh backend (fresh pools, so their counters belong to the test)."""
-    if name == "host":
-        return HostBackend()
-    if name == "emulated":
-        return EmulatedBackend(delay=0.001)
-    return cupy_backend_or_skip()
 
 
 DEVICES = [
@@ -210,12 +201,6 @@ class PoolWatch:
 
     def assert_returned(self) -> None:
         assert self.used() == self.before
-
-
-@pytest.fixture
-def db30(tmp_path: Path) -> Path:
-    """30 raw 3x10x12 records; record i has label i."""
-    return raw_db(tmp_path / "db30", 30)
 
 
 # -- content: equal to the synchronous iterator ----------------------------------------------

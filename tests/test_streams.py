@@ -21,9 +21,8 @@ import pytest
 
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
-from tests._helpers import queue_late, raw_db
-from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
-from tests.test_loader import make_backend
+from tests._helpers import queue_late
+from tests.conftest import CAFFE, cupy_backend_or_skip, make_backend, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
@@ -36,12 +35,6 @@ DEVICES = [
     pytest.param("cupy", None, id="cupy", marks=pytest.mark.gpu),
     pytest.param("cupy", False, id="cupy-no-dt", marks=pytest.mark.gpu),
 ]
-
-
-@pytest.fixture
-def db30(tmp_path: Path) -> Path:
-    """30 raw 3x10x12 records; record i has label i."""
-    return raw_db(tmp_path / "db30", 30)
 
 
 # -- Blob operations after the caller's stream (issue 11, finding 1) -------------------------
