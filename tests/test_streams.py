@@ -37,7 +37,7 @@ DEVICES = [
 ]
 
 
-# -- Blob operations after the caller's stream (issue 11, finding 1) -------------------------
+# -- Blob operations after the caller's stream -------------------------
 
 
 def _blob(backend: Backend, value: float) -> Blob:
@@ -107,7 +107,7 @@ def test_host_read_after_the_callers_write(device_backend: Backend) -> None:
     assert to_numpy(blob.cpu_data()).tolist() == [4] * 256
 
 
-# -- ring slots reused after the consumer's stream (finding 2) --------------------------------
+# -- ring slots reused after the consumer's stream --------------------------------
 
 
 def _expected(db: Path, n: int, **options: Any) -> list[np.ndarray]:
@@ -181,7 +181,7 @@ def test_blocking_consumer_on_a_side_stream(
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
 
 
-# -- copy_time is the copy alone (finding 5) --------------------------------------------------
+# -- copy_time is the copy alone --------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -206,7 +206,7 @@ async def test_copy_time_excludes_the_consumers_work(
     assert stats.copy_time < LATE, stats.copy_time
 
 
-# -- refills overwrite without copying the stale batch back (finding 4) ---------------------------
+# -- refills overwrite without copying the stale batch back ---------------------------
 
 
 @pytest.mark.anyio
@@ -238,7 +238,7 @@ def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
         Loader(db30, 4, device=EmulatedBackend(), stream=3)
 
 
-# -- a second device (finding 3) -----------------------------------------------------------------
+# -- a second device -----------------------------------------------------------------
 
 
 def second_device(name: str) -> Backend:
@@ -307,7 +307,7 @@ def test_the_emulated_devices_refuse_each_others_memory() -> None:
         event.synchronize()
 
 
-# -- kernels compiled at open (finding 7) ---------------------------------------------------------
+# -- kernels compiled at open ---------------------------------------------------------
 
 
 @pytest.mark.anyio
