@@ -481,7 +481,7 @@ def _message(draw: st.DrawFn) -> bytes:
     return body
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_message())
 def test_fuzz_structured_messages_agree_with_protobuf(buf: bytes) -> None:
     assert_agrees(buf)
