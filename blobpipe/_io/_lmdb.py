@@ -140,10 +140,36 @@ class LmdbReader:
         if self._state is not _OPEN:
             raise self._closed_error()
 
+    def check_file(self) -> None:
+        """Refuse to read on when the data file is now shorter than when it was
+        opened (truncated, or copied over in place by ``cp``): its pages past the new
+        end would kill the process with SIGBUS when touched. Every read checks it
+        first; one ``fstat``.
+
+        Raises:
+            StateError: the reader is closed.
+            DataError: the file shrank; names the database.
+        """
+        self._check_open()
+        shrunk = self._shared.shrunk()
+        if shrunk is not None:
+            then, now = shrunk
+            raise DataError(
+                f"the database changed while it was being read: its data file holds "
+                f"{now} bytes, {then} when it was opened (truncated, or copied over in "
+                "place); do not write or copy over a database while a Loader or reader "
+                "reads it (copy to a new directory and open that instead)",
+                path=self._path,
+            )
+
     def _enter(self) -> Any:
-        """Count one more user and return this thread's read transaction."""
-        if self._generation != envs.REGISTRY.generation:
-            self._after_fork()
+        """Count one more user and return this thread's read transaction.
+
+        Raises:
+            StateError: the reader is closed.
+            DataError: the data file shrank since it was opened (:meth:`check_file`).
+        """
+        self.check_file()
         with self._lock:
             if self._state is not _OPEN:
                 raise self._closed_error()
