@@ -267,3 +267,45 @@ def test_fork_while_threads_read_through_every_entry_point() -> None:
     done = run_script(_FORK_UNDER_THREADS, db, "60")
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == "ok", done.stdout
+
+
+_MEAN_FILES = """
+    import os, resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a failure must not swap
+    import blobpipe
+
+    fifo = os.path.join(sys.argv[1], "mean.fifo")
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", sys.argv[1]):
+        try:
+            blobpipe.Transform(mean_file=path)
+            print(path, "accepted")
+        except blobpipe.ProtoError as exc:
+            print("refused:", exc)
+        except BaseException as exc:
+            print(path, "raised", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo()")
+def test_a_mean_file_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO (whose open or read would wait for a writer forever), /dev/zero (endless)
+    and a directory are refused before anything is read from them."""
+    done = run_script(_MEAN_FILES, str(tmp_path), timeout=15)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("refused:") for line in lines), lines
+    assert all("is not a regular file" in line for line in lines), lines
+    assert "mean.fifo" in lines[0] and "/dev/zero" in lines[1]
+
+
+def test_a_mean_file_is_read_by_its_size(tmp_path: Path) -> None:
+    """A mean file is read whole by its size: a good one loads, one cut short or with
+    bytes after its message is a ProtoError naming the file."""
+    mean = Path(__file__).parent / "data" / "caffe" / "raw_color_mean.binaryproto"
+    good = blobpipe.load_mean_file(mean)
+    assert good.shape == (3, 32, 40)
+    cut = tmp_path / "cut.binaryproto"
+    cut.write_bytes(mean.read_bytes()[:-100])
+    with pytest.raises(blobpipe.ProtoError, match=r"cut\.binaryproto"):
+        blobpipe.load_mean_file(cut)
