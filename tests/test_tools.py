@@ -146,6 +146,60 @@ def test_bad_list_line_names_the_line(tmp_path: Path, line: str) -> None:
     assert not (tmp_path / "db.partial").exists()
 
 
+def test_labels_are_read_as_caffes_atoi_reads_them(tmp_path: Path) -> None:
+    """``atoi``: leading white space and a sign, then digits; the rest is ignored."""
+    lst = tmp_path / "l.txt"
+    lines = [b"a.png 1_000", b"b.png +7", b"c.png -3x", b"d.png \t42abc", b"e.png 007", b"f.png 5 "]
+    lst.write_bytes(b"\n".join(lines[:-1]) + b"\n")
+    assert [label for _, label in read_list_file(lst)] == [1, 7, -3, 42, 7]
+    lst.write_bytes(b"g.png 1e3\nh.png 0x10\n")
+    assert read_list_file(lst) == [(b"g.png", 1), (b"h.png", 0)]
+    for bad in (b"x.png _1", b"x.png +", b"x.png 5 "):  # no digits after the last space
+        lst.write_bytes(b"ok.png 1\n" + bad + b"\n")
+        with pytest.raises(DataError, match="line 2: expected 'path label'"):
+            read_list_file(lst)
+
+
+def test_a_path_too_long_for_an_lmdb_key_names_its_line(tmp_path: Path) -> None:
+    lst = tmp_path / "l.txt"
+    lst.write_bytes(b"ok.png 1\n" + b"d/" * 304 + b" 2\n")  # a 608-byte path
+    with pytest.raises(DataError, match=r"l\.txt' line 2: the path is 608 bytes.*511-byte key"):
+        read_list_file(lst)
+    lst.write_bytes(b"x" * 502 + b" 2\n")  # '00000000_' + 502 bytes: 511, the limit
+    assert read_list_file(lst) == [(b"x" * 502, 2)]
+
+
+_NOT_UTF8 = """
+    import os, sys
+    import cv2, numpy as np
+    import blobpipe
+    from blobpipe._tools import convert_imageset
+
+    root = sys.argv[1]
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 9, 3), dtype=np.uint8)
+    cv2.imwrite(os.path.join(root, "plain.png"), pixels)
+    name = os.path.join(root, "caf").encode() + b"\\xe9.png"
+    os.rename(os.path.join(root, "plain.png").encode(), name)
+    with open(os.path.join(root, "list.txt"), "wb") as f:
+        f.write(b"caf\\xe9.png 1\\n")
+    result = convert_imageset(root, os.path.join(root, "list.txt"), os.path.join(root, "db"))
+    reader = blobpipe.LmdbReader(os.path.join(root, "db"))
+    (key,) = reader.keys()
+    chw, label = blobpipe.decode_datum(reader.get(key))
+    print(result.records, key, label, bool((chw == pixels.transpose(2, 0, 1)).all()))
+"""
+
+
+def test_a_list_file_name_that_is_not_utf8_is_read_as_caffe_reads_it(tmp_path: Path) -> None:
+    """The file's bytes are read by their bytes path and decoded from memory (OpenCV's
+    imread cannot take such a name: it crashed the process)."""
+    from tests.test_faults import run_script
+
+    done = run_script(_NOT_UTF8, str(tmp_path))
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["1", "b'00000000_caf\\xe9.png'", "1", "True"]
+
+
 def test_unreadable_images_are_skipped_but_keep_their_index(tmp_path: Path) -> None:
     root = tmp_path / "root"
     shutil.copytree(ROOT / "color", root / "color")
