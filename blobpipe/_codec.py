@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ from ._proto.caffe_pb2 import (
     TransformationParameter,
     V1LayerParameter,
 )
-from ._shape import format_shape, validate_shape
+from ._shape import MAX_BLOB_AXES, format_shape, validate_shape
 
 if TYPE_CHECKING:
     from ._backends import Backend
@@ -86,6 +87,7 @@ StrPath = str | os.PathLike[str]
 _M = TypeVar("_M", bound=Message)
 
 _LEGACY_FIELDS: Final = ("num", "channels", "height", "width")
+_INT_MAX: Final = 2**31 - 1
 _DEPRECATED_DATA_FIELDS: Final = ("scale", "mean_file", "crop_size", "mirror")
 
 _BLOBPROTO_FIX: Final = (
@@ -241,12 +243,29 @@ def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.n
     """
     proto = _decode(BlobProto(), bytes(data), label, "valid caffe.BlobProto")
     shape, legacy = blob_shape(proto)
+    fields = "num/channels/height/width" if legacy else "shape"
+    if len(shape) > MAX_BLOB_AXES:
+        raise ProtoError(
+            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most "
+            f"{MAX_BLOB_AXES}"
+        )
     if any(d < 0 for d in shape):
-        fields = "num/channels/height/width" if legacy else "shape"
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
+    if any(d > _INT_MAX for d in shape):
+        raise ProtoError(
+            f"{label} is a BlobProto with a dimension above {_INT_MAX} in {fields}: {shape} "
+            "(Caffe's blob dimensions are int32)"
+        )
     count = 1
+    nonzero = 1  # what numpy checks: the dims' product, zeros left out, must be addressable
     for d in shape:
         count *= int(d)  # Python ints: no overflow
+        nonzero *= max(int(d), 1)
+    if nonzero * 8 > sys.maxsize:
+        raise ProtoError(
+            f"{label} is a BlobProto of shape {shape}, which no array can have (the product "
+            "of its dimensions exceeds what this platform can address)"
+        )
     try:
         values, _ = blob_values(proto, count, format_shape(shape, count))
     except ProtoError as exc:

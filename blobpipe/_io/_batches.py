@@ -62,6 +62,7 @@ Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 
 _STATE_VERSION = 1
+_MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
 
 
 @dataclass(frozen=True, eq=False)
@@ -420,7 +421,7 @@ class Batches:
             pad = state.get("pad_shards", False)
             saved["pad_shards"] = pad if saved_shard[1] > 1 else False
             n = int(state["num_records"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported Batches state version {version!r}")
@@ -442,7 +443,13 @@ class Batches:
                 f"now has {self._n}",
                 path=self._path,
             )
-        if epoch < 0 or not 0 <= pos < self._shard_len:
+        if not 0 <= epoch <= _MAX_EPOCH:
+            raise ValueError(
+                f"the state's epoch {epoch} is out of range: epochs count from 0 to "
+                f"2**62 (the random draws take the epoch as a 64-bit integer); pass a "
+                "state saved by state_dict()"
+            )
+        if not 0 <= pos < self._shard_len:
             raise ValueError(
                 f"the state's epoch {epoch} / position {pos} is out of range "
                 f"(this shard has {self._shard_len} records per epoch)"
