@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import shutil
 import tracemalloc
@@ -567,6 +568,45 @@ def test_export_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
     export(tmp_path / "mixed", tmp_path / "m", transform=Transform(crop_size=24))
     assert np.load(tmp_path / "m" / "data.npy").shape == (2, 3, 24, 24)
+
+
+@pytest.mark.parametrize("name", ["o.npz", "o.binaryproto", "o"])
+def test_an_interrupted_export_leaves_no_partial_output(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or an error) in the middle of an export removes ``OUT.partial``; one left
+    by a killed run is removed by the next export, which says so."""
+    from blobpipe._tools import _export
+
+    calls = 0
+
+    def interrupt(self: object, n: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_export.Progress, "advance", interrupt)
+    out = tmp_path / name
+    with pytest.raises(KeyboardInterrupt):
+        export(CAFFE / "lmdb" / "raw_color", out, batch_size=8)
+    assert calls == 2
+    assert not out.exists() and not (tmp_path / f"{name}.partial").exists()
+    monkeypatch.undo()
+    stale = tmp_path / f"{name}.partial"  # what a killed run leaves
+    stale.mkdir()
+    (stale / MARKER_NAME).write_text('{"kind": "export", "complete": false}')
+    (stale / "data.npy").write_bytes(b"half")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("blobpipe").addHandler(handler)
+    try:
+        export(CAFFE / "lmdb" / "raw_color", out, batch_size=8)
+    finally:
+        logging.getLogger("blobpipe").removeHandler(handler)
+    assert out.exists() and not stale.exists()
+    assert any("an unfinished export left by an interrupted run" in m for m in seen), seen
 
 
 # -- inspect and bench ---------------------------------------------------------------------------
