@@ -17,7 +17,6 @@ import pytest
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import Batches
-from blobpipe._io._datum import parse_datum
 from blobpipe._io._image import (
     Undecodable,
     decode_image,
@@ -28,6 +27,7 @@ from blobpipe._io._image import (
 )
 from blobpipe._io._imagehead import image_size
 from blobpipe._io._transform import Transform
+from blobpipe._io._wire import parse_datum
 from tests._helpers import image, key, write_lmdb
 from tests._images import FORMATS, SHAPE, announcing, encoded
 from tests.test_faults import run_script

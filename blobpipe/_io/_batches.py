@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
@@ -50,9 +50,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import DATUM, RecordKind, RecordSource
+from ._fill import RecordSource
 from ._order import EpochOrder, Order, ShardMode, shard_from
 from ._plan import BatchPlan
+from ._records import DATUM, RecordKind
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
@@ -138,6 +139,11 @@ class Batches:
             collection of names; others draw their own. Sharing sources need
             the same ``crop_size`` and ``mirror``, and records of one height
             and width.
+        split_transform: called once at open with the primary source's transform
+            and record kind ("datum" or "blobproto"); the primary's rows are filled
+            with the transform it returns (a Loader's host half of a device
+            transform; :attr:`transform` is then that one), or with the given one
+            when it returns None.
         phase: "train" (random crops) or "test" (centre crops); mirror is random
             in both when enabled, as in Caffe.
         order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
@@ -209,6 +215,7 @@ class Batches:
         record: Record | Mapping[str, Record] = "auto",
         blob_dtype: Literal["float32", "float64"] = "float32",
         share_random: bool | Collection[str] = False,
+        split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -249,7 +256,7 @@ class Batches:
         try:
             self._sharing = open_sources(
                 self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
-                readahead, self._phase,
+                readahead, self._phase, split_transform,
             )  # fmt: skip
             # whether any source draws crops or flips (a Loader's host transform keeps them)
             self._random = any(src.filler.transform.needs_random for src in self._sources)
@@ -295,15 +302,6 @@ class Batches:
             raise
 
     # -- sources -------------------------------------------------------------------------
-
-    def _use_transform(self, transform: Transform) -> None:
-        """Fill the primary source with ``transform`` instead (a Loader's host half
-        of a device transform); before the first plan."""
-        primary = self._sources[0]
-        primary.refill(transform, self._phase)
-        self._filler = primary.filler
-        self._transform = transform
-        self._out_shapes.clear()
 
     @property
     def names(self) -> tuple[str, ...]:

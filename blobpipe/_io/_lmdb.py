@@ -45,8 +45,8 @@ from .._errors import (
     StateError,
 )
 from . import _lmdbenv as envs
-from ._datum import ParsedDatum, parse_datum
 from ._lmdbfile import Extents, current_txnid, extents_of
+from ._wire import ParsedDatum, parse_datum
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -292,10 +292,11 @@ class LmdbReader:
         self._check_open()
         return self._shared.mapped
 
-    def _extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
-        """The mapped file and each value's place in it, in the order of ``keys`` (all
-        keys, as :meth:`keys` lists them); None when the file is not mapped or its
-        tree, read at open, does not hold exactly ``keys``.
+    def mapped_extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
+        """For the record index (``_index.py``): the mapped file and each value's
+        place in it, in the order of ``keys`` (all keys, as :meth:`keys` lists them);
+        None when the file is not mapped or its tree, read at open, does not hold
+        exactly ``keys``.
 
         Raises:
             StateError: the reader is closed.
