@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import COMPLETED, Backend, Event, Stream
+from .._backends import COMPLETED, Backend, Event, Stream, all_of
 from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry, KernelSpec, apply
@@ -156,14 +156,23 @@ class DeviceWork:
                 # ... and once anything is queued, the slot's event covers it.
                 slot.event = backend.record_event(stream, timing=True)
 
-    def release(self, stream: Stream | None) -> Event:
+    def release(self, stream: Stream | None, slot: Slot | None = None) -> Event:
         """An event on the consumer's stream (``stream``, else its current one) that
         completes after the work it queued so far: the consumer's work on the batch
-        it lets go now. The slot's next device work waits for it."""
+        it lets go now. With ``slot``, also after the work queued so far on the
+        streams DLPack consumers named when they took the batch's device memory
+        (``__dlpack__(stream=...)``). The slot's next device work waits for it."""
         backend = self._backend
         if not backend.has_device:
             return COMPLETED
-        return backend.record_event(stream or backend.current_stream())
+        own = stream or backend.current_stream()
+        events = [backend.record_event(own)]
+        if slot is not None:
+            for blob in slot.device_blobs():
+                for other in blob.data.take_release_streams():
+                    if not other.same(own):
+                        events.append(backend.record_event(other))
+        return all_of(events)
 
     def elapsed(self, slot: Slot) -> float:
         """Seconds the slot's last device work took (0 without timing events)."""
