@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ from blobpipe._backends import (
     set_default_backend,
     wait_event,
 )
-from tests._helpers import in_forked_child
+from blobpipe.testing import current_device, emulated_cuda, touched_devices, use_device
+from tests._helpers import in_forked_child, raw_db
 
 
 def test_names() -> None:
@@ -154,3 +157,113 @@ def test_a_forked_child_makes_its_backends_anew() -> None:
         assert get_backend("cpu") is host and get_backend(None) is emu  # the parent's stay
     finally:
         set_default_backend(old)
+
+
+# -- "cuda" and "auto" mean the calling thread's current device (issue 20, finding 4) -------------
+
+
+def test_cuda_and_auto_resolve_to_the_threads_current_device() -> None:
+    """As torch's ``"cuda"``: the device ``torch.cuda.set_device`` (here the emulated
+    ``use_device``) made current in the calling thread, resolved when asked."""
+    got: dict[str, tuple[int, int]] = {}
+
+    def rank(k: int) -> None:  # a DDP rank's thread: set_device(k), then Loader(device="cuda")
+        use_device(k)
+        cuda, auto = get_backend("cuda"), get_backend("auto")
+        assert isinstance(cuda, EmulatedBackend) and isinstance(auto, EmulatedBackend)
+        got[f"rank {k}"] = (cuda.emulated_device, auto.emulated_device)
+
+    with emulated_cuda(devices=2):
+        threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert get_backend("cuda:1") is get_backend("cuda:1")
+    assert got == {"rank 0": (0, 0), "rank 1": (1, 1)}
+
+
+def test_cuda_on_a_missing_device_is_unavailable() -> None:
+    with emulated_cuda(devices=1):
+        with pytest.raises(BackendUnavailableError, match=r"cuda:0 \.\. cuda:0"):
+            get_backend("cuda:1")
+        result: list[object] = []
+
+        def other() -> None:
+            use_device(3)
+            result.append(get_backend("auto"))  # no such device: auto falls back
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert isinstance(result[0], HostBackend)
+
+
+# -- worker threads never switch to a device they do not use (finding 5) --------------------------
+
+
+def test_filler_threads_touch_only_the_loaders_device(tmp_path: Path) -> None:
+    """A loader on device 1: every filler thread's device scopes (pinned and device
+    allocations, the copies, the transform) find device 1 current. Without
+    ``bind_thread`` CuPy's ``with Device(1)`` sets device 0 again on exit, which on
+    CUDA 12 creates a context on device 0 in every thread. Modelled on the emulated
+    device by recording each switch; the context's own cost is not."""
+    db = raw_db(tmp_path / "db", 24)
+    backend = EmulatedBackend(device_id=1)
+    seen: dict[str, set[int]] = {}
+    t = blobpipe.Transform(scale=0.5, mean_value=(1, 2, 3))
+    with blobpipe.Loader(db, 4, device=backend, prefetch=4, workers=2, transform=t) as loader:
+        for _, _batch in zip(range(8), loader, strict=False):
+            for thread in threading.enumerate():
+                if thread.name.startswith("blobpipe-filler-"):
+                    seen[thread.name] = seen.get(thread.name, set()) | touched_devices(thread)
+    assert seen and all(devices == {1} for devices in seen.values()), seen
+
+
+def test_bind_thread_makes_the_device_current_for_good() -> None:
+    backend = EmulatedBackend(device_id=1)
+
+    def worker() -> None:
+        backend.bind_thread()
+        with backend.using(backend.create_stream()):
+            pass
+        out.append((current_device(), touched_devices()))
+
+    out: list[tuple[int, set[int]]] = []
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert out == [(1, {1})]
+
+
+# -- fork (finding 7) -----------------------------------------------------------------------------
+
+
+def test_a_child_forked_after_cuda_refuses_cuda_and_auto() -> None:
+    """CUDA cannot be used in a child forked after CUDA was initialised: every CUDA
+    name, ``"auto"`` too, raises a clear error there instead of making a backend (or
+    falling back to the host unnoticed); the host backend still works."""
+    with emulated_cuda(devices=1):
+        get_backend("cuda")  # CUDA initialised in the parent
+
+        def child() -> bool:
+            for name in ("cuda", "cuda:0", "auto"):
+                try:
+                    get_backend(name)
+                except BackendUnavailableError as exc:
+                    if "forked after CUDA was initialised" not in str(exc):
+                        return False
+                else:
+                    return False
+            return isinstance(get_backend("cpu"), HostBackend)
+
+        assert in_forked_child(child) == 0
+
+
+def test_a_child_forked_before_cuda_may_use_it() -> None:
+    with emulated_cuda(devices=1):
+
+        def child() -> bool:
+            return isinstance(get_backend("auto"), EmulatedBackend)
+
+        assert in_forked_child(child) == 0

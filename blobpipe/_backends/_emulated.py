@@ -89,7 +89,8 @@ class EmulatedEvent(Event):
 _STOP = object()
 _device = threading.local()  # .id: the calling thread's current emulated device
 _touched_lock = threading.Lock()
-_touched: dict[int, set[int]] = {}  # thread ident -> devices switched to (contexts)
+# thread -> the devices it switched to (its contexts)
+_touched: weakref.WeakKeyDictionary[threading.Thread, set[int]] = weakref.WeakKeyDictionary()
 
 
 def current_device() -> int:
@@ -101,7 +102,7 @@ def _switch(device_id: int) -> None:
     """``cudaSetDevice``: the device becomes current and is touched (its context made)."""
     _device.id = device_id
     with _touched_lock:
-        _touched.setdefault(threading.get_ident(), set()).add(device_id)
+        _touched.setdefault(threading.current_thread(), set()).add(device_id)
 
 
 def use_device(device_id: int) -> None:
@@ -112,11 +113,9 @@ def use_device(device_id: int) -> None:
 
 def touched_devices(thread: threading.Thread | None = None) -> set[int]:
     """The emulated devices ``thread`` (default: the calling one) was ever switched
-    to: on CUDA 12, the devices it created a primary context on. A thread that
-    ended may share its ident with a later one: ask while it runs, or right after."""
-    ident = threading.get_ident() if thread is None else thread.ident
+    to: on CUDA 12, the devices it created a primary context on."""
     with _touched_lock:
-        return set(_touched.get(ident if ident is not None else -1, ()))
+        return set(_touched.get(thread or threading.current_thread(), ()))
 
 
 @contextlib.contextmanager
