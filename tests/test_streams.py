@@ -22,6 +22,7 @@ import pytest
 import blobpipe
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
+from blobpipe.testing import EmulatedArray
 from tests._helpers import queue_late, raw_db
 from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
 from tests.test_loader import make_backend
@@ -328,13 +329,13 @@ async def test_the_transform_kernels_run_once_at_open(
 
     seen: list[int] = []  # batches planned when the kernel ran
     loader: Loader | None = None
-    real = device_module.apply
+    real = device_module.finish_on_device
 
     def spy(*args: Any, **kwargs: Any) -> None:
         seen.append(loader._planned if loader is not None else -1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(device_module, "apply", spy)
+    monkeypatch.setattr(device_module, "finish_on_device", spy)
     t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
     loader = Loader(
         db30,
@@ -355,10 +356,52 @@ async def test_the_transform_kernels_run_once_at_open(
             for _ in range(3):
                 await anext(loader)
     if device_transform:
-        assert at_open[:2] == [0, 0]  # block and row-by-row, before any batch was planned
-        assert len(seen) >= 2 + 3  # then each batch's own (3 delivered, from 2 slots)
+        assert at_open == [0]  # before any batch was planned
+        assert len(seen) >= 1 + 3  # then each batch's own (3 delivered, from 2 slots)
     else:
         assert seen == []
+
+
+@pytest.mark.parametrize("batch_size", [2, 16])
+def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None:
+    """A mean file, random crops and mirrors (W3's recipe): the device finishes a
+    batch in the same few kernels whatever its size (the mean's crops gathered in
+    one), not one or two per row; and its output equals the host's transform."""
+    backend = EmulatedBackend()
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    options: dict[str, Any] = {"phase": "train", "order": "shuffle", "seed": 5, "transform": t}
+    counts: list[int] = []
+    import blobpipe._loader._device as device_module
+
+    real = device_module.finish_on_device
+
+    def counted(xp: Any, *args: Any) -> None:
+        calls = [0]
+        ufunc = EmulatedArray.__array_ufunc__
+
+        def count(self: Any, *a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            return ufunc(self, *a, **k)
+
+        EmulatedArray.__array_ufunc__ = count  # type: ignore[method-assign]
+        try:
+            real(xp, *args)
+        finally:
+            EmulatedArray.__array_ufunc__ = ufunc  # type: ignore[method-assign]
+        counts.append(calls[0])
+
+    got = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_module, "finish_on_device", counted)
+        with Loader(
+            RAW_COLOR, batch_size, device=backend, prefetch=1, workers=1, **options
+        ) as loader:
+            for _, batch in zip(range(3), loader, strict=False):
+                got.append(np.array(to_numpy(batch.data.gpu_data())))
+    assert counts and max(counts) <= 2, counts  # subtract, multiply
+    want = _expected(RAW_COLOR, 3, batch_size=batch_size, **options)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), k
 
 
 # -- a torch consumer on its own stream (the GPU check's target) ----------------------------------
