@@ -249,16 +249,13 @@ def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
 
 
 def second_device(name: str) -> Backend:
-    """Device 1: the emulated one, or CUDA's second GPU (skipped with fewer than two)."""
+    """Device 1: the emulated one, or CUDA's second GPU; with one GPU, ``cuda:0``
+    named by its explicit index (the ``cuda:N`` path, not the cross-device one)."""
     if name == "emulated":
         return EmulatedBackend(delay=0.001, device_id=1)
     first = cupy_backend_or_skip()  # pragma: no cover - GPU machines
     count = first.xp.cuda.runtime.getDeviceCount()  # pragma: no cover
-    if count < 2:  # pragma: no cover
-        pytest.skip(f"needs two CUDA devices, this machine has {count}")
-    from blobpipe._backends._cupy import CupyBackend  # pragma: no cover
-
-    return CupyBackend(1)  # pragma: no cover
+    return blobpipe.get_backend(f"cuda:{min(1, count - 1)}")  # pragma: no cover
 
 
 SECOND = ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)]
@@ -621,3 +618,88 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     want = _expected(db30, 6, batch_size=4, transform=t)
     for k, (got, w) in enumerate(zip(seen, want, strict=True)):
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
+
+
+# -- the same rules on real CUDA (the GPU check's first probes) -----------------------------------
+
+
+@pytest.mark.gpu
+def test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values(
+    db30: Path,
+) -> None:  # pragma: no cover - GPU machines
+    """Finding 2 on CUDA: ``cupy.from_dlpack`` of a detached batch keeps its values
+    after the batch is closed and four more batches are detached."""
+    backend = cupy_backend_or_skip()
+    t = Transform(scale=0.5)
+    with Loader(db30, 4, device=backend, prefetch=2, transform=t) as loader:
+        batch = next(loader).detach()
+        exported = backend.xp.from_dlpack(batch.data)
+        batch.close()
+        later = [next(loader).detach() for _ in range(4)]
+        backend.synchronize()
+        got = to_numpy(exported)
+        for b in later:
+            b.close()
+    assert np.array_equal(got, _expected(db30, 1, batch_size=4, transform=t)[0])
+
+
+@pytest.mark.gpu
+def test_a_raw_stream_handle_warns_nothing(db30: Path) -> None:  # pragma: no cover - GPU
+    """Finding 3 on CUDA: ``Loader(stream=<cudaStream_t int>)`` under warnings-as-errors."""
+    import warnings
+
+    backend = cupy_backend_or_skip()
+    side = backend.xp.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Loader(db30, 4, device=backend, prefetch=2, stream=int(side.ptr)) as loader:
+            for _, _batch in zip(range(3), loader, strict=False):
+                pass
+
+
+@pytest.mark.gpu
+def test_cuda_is_the_threads_current_device() -> None:  # pragma: no cover - GPU machines
+    """Finding 4 on CUDA: ``"cuda"`` after ``cupy.cuda.Device(n).use()`` in a thread
+    (n: the last device; 0 on a one-GPU machine)."""
+    import threading
+
+    cp = cupy_backend_or_skip().xp
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    got: list[int | None] = []
+
+    def rank() -> None:
+        cp.cuda.Device(last).use()
+        got.append(blobpipe.get_backend("cuda").device_id)
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    thread.join()
+    assert got == [last]
+
+
+@pytest.mark.gpu
+def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragma: no cover
+    """Finding 5 on CUDA: every filler thread's current device is the loader's
+    after its work (the last device; on one GPU this cannot show a switch to 0)."""
+    import threading
+
+    import blobpipe._loader._ring as ring
+
+    cp = cupy_backend_or_skip().xp
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    backend = blobpipe.get_backend(f"cuda:{last}")
+    seen: dict[str, int] = {}
+    real = ring.Slot.prepare
+
+    def prepare(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        seen[threading.current_thread().name] = int(cp.cuda.runtime.getDevice())
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ring.Slot, "prepare", prepare)
+        with Loader(db30, 4, device=backend, prefetch=4, workers=2) as loader:
+            for _, _batch in zip(range(8), loader, strict=False):
+                pass
+    fillers = {k: v for k, v in seen.items() if k.startswith("blobpipe-filler-")}
+    assert fillers and set(fillers.values()) == {last}, seen
