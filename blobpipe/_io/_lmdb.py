@@ -26,6 +26,8 @@ Closing
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 import weakref
@@ -48,7 +50,7 @@ from . import _lmdbenv as envs
 from ._datum import ParsedDatum, parse_datum
 from ._indexcache import IndexPlace
 from ._lmdbfile import Extents, current_txnid, extents_of
-from ._readahead import advise_ranges
+from ._readahead import advise_ranges, evict_file
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -323,6 +325,25 @@ class LmdbReader:
         count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
         advise_ranges(mapped, starts[:count], starts[:count] + sizes[:count])
         return count, int(total[count - 1])
+
+    def evict(self) -> None:
+        """Drop the database's pages from memory: from this process's map of the data
+        file (``madvise(MADV_DONTNEED)``), then from the OS page cache
+        (``posix_fadvise(POSIX_FADV_DONTNEED)``, which keeps pages other processes
+        map). Later reads come from the disk: for measuring cold reads, and for
+        handing memory back after a pass over a database larger than RAM. What is
+        read stays correct (the pages are read again).
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        shared = self._shared
+        drop = getattr(mmap, "MADV_DONTNEED", None)
+        if shared.map is not None and drop is not None:
+            with contextlib.suppress(OSError, ValueError):
+                shared.map.madvise(drop)
+        evict_file(shared.data_file)
 
     def __iter__(self) -> Iterator[bytes]:
         """Iterate over :meth:`keys`."""

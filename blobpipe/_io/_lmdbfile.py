@@ -172,6 +172,19 @@ def _ragged(starts: I64, counts: I64, step: int) -> tuple[I64, I64]:
     return starts[owner] + step * j, owner
 
 
+def _key_bytes(file: npt.NDArray[np.uint8], at: I64, size: I64) -> bytes:
+    """The keys at ``at`` of sizes ``size`` (at least one byte each), joined: gathered
+    as fixed-width rows of the file, then the bytes past each key's size dropped."""
+    width = int(size.max())
+    last = len(file) - width
+    if int(at.max()) <= last:
+        windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
+        rows = windows[at]
+    else:  # a key within ``width`` bytes of the file's end
+        rows = file[np.minimum(at[:, np.newaxis] + np.arange(width), len(file) - 1)]
+    return rows[np.arange(width) < size[:, np.newaxis]].tobytes()
+
+
 def _nodes(
     file: npt.NDArray[np.uint8], pages: I64, psize: int, npages: int, kind: int, limit: int
 ) -> tuple[I64, I64, I64, I64]:
@@ -450,7 +463,7 @@ def _walk(file: npt.NDArray[np.uint8], advise: Advise | None) -> Tree | None:
         keys_at[done : done + m] = key_at
         keys_size[done : done + m] = ksize
         leaf_counts.append(counts)
-        key_bytes.append(file[_ragged(key_at, ksize, 1)[0]].tobytes())
+        key_bytes.append(_key_bytes(file, key_at, ksize))
         done += m
     if done != n:
         raise Damaged(f"{done} records in the tree, {n} in the meta page ({where})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -24,7 +25,15 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["AHEAD_BYTES", "AHEAD_RECORDS", "ReadAhead", "Requester", "advise_ranges", "will_need"]
+__all__ = [
+    "AHEAD_BYTES",
+    "AHEAD_RECORDS",
+    "ReadAhead",
+    "Requester",
+    "advise_ranges",
+    "evict_file",
+    "will_need",
+]
 
 _WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
 _PAGE = mmap.PAGESIZE
@@ -59,6 +68,20 @@ def advise_ranges(
                 mapped.madvise(_WILLNEED, lo, hi - lo)
 
 
+def evict_file(path: str) -> None:
+    """Ask the OS to drop the cached pages of the file ``path`` that no process maps
+    (``posix_fadvise(POSIX_FADV_DONTNEED)``); nothing where that is missing."""
+    advice = getattr(os, "POSIX_FADV_DONTNEED", None)
+    if advice is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        finally:
+            os.close(fd)
+
+
 def will_need(mapped: mmap.mmap) -> Callable[[npt.NDArray[np.int64], int], None]:
     """The B-tree walk's hint for ``mapped``: ``advise(pages, page_size)``."""
 
@@ -88,7 +111,7 @@ class ReadAhead:
         self._source = source
         self._epoch = -1
         self._done = 0  # positions of ``_epoch`` requested: up to here
-        self._chunks: deque[tuple[int, int]] = deque()  # (stop position, bytes) requested
+        self._chunks: deque[tuple[int, int, int]] = deque()  # (start, stop, bytes) requested
 
     def planned(self, order: npt.NDArray[np.int64], epoch: int, stop: int) -> None:
         """A batch was planned up to position ``stop`` of ``order`` (epoch ``epoch``):
@@ -97,9 +120,11 @@ class ReadAhead:
             self._epoch, self._done = epoch, 0
             self._chunks.clear()
         chunks = self._chunks
-        while chunks and chunks[0][0] <= stop:
+        while chunks and chunks[0][1] <= stop:
             chunks.popleft()
-        budget = AHEAD_BYTES - sum(b for _, b in chunks)
+        # bytes requested and not yet planned (a chunk planned in part: its share)
+        pending = sum(b * (e - max(a, stop)) // (e - a) for a, e, b in chunks)
+        budget = AHEAD_BYTES - pending
         start = max(self._done, stop)
         window = order[start : stop + AHEAD_RECORDS]
         if budget <= 0 or not len(window):
@@ -107,4 +132,4 @@ class ReadAhead:
         count, nbytes = self._source.will_need(window, budget)
         if count:
             self._done = start + count
-            chunks.append((self._done, nbytes))
+            chunks.append((start, self._done, nbytes))
