@@ -122,7 +122,7 @@ class Loader:
         *,
         device: str | Backend = "auto",
         prefetch: int = 4,
-        order: Literal["key", "shuffle", "buffer"] | None = None,
+        order: Literal["key", "shuffle", "buffer", "quasi"] | None = None,
         shuffle: bool = False,
         workers: int | None = None,
         device_transform: bool | None = None,
