@@ -34,7 +34,6 @@ import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, TypedDict, TypeVar
 
 import numpy as np
