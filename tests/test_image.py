@@ -242,7 +242,10 @@ _HUGE_AFTER_OPENCV = """
             print(name, "refused" if "announces" in str(exc) else f"other: {exc}")
         except Exception as exc:
             print(name, f"raised {type(exc).__name__}: {exc}")
-    print("maxrss_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    # VmHWM is this process's own peak (ru_maxrss can carry the forking parent's)
+    with open("/proc/self/status") as status:
+        hwm = next(line for line in status if line.startswith("VmHWM:"))
+    print("maxrss_mib", int(hwm.split()[1]) // 1024)
 """
 
 
