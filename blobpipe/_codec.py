@@ -28,10 +28,12 @@ functions that make Blobs of files (``read_blobproto``, ``read_caffemodel``,
 
 from __future__ import annotations
 
+import math
 import os
+import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, TypedDict, TypeVar
 
 import numpy as np
@@ -51,7 +53,7 @@ from ._proto.caffe_pb2 import (
     TransformationParameter,
     V1LayerParameter,
 )
-from ._shape import format_shape, validate_shape
+from ._shape import MAX_BLOB_AXES, format_shape, validate_shape
 
 __all__ = [
     "BlobProto",
@@ -78,6 +80,7 @@ StrPath = str | os.PathLike[str]
 _M = TypeVar("_M", bound=Message)
 
 _LEGACY_FIELDS: Final = ("num", "channels", "height", "width")
+_INT_MAX: Final = 2**31 - 1
 _DEPRECATED_DATA_FIELDS: Final = ("scale", "mean_file", "crop_size", "mirror")
 
 _BLOBPROTO_FIX: Final = (
@@ -103,9 +106,54 @@ def _decode(message: _M, data: bytes, label: str, what: str, fix: str = "") -> _
     return message
 
 
+def _file_bytes(path: StrPath, label: str) -> bytes:
+    """The bytes of the regular file ``path``, read by its size. Anything else (a FIFO,
+    whose read waits for a writer; a device such as ``/dev/zero``, which never ends;
+    a directory) is refused before a byte is read: its open does not block
+    (``O_NONBLOCK``) and nothing is sized by what it would deliver.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ProtoError: not a regular file, or it cannot be read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        fd = -1
+    except OSError as exc:
+        raise ProtoError(f"{label} cannot be read: {exc}") from exc
+    try:
+        mode = os.stat(path).st_mode if fd < 0 else os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a directory" if stat.S_ISDIR(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket or other special file"
+            )  # fmt: skip
+            raise ProtoError(
+                f"{label} is not a regular file ({kind}); give the path of the file "
+                "itself (a .binaryproto written by compute_image_mean or Caffe)"
+            )
+        size = os.fstat(fd).st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(size)
+    except OSError as exc:
+        raise ProtoError(f"{label} cannot be read: {exc}") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) != size:
+        raise ProtoError(f"{label} changed while it was read ({size} bytes, then {len(data)})")
+    return data
+
+
 def _read(message: _M, path: StrPath, label: str, what: str, fix: str) -> _M:
-    """Read the file ``path`` into ``message``; FileNotFoundError when it is missing."""
-    return _decode(message, Path(path).read_bytes(), label, what, fix)
+    """Read the regular file ``path`` into ``message`` (see :func:`_file_bytes`)."""
+    return _decode(message, _file_bytes(path, label), label, what, fix)
 
 
 def decode_blobproto(data: bytes, label: str = "the record") -> BlobProto:
@@ -188,12 +236,29 @@ def blobproto_array(data: bytes | bytearray | memoryview, label: str = "the reco
     """
     proto = _decode(BlobProto(), bytes(data), label, "valid caffe.BlobProto")
     shape, legacy = blob_shape(proto)
+    fields = "num/channels/height/width" if legacy else "shape"
+    if len(shape) > MAX_BLOB_AXES:
+        raise ProtoError(
+            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most "
+            f"{MAX_BLOB_AXES}"
+        )
     if any(d < 0 for d in shape):
-        fields = "num/channels/height/width" if legacy else "shape"
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
+    if any(d > _INT_MAX for d in shape):
+        raise ProtoError(
+            f"{label} is a BlobProto with a dimension above {_INT_MAX} in {fields}: {shape} "
+            "(Caffe's blob dimensions are int32)"
+        )
     count = 1
+    nonzero = 1  # what numpy checks: the dims' product, zeros left out, must be addressable
     for d in shape:
         count *= int(d)  # Python ints: no overflow
+        nonzero *= max(int(d), 1)
+    if nonzero * 8 > sys.maxsize:
+        raise ProtoError(
+            f"{label} is a BlobProto of shape {shape}, which no array can have (the product "
+            "of its dimensions exceeds what this platform can address)"
+        )
     try:
         values, _ = blob_values(proto, count, format_shape(shape, count))
     except ProtoError as exc:
@@ -253,15 +318,16 @@ def load_mean_file(path: StrPath) -> npt.NDArray[np.float32]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ProtoError: the file is not a BlobProto, its data count does not match
-            its shape, or it holds more than one image (num > 1).
+        ProtoError: the file is not a regular file (a FIFO, a device, a directory:
+            refused before anything is read), not a BlobProto, its data count does
+            not match its shape, or it holds more than one image (num > 1).
     """
     label = f"mean file {str(path)!r}"
     proto = _read(BlobProto(), path, label, "serialized caffe.BlobProto", _BLOBPROTO_FIX)
     shape, _ = blob_shape(proto)
     field = _value_field(proto, "data")
     n = len(getattr(proto, field))
-    count = int(np.prod(shape)) if shape else 0
+    count = math.prod(int(d) for d in shape) if shape else 0  # exact: no overflow
     if len(shape) not in (3, 4) or count == 0 or n != count:
         raise ProtoError(
             f"{label}: shape {shape} with {n} values; expected a "

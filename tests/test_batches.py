@@ -478,10 +478,10 @@ def test_constructor_errors(db10: Path, tmp_path: Path) -> None:
         Batches(empty, 2)
     for kwargs, msg in [
         ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
-        ({"order": "random"}, "order must be 'key', 'shuffle' or 'buffer', got 'random'"),
+        ({"order": "random"}, "order must be 'key', 'shuffle', 'buffer' or 'quasi', got 'random'"),
         ({"mode": "loop"}, "mode must be 'wrap' or 'epoch'"),
         ({"last": "x"}, "last must be 'keep', 'drop' or 'pad'"),
-        ({"shard_mode": "x"}, "shard_mode must be 'strided' or 'contiguous'"),
+        ({"shard_mode": "x"}, "shard_mode must be 'strided', 'contiguous' or 'node'"),
         ({"phase": "val"}, "phase must be 'train' or 'test'"),
         ({"seed": -1}, "seed must be a non-negative integer"),
     ]:

@@ -144,7 +144,14 @@ class Filler:
 
     def index(self) -> RecordIndex | None:
         """The database's record index, made on first use; None where its data
-        file cannot be read directly (each range then indexes its own values)."""
+        file cannot be read directly (each range then indexes its own values).
+        Every call first checks that the file did not shrink under its map.
+
+        Raises:
+            DataError: the data file shrank since it was opened (it would SIGBUS).
+        """
+        if isinstance(self._reader, LmdbReader):
+            self._reader.check_file()
         if not self._index_tried:
             with self._lock:
                 if not self._index_tried:

@@ -122,7 +122,7 @@ class Loader:
         *,
         device: str | Backend = "auto",
         prefetch: int = 4,
-        order: Literal["key", "shuffle", "buffer"] | None = None,
+        order: Literal["key", "shuffle", "buffer", "quasi"] | None = None,
         shuffle: bool = False,
         workers: int | None = None,
         device_transform: bool | None = None,
@@ -405,6 +405,7 @@ class Loader:
         While batches are small (``_wide`` clear), only filler 0 fills, with the
         consumer's help: more threads would spend the time on the GIL.
         """
+        self._backend.bind_thread()  # works for this device only: no switch, no other context
         while self._lifecycle.state is State.OPEN:
             if k and not self._wide.is_set():
                 self._wide.wait()  # set again by a large batch, or by close
@@ -479,13 +480,13 @@ class Loader:
             return
         slot, batch = current
         batch._recycle()
-        slot.released = self._device.release(self._stream)
+        slot.released = self._device.release(self._stream, slot)
         self._ring.put(slot)
 
     def _detach_current(self, batch: Batch) -> None:
         if self._current is not None and self._current[1] is batch:
             slot, _ = self._current
-            slot.forget()
+            slot.forget(self._stream)
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         self._lifecycle.check_iterable()
