@@ -598,7 +598,9 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     """A consumer that takes each batch with ``from_dlpack`` on its side stream
     (CuPy and torch pass their current stream to ``__dlpack__``) and reads it late
     there, without ``Loader(stream=)`` and asking for the next batch off that
-    stream: the slot is refilled only after that read."""
+    stream: the slot is refilled only after that read. (The emulated ``xp`` passes
+    its stream object; CUDA's integer handles, 1 and 2 included, are mapped by
+    ``CupyBackend.dlpack_stream``, checked on the CuPy stand-in and under ``-m gpu``.)"""
     backend = make_backend(device)
     side = backend.create_stream()
     xp = backend.xp
