@@ -705,3 +705,14 @@ def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragm
                 pass
     fillers = {k: v for k, v in seen.items() if k.startswith("blobpipe-filler-")}
     assert fillers and set(fillers.values()) == {last}, seen
+
+
+def test_the_emulated_dlpack_stream_values() -> None:
+    backend = EmulatedBackend()
+    side = backend.create_stream()
+    assert backend.dlpack_stream(-1) is None
+    assert backend.dlpack_stream(None) is backend.null_stream()
+    assert backend.dlpack_stream(1) is backend.null_stream()
+    assert backend.dlpack_stream(side) is side
+    with pytest.raises(TypeError, match="the emulated device takes its own streams"):
+        backend.dlpack_stream("side")
