@@ -593,7 +593,9 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     """A consumer that takes each batch with ``from_dlpack`` on its side stream
     (CuPy and torch pass their current stream to ``__dlpack__``) and reads it late
     there, without ``Loader(stream=)`` and asking for the next batch off that
-    stream: the slot is refilled only after that read."""
+    stream: the slot is refilled only after that read. (The emulated ``xp`` passes
+    its stream object; CUDA's integer handles, 1 and 2 included, are mapped by
+    ``CupyBackend.dlpack_stream``, checked on the CuPy stand-in and under ``-m gpu``.)"""
     backend = make_backend(device)
     side = backend.create_stream()
     xp = backend.xp
@@ -698,3 +700,14 @@ def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragm
                 pass
     fillers = {k: v for k, v in seen.items() if k.startswith("blobpipe-filler-")}
     assert fillers and set(fillers.values()) == {last}, seen
+
+
+def test_the_emulated_dlpack_stream_values() -> None:
+    backend = EmulatedBackend()
+    side = backend.create_stream()
+    assert backend.dlpack_stream(-1) is None
+    assert backend.dlpack_stream(None) is backend.null_stream()
+    assert backend.dlpack_stream(1) is backend.null_stream()
+    assert backend.dlpack_stream(side) is side
+    with pytest.raises(TypeError, match="the emulated device takes its own streams"):
+        backend.dlpack_stream("side")
