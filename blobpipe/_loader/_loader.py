@@ -58,8 +58,9 @@ class Loader:
             ``{"data": images, "label": label_maps}`` (see
             :class:`~blobpipe.Batches`).
         batch_size: records per batch.
-        device: "auto" (CUDA when CuPy sees a GPU, else the host), "cpu",
-            "cuda", "cuda:N", or a Backend (e.g. the emulated device in tests).
+        device: "auto" (the current CUDA device when CuPy sees a GPU, else the
+            host), "cpu", "cuda" (the calling thread's current CUDA device, as
+            torch's), "cuda:N", or a Backend (e.g. the emulated device in tests).
         prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT; default 4).
         order: "key" (Caffe), "shuffle" or "buffer" (with ``buffer_size``).
         shuffle: shorthand for ``order="shuffle"`` when true.
@@ -112,7 +113,7 @@ class Loader:
         *,
         device: str | Backend = "auto",
         prefetch: int = 4,
-        order: Literal["key", "shuffle", "buffer"] | None = None,
+        order: Literal["key", "shuffle", "buffer", "quasi"] | None = None,
         shuffle: bool = False,
         workers: int | None = None,
         device_transform: bool | None = None,
@@ -134,27 +135,25 @@ class Loader:
             )
         backend = get_backend(device)
         self._stream = None if stream is None else backend.as_stream(stream)
-        batches = Batches(source, batch_size, order=order, **options)
-        try:
-            self._transform = batches.transform
-            datums = batches.record_kind() == "datum"
-            if device_transform and not datums:
+
+        def split(transform: Transform, kind: str) -> Transform | None:
+            """The device/host split, decided once the record kind is known."""
+            if device_transform and kind != "datum":
                 raise ArgumentError(
                     "Loader: device_transform=True needs Datum records; this database holds "
                     "BlobProtos (float values: there is no uint8 transfer to save)"
                 )
-            on_device = datums and wants_device_transform(
-                device_transform, backend, self._transform, device
+            on_device = kind == "datum" and wants_device_transform(
+                device_transform, backend, transform, device
             )
-            work = DeviceWork(backend, self._transform, on_device)
-            if on_device:
-                batches._use_transform(work.host_transform())
-        except BaseException:
-            batches.close()
-            raise
+            self._transform = transform
+            self._device = DeviceWork(backend, transform, on_device)
+            return self._device.host_transform() if on_device else None
+
+        batches = Batches(source, batch_size, order=order, split_transform=split, **options)
         self._batches = batches
         self._backend = backend
-        self._device = work
+        work = self._device
         self._prefetch = int(prefetch)
         self._workers = int(workers)
         self._pipe = Pipeline(batches, backend, work, self._stream, self._prefetch, self._workers)

@@ -239,6 +239,7 @@ class Pipeline:
         While batches are small (``_wide`` clear), only filler 0 fills, with the
         consumer's help: more threads would spend the time on the GIL.
         """
+        self.backend.bind_thread()  # works for this device only: no switch, no other context
         while self.lifecycle.state is State.OPEN:
             if k and not self._wide.is_set():
                 self._wide.wait()  # set again by a large batch, or by close
@@ -315,13 +316,13 @@ class Pipeline:
             return
         slot, batch = current
         batch._recycle()
-        slot.released = self.device.release(self._stream)
+        slot.released = self.device.release(self._stream, slot)
         self._ring.put(slot)
 
     def _detach_current(self, batch: Batch) -> None:
         if self._current is not None and self._current[1] is batch:
             slot, _ = self._current
-            slot.forget()
+            slot.forget(self._stream)
 
     def _check_process(self) -> None:
         pid = os.getpid()
