@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
         description=(__doc__ or "").strip().splitlines()[0],
         epilog="Run without arguments; it prints each step.",
-    ).parse_args(argv)
+    ).parse_args([] if argv is None else argv)
     backend = device_backend()
     print(f"backend: {backend!r}\n")
     results = [nine_steps(backend), reshape_within_capacity(backend), update(backend)]
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
         description=(__doc__ or "").strip().splitlines()[0],
         epilog="Run without arguments; it prints each step.",
-    ).parse_args(argv)
+    ).parse_args([] if argv is None else argv)
     ok = worked_offset() & gray()
     print("\nok" if ok else "\nMISMATCH")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -172,7 +172,7 @@ def get_backend(device: str | Backend | None = None) -> Backend:
         try:
             backend = get_backend(named)
         except ArgumentError as exc:
-            raise ArgumentError(f"the environment's BLOBPIPE_DEVICE={named!r}: {exc}") from exc
+            raise ArgumentError(f"{exc} (the environment's BLOBPIPE_DEVICE={named!r})") from exc
         with _lock:
             if _default is None:
                 _default = backend
