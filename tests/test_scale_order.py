@@ -171,18 +171,18 @@ def test_read_ahead_requests_each_record_once_within_its_budget(
     src = FakeSource()
     ahead = ReadAhead(src)
     for stop in range(4, 50, 4):  # batches of 4
-        ahead.planned(order, 0, stop)
+        ahead.planned(order, 0, stop - 4, stop)
     requested = [i for call in src.calls for i in call]
-    assert requested == list(range(1004, 1050))  # in order, once each
+    assert requested == list(range(1000, 1050))  # in order, once each, the first batch too
     # never more than the budget (ten records) requested beyond the batches planned
     ahead = ReadAhead(src)
     src.calls.clear()
     for stop in range(4, 50, 4):
-        ahead.planned(order, 0, stop)
-        done = 4 + sum(map(len, src.calls))
+        ahead.planned(order, 0, stop - 4, stop)
+        done = sum(map(len, src.calls))
         assert done - stop <= 10 and (done - stop >= 6 or done == 50)
-    ahead.planned(order, 1, 4)  # a new epoch starts over
-    assert src.calls[-1][0] == 1004
+    ahead.planned(order, 1, 0, 4)  # a new epoch starts over
+    assert src.calls[-1][0] == 1000
 
 
 def test_will_need_and_evict_keep_reads_exact(tmp_path: Path) -> None:
