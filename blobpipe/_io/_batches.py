@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
@@ -50,11 +50,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import DATUM, RecordKind, RecordSource
+from ._fill import RecordSource
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
 from ._plan import BatchPlan
 from ._readahead import ReadAhead
+from ._records import DATUM, RecordKind
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
@@ -64,6 +65,7 @@ Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 
 _STATE_VERSION = 1
+_MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,6 +141,11 @@ class Batches:
             collection of names; others draw their own. Sharing sources need
             the same ``crop_size`` and ``mirror``, and records of one height
             and width.
+        split_transform: called once at open with the primary source's transform
+            and record kind ("datum" or "blobproto"); the primary's rows are filled
+            with the transform it returns (a Loader's host half of a device
+            transform; :attr:`transform` is then that one), or with the given one
+            when it returns None.
         phase: "train" (random crops) or "test" (centre crops); mirror is random
             in both when enabled, as in Caffe.
         order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
@@ -219,6 +226,7 @@ class Batches:
         record: Record | Mapping[str, Record] = "auto",
         blob_dtype: Literal["float32", "float64"] = "float32",
         share_random: bool | Collection[str] = False,
+        split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
         ranks_per_node: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
@@ -265,7 +273,7 @@ class Batches:
         try:
             self._sharing = open_sources(
                 self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
-                readahead, self._phase,
+                readahead, self._phase, split_transform,
             )  # fmt: skip
             # whether any source draws crops or flips (a Loader's host transform keeps them)
             self._random = any(src.filler.transform.needs_random for src in self._sources)
@@ -317,15 +325,6 @@ class Batches:
             raise
 
     # -- sources -------------------------------------------------------------------------
-
-    def _use_transform(self, transform: Transform) -> None:
-        """Fill the primary source with ``transform`` instead (a Loader's host half
-        of a device transform); before the first plan."""
-        primary = self._sources[0]
-        primary.refill(transform, self._phase)
-        self._filler = primary.filler
-        self._transform = transform
-        self._out_shapes.clear()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -443,7 +442,7 @@ class Batches:
             pad = state.get("pad_shards", False)
             saved["pad_shards"] = pad if saved_shard[1] > 1 else False
             n = int(state["num_records"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported Batches state version {version!r}")
@@ -465,7 +464,13 @@ class Batches:
                 f"now has {self._n}",
                 path=self._path,
             )
-        if epoch < 0 or not 0 <= pos < self._shard_len:
+        if not 0 <= epoch <= _MAX_EPOCH:
+            raise ValueError(
+                f"the state's epoch {epoch} is out of range: epochs count from 0 to "
+                f"2**62 (the random draws take the epoch as a 64-bit integer); pass a "
+                "state saved by state_dict()"
+            )
+        if not 0 <= pos < self._shard_len:
             raise ValueError(
                 f"the state's epoch {epoch} / position {pos} is out of range "
                 f"(this shard has {self._shard_len} records per epoch)"

@@ -47,10 +47,10 @@ from .._errors import (
     StateError,
 )
 from . import _lmdbenv as envs
-from ._datum import ParsedDatum, parse_datum
 from ._indexcache import IndexPlace
 from ._lmdbfile import Extents, current_txnid, extents_of
 from ._readahead import advise_ranges, evict_file
+from ._wire import ParsedDatum, parse_datum
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -160,10 +160,36 @@ class LmdbReader:
         if self._state is not _OPEN:
             raise self._closed_error()
 
+    def check_file(self) -> None:
+        """Refuse to read on when the data file is now shorter than when it was
+        opened (truncated, or copied over in place by ``cp``): its pages past the new
+        end would kill the process with SIGBUS when touched. Every read checks it
+        first; one ``fstat``.
+
+        Raises:
+            StateError: the reader is closed.
+            DataError: the file shrank; names the database.
+        """
+        self._check_open()
+        shrunk = self._shared.shrunk()
+        if shrunk is not None:
+            then, now = shrunk
+            raise DataError(
+                f"the database changed while it was being read: its data file holds "
+                f"{now} bytes, {then} when it was opened (truncated, or copied over in "
+                "place); do not write or copy over a database while a Loader or reader "
+                "reads it (copy to a new directory and open that instead)",
+                path=self._path,
+            )
+
     def _enter(self) -> Any:
-        """Count one more user and return this thread's read transaction."""
-        if self._generation != envs.REGISTRY.generation:
-            self._after_fork()
+        """Count one more user and return this thread's read transaction.
+
+        Raises:
+            StateError: the reader is closed.
+            DataError: the data file shrank since it was opened (:meth:`check_file`).
+        """
+        self.check_file()
         with self._lock:
             if self._state is not _OPEN:
                 raise self._closed_error()
@@ -287,10 +313,11 @@ class LmdbReader:
         self._check_open()
         return self._shared.mapped
 
-    def _extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
-        """The mapped file and each value's place in it, in the order of ``keys`` (all
-        keys, as :meth:`keys` lists them); None when the file is not mapped or its
-        tree, read at open, does not hold exactly ``keys``.
+    def mapped_extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
+        """For the record index (``_index.py``): the mapped file and each value's
+        place in it, in the order of ``keys`` (all keys, as :meth:`keys` lists them);
+        None when the file is not mapped or its tree, read at open, does not hold
+        exactly ``keys``.
 
         Raises:
             StateError: the reader is closed.

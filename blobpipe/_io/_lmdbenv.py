@@ -20,10 +20,15 @@ One environment per process
     environment's flags (``readahead``) are those of its first reader.
 
 Fork
-    A child of ``fork()`` must not use its parent's environments. An
-    ``os.register_at_fork`` hook closes them in the child and empties the registry;
-    each reader sees the change (the registry's generation) and reopens its database
-    on first use.
+    A child of ``fork()`` keeps its parent's environments, read-only and lock-free,
+    but none of its parent's transactions. It must never close them: a parent thread
+    may have been inside LMDB at the fork, and py-lmdb's close waits for that thread,
+    which does not exist in the child; nor can the child open the same file again
+    (py-lmdb allows one open per process, and the inherited one stays open). So an
+    ``os.register_at_fork`` hook replaces the registry's lock and gives each
+    inherited environment a new entry (``inherited``: no references, never closed);
+    each reader sees the change (the registry's generation), drops its parent's
+    transactions and takes a reference to the child's entry on first use.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class SharedEnv:
         "env",
         "file_id",
         "generation",
+        "inherited",
         "map",
         "mapped",
         "path",
@@ -90,6 +96,32 @@ class SharedEnv:
         self.mapped = np.frombuffer(self.map, np.uint8) if self.map is not None else None
         self.tree = mapped[1] if mapped is not None else None
         self.refs = 0
+        self.inherited = False
+
+    def adopted(self, generation: int) -> SharedEnv:
+        """The entry a fork child keeps for this environment: the same files and map,
+        no references, never closed (see the module docstring)."""
+        child = SharedEnv(
+            self.env, self.file_id, self.path, generation, self.entries, self.data_file, None
+        )
+        child.map, child.mapped, child.tree = self.map, self.mapped, self.tree
+        child.inherited = True
+        return child
+
+    def shrunk(self) -> tuple[int, int] | None:
+        """``(mapped, now)`` when the data file is now shorter than the map made at
+        open (truncated or copied over in place): a page past its new end would
+        raise SIGBUS when touched. None while the file is whole (one ``fstat``), or
+        when it is not mapped by us."""
+        mapped = self.map
+        if mapped is None:
+            return None
+        try:
+            now = mapped.size()  # fstat of the mapped file: its current length
+        except (OSError, ValueError):
+            return None
+        length = len(mapped)
+        return (length, now) if now < length else None
 
     def unmap(self) -> None:
         """Release our map of the file and its descriptor now, unless arrays made from
@@ -172,7 +204,8 @@ class _Registry:
     """The environments open in this process, by data file.
 
     Invariant: ``envs`` holds exactly the environments opened in this process (this
-    ``generation``) with refs > 0, and ``generation`` changes in a fork child. Both the
+    ``generation``) with refs > 0, plus those inherited from a fork parent (any refs),
+    and ``generation`` changes in a fork child. Both the
     lock and the dict are replaced in the child, so a lock held by a parent thread at
     fork time cannot deadlock the child: read them through ``REGISTRY`` each time,
     never keep them.
@@ -188,12 +221,14 @@ REGISTRY = _Registry()
 
 
 def _after_fork_in_child() -> None:
+    """In a fork child: a new lock (a parent thread may have held the old one) and a
+    new generation whose entries adopt the parent's environments. Takes no lock and
+    calls nothing in LMDB: the parent's other threads may hold either."""
     REGISTRY.lock = threading.Lock()
-    inherited, REGISTRY.envs = REGISTRY.envs, {}
     REGISTRY.generation += 1
-    for shared in inherited.values():
-        with contextlib.suppress(lmdb.Error):
-            shared.env.close()
+    REGISTRY.envs = {
+        file_id: shared.adopted(REGISTRY.generation) for file_id, shared in REGISTRY.envs.items()
+    }
 
 
 if hasattr(os, "register_at_fork"):
@@ -338,8 +373,8 @@ def release(shared: SharedEnv) -> None:
         if shared.generation != REGISTRY.generation:
             return  # the parent's: the fork hook closed it already
         shared.refs -= 1
-        if shared.refs:
-            return
+        if shared.refs or shared.inherited:
+            return  # an inherited environment stays open for the child's life
         del REGISTRY.envs[shared.file_id]
         # Closed under the lock, so nobody can reopen the files before they are closed.
         shared.env.close()
