@@ -10,7 +10,7 @@ of blobpipe works on NumPy arrays and Python values:
   the shape before anything the shape sizes is allocated). ``Blob.from_proto``
   and :func:`load_mean_file` use them; :func:`fill_blobproto` and
   :func:`blobproto_bytes` write one (``Blob.to_proto``, ``compute_mean``).
-* ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`read_caffemodel`)
+* ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`caffemodel_blobs`)
   and a net prototxt's ``Data`` layer (:func:`parse_net`,
   :func:`data_layer_fields`), with Caffe's layer filtering and its V1 upgrade.
 * ``TransformationParameter``: its fields as keyword arguments of
@@ -19,21 +19,22 @@ of blobpipe works on NumPy arrays and Python values:
 Protobuf's ``DecodeError`` is turned into :class:`ProtoError` in one place
 (:func:`_decode`); every message names the file and what to do about it.
 
-Layering: this module imports only the errors, the shape checks (``_shape``)
-and the generated messages (``blobpipe._proto``), so Blob can use it: Blob's
-``from_proto``/``to_proto`` are :func:`proto_arrays`, :func:`proto_shape_equals`
-and :func:`fill_blobproto`. The three Blob-returning
-conveniences (:func:`read_blobproto`, :func:`read_caffemodel`,
-:func:`write_blobproto`) import Blob when called.
+It converts protobuf ↔ NumPy and Python values only and sits below Blob (its
+place in the layers: ``docs/design.md``): Blob's ``from_proto``/``to_proto`` are
+:func:`proto_arrays`, :func:`proto_shape_equals` and :func:`fill_blobproto`; the
+functions that make Blobs of files (``read_blobproto``, ``read_caffemodel``,
+``write_blobproto``) are in ``_blobfile.py``, above Blob.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar
+from typing import Any, Final, TypedDict, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -52,11 +53,7 @@ from ._proto.caffe_pb2 import (
     TransformationParameter,
     V1LayerParameter,
 )
-from ._shape import format_shape, validate_shape
-
-if TYPE_CHECKING:
-    from ._backends import Backend
-    from ._blob import Blob
+from ._shape import MAX_BLOB_AXES, format_shape, validate_shape
 
 __all__ = [
     "BlobProto",
@@ -67,6 +64,7 @@ __all__ = [
     "blob_values",
     "blobproto_array",
     "blobproto_bytes",
+    "caffemodel_blobs",
     "data_layer_fields",
     "decode_blobproto",
     "fill_blobproto",
@@ -74,16 +72,15 @@ __all__ = [
     "parse_net",
     "proto_arrays",
     "proto_shape_equals",
-    "read_blobproto",
-    "read_caffemodel",
+    "read_blobproto_file",
     "transform_fields",
-    "write_blobproto",
 ]
 
 StrPath = str | os.PathLike[str]
 _M = TypeVar("_M", bound=Message)
 
 _LEGACY_FIELDS: Final = ("num", "channels", "height", "width")
+_INT_MAX: Final = 2**31 - 1
 _DEPRECATED_DATA_FIELDS: Final = ("scale", "mean_file", "crop_size", "mirror")
 
 _BLOBPROTO_FIX: Final = (
@@ -109,9 +106,54 @@ def _decode(message: _M, data: bytes, label: str, what: str, fix: str = "") -> _
     return message
 
 
+def _file_bytes(path: StrPath, label: str) -> bytes:
+    """The bytes of the regular file ``path``, read by its size. Anything else (a FIFO,
+    whose read waits for a writer; a device such as ``/dev/zero``, which never ends;
+    a directory) is refused before a byte is read: its open does not block
+    (``O_NONBLOCK``) and nothing is sized by what it would deliver.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ProtoError: not a regular file, or it cannot be read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        fd = -1
+    except OSError as exc:
+        raise ProtoError(f"{label} cannot be read: {exc}") from exc
+    try:
+        mode = os.stat(path).st_mode if fd < 0 else os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a directory" if stat.S_ISDIR(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket or other special file"
+            )  # fmt: skip
+            raise ProtoError(
+                f"{label} is not a regular file ({kind}); give the path of the file "
+                "itself (a .binaryproto written by compute_image_mean or Caffe)"
+            )
+        size = os.fstat(fd).st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(size)
+    except OSError as exc:
+        raise ProtoError(f"{label} cannot be read: {exc}") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) != size:
+        raise ProtoError(f"{label} changed while it was read ({size} bytes, then {len(data)})")
+    return data
+
+
 def _read(message: _M, path: StrPath, label: str, what: str, fix: str) -> _M:
-    """Read the file ``path`` into ``message``; FileNotFoundError when it is missing."""
-    return _decode(message, Path(path).read_bytes(), label, what, fix)
+    """Read the regular file ``path`` into ``message`` (see :func:`_file_bytes`)."""
+    return _decode(message, _file_bytes(path, label), label, what, fix)
 
 
 def decode_blobproto(data: bytes, label: str = "the record") -> BlobProto:
@@ -180,7 +222,7 @@ def blob_values(
     return _as_array(proto, data_field), diff
 
 
-def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.ndarray:
+def blobproto_array(data: bytes | bytearray | memoryview, label: str = "the record") -> np.ndarray:
     """One serialized ``caffe.BlobProto`` (an LMDB record) as an array of its shape.
 
     Caffe's rules: the legacy num/channels/height/width shape when any is set,
@@ -194,12 +236,29 @@ def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.n
     """
     proto = _decode(BlobProto(), bytes(data), label, "valid caffe.BlobProto")
     shape, legacy = blob_shape(proto)
+    fields = "num/channels/height/width" if legacy else "shape"
+    if len(shape) > MAX_BLOB_AXES:
+        raise ProtoError(
+            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most "
+            f"{MAX_BLOB_AXES}"
+        )
     if any(d < 0 for d in shape):
-        fields = "num/channels/height/width" if legacy else "shape"
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
+    if any(d > _INT_MAX for d in shape):
+        raise ProtoError(
+            f"{label} is a BlobProto with a dimension above {_INT_MAX} in {fields}: {shape} "
+            "(Caffe's blob dimensions are int32)"
+        )
     count = 1
+    nonzero = 1  # what numpy checks: the dims' product, zeros left out, must be addressable
     for d in shape:
         count *= int(d)  # Python ints: no overflow
+        nonzero *= max(int(d), 1)
+    if nonzero * 8 > sys.maxsize:
+        raise ProtoError(
+            f"{label} is a BlobProto of shape {shape}, which no array can have (the product "
+            "of its dimensions exceeds what this platform can address)"
+        )
     try:
         values, _ = blob_values(proto, count, format_shape(shape, count))
     except ProtoError as exc:
@@ -259,15 +318,16 @@ def load_mean_file(path: StrPath) -> npt.NDArray[np.float32]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ProtoError: the file is not a BlobProto, its data count does not match
-            its shape, or it holds more than one image (num > 1).
+        ProtoError: the file is not a regular file (a FIFO, a device, a directory:
+            refused before anything is read), not a BlobProto, its data count does
+            not match its shape, or it holds more than one image (num > 1).
     """
     label = f"mean file {str(path)!r}"
     proto = _read(BlobProto(), path, label, "serialized caffe.BlobProto", _BLOBPROTO_FIX)
     shape, _ = blob_shape(proto)
     field = _value_field(proto, "data")
     n = len(getattr(proto, field))
-    count = int(np.prod(shape)) if shape else 0
+    count = math.prod(int(d) for d in shape) if shape else 0  # exact: no overflow
     if len(shape) not in (3, 4) or count == 0 or n != count:
         raise ProtoError(
             f"{label}: shape {shape} with {n} values; expected a "
@@ -331,95 +391,41 @@ def blobproto_bytes(
     return fill_blobproto(None, data.shape, data, diff, legacy=legacy).SerializeToString()
 
 
-# -- Blob conveniences ------------------------------------------------------------------
+# -- Blob files: the messages (``_blobfile.py`` makes Blobs of them) -------------------------
 
 
-def _blob_from(proto: BlobProto, dtype: Any, backend: Backend | str | None, where: str) -> Blob:
-    from ._blob import Blob
+def read_blobproto_file(path: StrPath) -> BlobProto:
+    """The ``caffe.BlobProto`` in the ``.binaryproto`` file ``path``.
 
-    blob = Blob(dtype=dtype, backend=backend)
-    try:
-        blob.from_proto(proto, reshape=True)
-    except ProtoError as exc:
-        blob.close()
-        raise ProtoError(f"{where}: {exc}") from exc
-    except BaseException:
-        blob.close()
-        raise
-    return blob
-
-
-def read_blobproto(
-    path: StrPath, *, dtype: Any = np.float32, backend: Backend | str | None = None
-) -> Blob:
-    """Read a ``.binaryproto`` file (one ``caffe.BlobProto``) into a new Blob.
-
-    The shape comes from the legacy num/channels/height/width fields when any
-    is set, else from ``shape`` (Caffe's rule); ``double_data`` is read when
-    present, else ``data``, cast to ``dtype`` (float32 or float64). The caller
-    owns the Blob (close it, or use it as a context manager).
-
-    Raises FileNotFoundError, ProtoError (unparsable file, bad shape, value
-    count mismatch), UnsupportedOperationError for an integer ``dtype``.
+    Raises FileNotFoundError, ProtoError (an unparsable file; the message names it).
     """
-    where = repr(os.fspath(path))
-    proto = _read(BlobProto(), path, where, "valid caffe.BlobProto", _BLOBPROTO_FIX)
-    return _blob_from(proto, dtype, backend, where)
+    return _read(BlobProto(), path, repr(os.fspath(path)), "valid caffe.BlobProto", _BLOBPROTO_FIX)
 
 
-def write_blobproto(blob: Blob, path: StrPath, *, write_diff: bool = False) -> None:
-    """Write ``blob`` as a ``.binaryproto`` file (see :meth:`Blob.to_proto`).
+def caffemodel_blobs(path: StrPath) -> list[tuple[str, list[BlobProto]]]:
+    """The parameter blobs of the ``.caffemodel`` file ``path``, per layer with blobs:
+    layers in file order, from the ``layer`` field then the legacy V1 ``layers``.
 
-    The ``shape`` field is written, never the legacy num/channels/height/width
-    ones; Caffe reads either. The message is built before the file is opened,
-    so a blob that cannot be written leaves no file behind.
-
-    Raises UnsupportedOperationError for integer blobs, StateError for a
-    closed blob, OSError from the filesystem.
-    """
-    payload = blob.to_proto(write_diff=write_diff).SerializeToString()
-    Path(path).write_bytes(payload)
-
-
-def read_caffemodel(
-    path: StrPath, *, dtype: Any = np.float32, backend: Backend | str | None = None
-) -> dict[str, list[Blob]]:
-    """The parameter blobs of a ``.caffemodel``: layer name → list of Blobs.
-
-    Layers come in file order, from the ``layer`` field and then the legacy
-    V1 ``layers`` field; layers without blobs are left out (like pycaffe's
-    ``net.params``). The caller owns the Blobs.
-
-    Raises FileNotFoundError, ProtoError (unparsable file, a bad blob, two
-    layers with blobs under one name), UnsupportedOperationError for an
-    integer ``dtype``.
+    Raises FileNotFoundError, ProtoError (an unparsable file, two layers with blobs
+    under one name).
     """
     where = os.fspath(path)
     net = _read(
         NetParameter(), path, repr(where), "valid caffe.NetParameter (.caffemodel)", _CAFFEMODEL_FIX
     )
-    result: dict[str, list[Blob]] = {}
-    try:
-        layers: list[LayerParameter | V1LayerParameter] = [*net.layer, *net.layers]
-        for layer in layers:
-            if not len(layer.blobs):
-                continue
-            if layer.name in result:
-                raise ProtoError(
-                    f"{where!r}: two layers named {layer.name!r} hold blobs; cannot tell "
-                    "their parameters apart"
-                )
-            blobs: list[Blob] = []
-            result[layer.name] = blobs
-            for i, proto in enumerate(layer.blobs):
-                blobs.append(
-                    _blob_from(proto, dtype, backend, f"{where!r}, layer {layer.name!r} blob {i}")
-                )
-    except BaseException:
-        for blobs in result.values():
-            for blob in blobs:
-                blob.close()
-        raise
+    result: list[tuple[str, list[BlobProto]]] = []
+    names: set[str] = set()
+    layers: list[LayerParameter | V1LayerParameter] = [*net.layer, *net.layers]
+    for layer in layers:
+        if not len(layer.blobs):
+            continue
+        if layer.name in names:
+            raise ProtoError(
+                f"{where!r}: two layers named {layer.name!r} hold blobs; cannot tell "
+                "their parameters apart"
+            )
+        names.add(layer.name)
+        result.append((layer.name, list(layer.blobs)))
     return result
 
 

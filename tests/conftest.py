@@ -63,10 +63,57 @@ def any_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     backend.synchronize()
 
 
+def make_backend(name: str) -> Backend:
+    """A fresh backend (fresh pools, so their counters belong to the test)."""
+    if name == "host":
+        return HostBackend()
+    if name == "emulated":
+        return EmulatedBackend(delay=0.001)
+    return cupy_backend_or_skip()
+
+
+# -- LMDBs shared by test modules -----------------------------------------------------------------
+
+# Caffe's reference batches (tests/data/caffe/ref): case name → (database, Transform kwargs).
+REF_CASES = {
+    "raw_color_b8": ("raw_color", {}),
+    "raw_color_b8_meanfile_scale": (
+        "raw_color",
+        {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
+    ),
+    "raw_color_b8_meanvalue_crop24": (
+        "raw_color",
+        {"crop_size": 24, "mean_value": (104, 117, 123)},
+    ),
+    "encoded_jpg_b8": ("encoded_jpg", {}),
+}
+
+
+@pytest.fixture
+def db30(tmp_path: Path) -> Path:
+    """30 raw 3x10x12 records; record i has label i."""
+    from tests._helpers import raw_db
+
+    return raw_db(tmp_path / "db30", 30)
+
+
 def to_numpy(array: object) -> object:
     """A host copy of a numpy or cupy array."""
     get = getattr(array, "get", None)
     return get() if callable(get) else array
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _index_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Persistent LMDB indexes go to a temporary cache, not the user's, for the whole
+    session (subprocesses inherit it)."""
+    saved = os.environ.get("BLOBPIPE_CACHE_DIR")
+    os.environ["BLOBPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("index-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("BLOBPIPE_CACHE_DIR", None)
+    else:
+        os.environ["BLOBPIPE_CACHE_DIR"] = saved
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -1,4 +1,5 @@
-"""Fault injection: seeded byte flips over a small database, each read in a worker process.
+"""Fault injection: seeded byte flips over a small database, each read in a worker process;
+a database cut short and rewritten in place while it is read; fork while threads read.
 
 Every flip's copy is read twice, by py-lmdb's own cursor and by one epoch of
 :class:`blobpipe.Batches`, each in worker processes (``tests/_faults.py``) that
@@ -10,6 +11,7 @@ exception, or a batch that differs from what LMDB's cursor reads.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 import blobpipe
 from tests._faults import Flip, run_flips
-from tests._helpers import lmdb_stat, write_lmdb
+from tests._helpers import lmdb_stat, run_script, write_lmdb
 
 FLIPS = {"meta": 60, "branch": 120, "leaf": 140, "value": 80}  # 400 in all
 
@@ -118,3 +120,179 @@ def test_byte_flips_give_lmdbs_data_or_a_clean_error(tmp_path: Path) -> None:
     same = sum(n for (_, v), n in tally.items() if v == "same data")
     assert same >= len(planned) // 3, summary  # the flips did not all break the database
     print(summary)
+
+
+_CUT_IN_PLACE = """
+    import sys
+    from pathlib import Path
+    import numpy as np
+    import blobpipe
+
+    root, how = Path(sys.argv[1]), sys.argv[2]
+    rng = np.random.default_rng(0)
+    def records(n):
+        return [(rng.integers(0, 256, (3, 40, 40), dtype=np.uint8), i % 10) for i in range(n)]
+    blobpipe.write_lmdb(str(root / "big"), records(400))
+    blobpipe.write_lmdb(str(root / "small"), records(10))
+    smaller = (root / "small" / "data.mdb").read_bytes()
+
+    def cut() -> None:  # what cp does to the file it copies over
+        with open(root / "big" / "data.mdb", "r+b") as f:
+            f.truncate(0)
+            f.write(smaller)
+
+    db = str(root / "big")
+    try:
+        if how == "reader":
+            reader = blobpipe.LmdbReader(db)
+            keys = reader.keys()
+            reader.get(keys[-1])
+            cut()
+            reader.get(keys[-1])
+        else:
+            if how == "loader":
+                it = blobpipe.Loader(db, 16, device="cpu", mode="epoch", shuffle=True, prefetch=2)
+            else:
+                it = blobpipe.Batches(db, 16, mode="epoch", order="shuffle")
+            with it:
+                for n, _ in enumerate(it):  # cut in the middle of the epoch, or after it
+                    if how == "batches-mid" and n == 3:
+                        cut()
+                if how != "batches-mid":
+                    cut()
+                for _ in it:
+                    pass
+        print("no error")
+    except blobpipe.DataError as exc:
+        print("clean:", exc)
+"""
+
+
+@pytest.mark.parametrize("how", ["loader", "batches", "batches-mid", "reader"])
+def test_a_data_file_cut_and_rewritten_in_place_is_a_clean_error(tmp_path: Path, how: str) -> None:
+    """``cp`` over a database being read (the file truncated, then rewritten shorter):
+    the next read is a DataError saying the database changed, never SIGBUS."""
+    done = run_script(_CUT_IN_PLACE, str(tmp_path), how)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("clean: the database changed while it was being read"), (
+        done.stdout
+    )
+    assert "copied over in place" in done.stdout and str(tmp_path / "big") in done.stdout
+
+
+_FORK_UNDER_THREADS = """
+    import os, sys, threading, time
+    import blobpipe
+
+    db = sys.argv[1]
+    keys = blobpipe.LmdbReader(db).keys()
+    stop = threading.Event()
+
+    def gets(shared: blobpipe.LmdbReader | None) -> None:
+        while not stop.is_set():
+            for k in keys:  # a new reader per get opens and releases the environment
+                (shared or blobpipe.LmdbReader(db)).get(k)
+
+    def batches() -> None:
+        with blobpipe.Batches(db, 4, order="shuffle", mode="wrap") as b:
+            for _ in b:
+                if stop.is_set():
+                    return
+
+    def loader() -> None:
+        with blobpipe.Loader(db, 4, device="cpu", shuffle=True, workers=2) as l:
+            for _ in l:
+                if stop.is_set():
+                    return
+
+    one = blobpipe.LmdbReader(db)
+    threads = [threading.Thread(target=gets, args=(r,)) for r in (None, None, one, one)]
+    threads += [threading.Thread(target=batches), threading.Thread(target=loader)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    outcome = "ok"
+    for attempt in range(int(sys.argv[2])):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                with blobpipe.LmdbReader(db) as r:
+                    ok = r.get(keys[7]) == blobpipe.LmdbReader(db).get(keys[7])
+                with blobpipe.Batches(db, 8, mode="epoch") as b:
+                    ok &= sum(len(x.keys) for x in b) == len(keys)
+            finally:
+                os._exit(0 if ok else 3)
+        deadline = time.monotonic() + 8
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                if code:
+                    outcome = f"child {attempt} exited {code}"
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                outcome = f"child {attempt} hung"
+                break
+            time.sleep(0.005)
+        if outcome != "ok":
+            break
+    stop.set()
+    for t in threads:
+        t.join()
+    print(outcome)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_while_threads_read_through_every_entry_point() -> None:
+    """fork() while four threads get records through new readers, one iterates
+    Batches and a blocking Loader's workers fill batches: every child reads the
+    database through a reader and Batches and exits, none hangs in the fork hook."""
+    db = str(Path(__file__).parent / "data" / "caffe" / "lmdb" / "raw_color")
+    done = run_script(_FORK_UNDER_THREADS, db, "60")
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "ok", done.stdout
+
+
+_MEAN_FILES = """
+    import os, resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a failure must not swap
+    import blobpipe
+
+    fifo = os.path.join(sys.argv[1], "mean.fifo")
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", sys.argv[1]):
+        try:
+            blobpipe.Transform(mean_file=path)
+            print(path, "accepted")
+        except blobpipe.ProtoError as exc:
+            print("refused:", exc)
+        except BaseException as exc:
+            print(path, "raised", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo()")
+def test_a_mean_file_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO (whose open or read would wait for a writer forever), /dev/zero (endless)
+    and a directory are refused before anything is read from them."""
+    done = run_script(_MEAN_FILES, str(tmp_path), timeout=15)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("refused:") for line in lines), lines
+    assert all("is not a regular file" in line for line in lines), lines
+    assert "mean.fifo" in lines[0] and "/dev/zero" in lines[1]
+
+
+def test_a_mean_file_is_read_by_its_size(tmp_path: Path) -> None:
+    """A mean file is read whole by its size: a good one loads, one cut short or with
+    bytes after its message is a ProtoError naming the file."""
+    mean = Path(__file__).parent / "data" / "caffe" / "raw_color_mean.binaryproto"
+    good = blobpipe.load_mean_file(mean)
+    assert good.shape == (3, 32, 40)
+    cut = tmp_path / "cut.binaryproto"
+    cut.write_bytes(mean.read_bytes()[:-100])
+    with pytest.raises(blobpipe.ProtoError, match=r"cut\.binaryproto"):
+        blobpipe.load_mean_file(cut)

@@ -17,7 +17,6 @@ import pytest
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import Batches
-from blobpipe._io._datum import parse_datum
 from blobpipe._io._image import (
     Undecodable,
     decode_image,
@@ -26,9 +25,11 @@ from blobpipe._io._image import (
     imread_flag,
     jpeg_frame,
 )
+from blobpipe._io._imagehead import image_size
 from blobpipe._io._transform import Transform
-from tests._helpers import image, key, write_lmdb
-from tests.test_index import epochs
+from blobpipe._io._wire import parse_datum
+from tests._helpers import epochs, image, key, run_script, write_lmdb
+from tests._images import FORMATS, SHAPE, announcing, encoded
 
 DATA = Path(__file__).parent / "data"
 FLAGS = (1, 0, -1)  # IMREAD_COLOR, IMREAD_GRAYSCALE, IMREAD_UNCHANGED
@@ -101,7 +102,8 @@ def test_decode_many_decodes_each_when_asked() -> None:
     first = next(decoded)
     assert isinstance(first, np.ndarray) and np.array_equal(first, opencv(datas[0], 1))
     assert next(images) is datas[1]  # the second is not read before it is asked for
-    assert [np.array_equal(d, opencv(x, 1)) for d, x in zip(decoded, datas[2:], strict=True)]
+    rest = list(decoded)
+    assert len(rest) == 1 and np.array_equal(rest[0], opencv(datas[2], 1))
 
 
 def test_datums_decode_with_caffes_flags() -> None:
@@ -132,7 +134,8 @@ def test_broken_and_refused_images_say_why() -> None:
     data = caffe_jpegs()[0]
     truncated = decode_image(data[:20], 1)
     assert isinstance(truncated, Undecodable) and truncated.damaged
-    assert "OpenCV cannot decode the encoded image (20 bytes" in truncated.reason
+    assert "cannot decode the encoded image (20 bytes" in truncated.reason
+    assert "no frame header before the scan" in truncated.reason
     empty = decode_image(b"", 1)
     assert isinstance(empty, Undecodable) and "holds no image bytes" in empty.reason
     big = bytearray(cv2.imencode(".png", np.zeros((4, 4, 3), np.uint8))[1].tobytes())
@@ -140,7 +143,7 @@ def test_broken_and_refused_images_say_why() -> None:
     refused = decode_image(bytes(big), 1)
     assert isinstance(refused, Undecodable) and not refused.damaged
     assert "announces 1048576×1048576 pixels" in refused.reason
-    with pytest.raises(DataError, match=r"OpenCV cannot decode.*record key b'k'"):
+    with pytest.raises(DataError, match=r"cannot decode.*record key b'k'"):
         blobpipe.decode_datum(blobpipe.encode_encoded_datum(data[:20], 0), key=b"k")
 
 
@@ -152,7 +155,7 @@ def test_image_header_reads_png_and_jpeg_sizes() -> None:
     assert header is not None and header[:2] == (11, 7)
     frame = jpeg_frame(jpg)
     assert frame is not None and (frame.width, frame.height, frame.components) == (11, 7, 3)
-    assert image_header(cv2.imencode(".bmp", pix)[1].tobytes()) is None  # OpenCV's own limit
+    assert image_header(cv2.imencode(".bmp", pix)[1].tobytes())[:2] == (11, 7)  # type: ignore[index]
 
 
 @pytest.mark.parametrize("flags", [{}, {"force_color": True}, {"force_gray": True}])
@@ -174,3 +177,85 @@ def test_batches_of_mixed_images_equal_opencv(tmp_path: Path, flags: dict[str, b
     want = np.stack([hwc(opencv(d, flag)).transpose(2, 0, 1) for d in datas]).astype(np.float32)
     for epoch in got:
         assert np.array_equal(np.concatenate([x.data for x in epoch]), want)
+
+
+# -- the size guard, for every format, whoever imported OpenCV first ----------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_opencv_reads_has_its_size_read_from_its_header(fmt: str) -> None:
+    data = encoded(fmt)
+    decoded = opencv(data, -1)
+    assert decoded is not None and decoded.shape[:2] == SHAPE
+    size = image_size(data)
+    assert not isinstance(size, str) and (size.height, size.width) == SHAPE
+    assert image_size(announcing(fmt, 301, 203))[1:3] == (301, 203)
+    refused = decode_image(announcing(fmt, 9001, 9002), -1, max_pixels=9001 * 9002 - 1)
+    assert isinstance(refused, Undecodable) and "announces 9001×9002 pixels" in refused.reason
+
+
+def test_jpeg_markers_are_read_as_libjpeg_reads_them() -> None:
+    """Stuffed zeros, fill bytes and stray bytes before the frame header do not hide
+    it; a scan or the end of the image before it means there is none."""
+    jpg = announcing("jpeg", 30000, 30000)
+    soi, rest = jpg[:2], jpg[2:]
+    for prefix in (b"\xff\x00", b"\xff\x00\xff\x00", b"\xff\xff\xff", b"\x00\x13", b"\xff\x01"):
+        frame = jpeg_frame(soi + prefix + rest)
+        assert frame is not None and (frame.width, frame.height) == (30000, 30000), prefix
+        refused = decode_image(soi + prefix + rest, 1)
+        assert isinstance(refused, Undecodable) and "announces 30000×30000" in refused.reason
+    at = jpg.index(b"\xff\xc0")
+    sos = jpg[:at] + b"\xff\xda\x00\x02" + jpg[at:]  # a scan before any frame: libjpeg fails
+    assert jpeg_frame(sos) is None
+    got = decode_image(sos, 1)
+    assert isinstance(got, Undecodable) and "no frame header before the scan" in got.reason
+    assert opencv(sos, 1) is None  # as OpenCV says too
+
+
+def test_bytes_of_no_format_opencv_reads_are_not_handed_to_it() -> None:
+    got = decode_image(b"\x00\x01not an image at all", 1)
+    assert isinstance(got, Undecodable) and "no signature of an image format" in got.reason
+
+
+_HUGE_AFTER_OPENCV = """
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a failure must not swap
+    import cv2  # first: OpenCV has read OPENCV_IO_MAX_IMAGE_PIXELS (unset) already
+    import struct
+    import blobpipe
+    from tests._images import FORMATS, announcing
+
+    gif = b"GIF89a" + struct.pack("<HH", 12000, 12000) + b"\\x00\\x00\\x00"
+    gif += b"\\x2c" + struct.pack("<HHHH", 0, 0, 12000, 12000)
+    gif += b"\\x00\\x02\\x02\\x4c\\x01\\x00\\x3b"
+    jpg = announcing("jpeg", 30000, 30000)
+    cases = {"gif of 29 bytes": gif, "jpeg stuffed after SOI": jpg[:2] + b"\\xff\\x00" + jpg[2:]}
+    for fmt in FORMATS:
+        side = 16383 if fmt in ("webp", "webp-lossless") else 30000
+        cases[fmt] = announcing(fmt, side, side)
+    for name, data in cases.items():
+        try:
+            blobpipe.decode_datum(blobpipe.encode_encoded_datum(data, 0), key=b"k", path="p")
+            print(name, "decoded")
+        except blobpipe.DataError as exc:
+            print(name, "refused" if "announces" in str(exc) else f"other: {exc}")
+        except Exception as exc:
+            print(name, f"raised {type(exc).__name__}: {exc}")
+    # VmHWM is this process's own peak (ru_maxrss can carry the forking parent's)
+    with open("/proc/self/status") as status:
+        hwm = next(line for line in status if line.startswith("VmHWM:"))
+    print("maxrss_mib", int(hwm.split()[1]) // 1024)
+"""
+
+
+def test_huge_images_are_refused_when_opencv_was_imported_first() -> None:
+    """OpenCV imported before blobpipe (so its own pixel limit is its default of 2^30):
+    an image of any format announcing 30000×30000 (a 29-byte GIF announcing
+    12000×12000, a JPEG whose frame header follows a stuffed FF 00) is refused from
+    its header, and the process never grows by what it announces."""
+    done = run_script(_HUGE_AFTER_OPENCV, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert [line for line in lines[:-1] if not line.endswith(" refused")] == []
+    rss = int(lines[-1].split()[1])
+    assert rss < 400, lines[-1]

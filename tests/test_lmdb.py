@@ -381,7 +381,8 @@ def test_fork_child_reopens_and_reads(raw: LmdbReader) -> None:
             ok &= other._shared is raw._shared
         ok &= list(raw.values()) == [v for _, v in RAW_ITEMS]
         raw.close()
-        return ok and _lmdbenv.REGISTRY.envs == {}
+        inherited = _lmdbenv.REGISTRY.envs[raw._shared.file_id]
+        return ok and inherited.inherited and inherited.env is not None  # kept open
 
     assert in_forked_child(child) == 0
     assert raw.get(keys[4]) == RAW_ITEMS[4][1]  # the parent is untouched
@@ -402,7 +403,8 @@ def test_fork_inside_a_transaction_and_close_in_child(raw: LmdbReader) -> None:
             else:
                 return False
             raw.close()  # closing an inherited reader opens nothing
-            return _lmdbenv.REGISTRY.envs == {} and raw.closed
+            inherited = list(_lmdbenv.REGISTRY.envs.values())
+            return raw.closed and all(s.inherited and s.refs == 0 for s in inherited)
 
         assert in_forked_child(child) == 0
         assert bytes(txn.get(key)) == RAW_ITEMS[3][1]

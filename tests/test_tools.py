@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import shutil
 import tracemalloc
@@ -144,6 +145,60 @@ def test_bad_list_line_names_the_line(tmp_path: Path, line: str) -> None:
         convert_imageset(ROOT, lst, tmp_path / "db")
     assert not (tmp_path / "db").exists()
     assert not (tmp_path / "db.partial").exists()
+
+
+def test_labels_are_read_as_caffes_atoi_reads_them(tmp_path: Path) -> None:
+    """``atoi``: leading white space and a sign, then digits; the rest is ignored."""
+    lst = tmp_path / "l.txt"
+    lines = [b"a.png 1_000", b"b.png +7", b"c.png -3x", b"d.png \t42abc", b"e.png 007", b"f.png 5 "]
+    lst.write_bytes(b"\n".join(lines[:-1]) + b"\n")
+    assert [label for _, label in read_list_file(lst)] == [1, 7, -3, 42, 7]
+    lst.write_bytes(b"g.png 1e3\nh.png 0x10\n")
+    assert read_list_file(lst) == [(b"g.png", 1), (b"h.png", 0)]
+    for bad in (b"x.png _1", b"x.png +", b"x.png 5 "):  # no digits after the last space
+        lst.write_bytes(b"ok.png 1\n" + bad + b"\n")
+        with pytest.raises(DataError, match="line 2: expected 'path label'"):
+            read_list_file(lst)
+
+
+def test_a_path_too_long_for_an_lmdb_key_names_its_line(tmp_path: Path) -> None:
+    lst = tmp_path / "l.txt"
+    lst.write_bytes(b"ok.png 1\n" + b"d/" * 304 + b" 2\n")  # a 608-byte path
+    with pytest.raises(DataError, match=r"l\.txt' line 2: the path is 608 bytes.*511-byte key"):
+        read_list_file(lst)
+    lst.write_bytes(b"x" * 502 + b" 2\n")  # '00000000_' + 502 bytes: 511, the limit
+    assert read_list_file(lst) == [(b"x" * 502, 2)]
+
+
+_NOT_UTF8 = """
+    import os, sys
+    import cv2, numpy as np
+    import blobpipe
+    from blobpipe._tools import convert_imageset
+
+    root = sys.argv[1]
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 9, 3), dtype=np.uint8)
+    cv2.imwrite(os.path.join(root, "plain.png"), pixels)
+    name = os.path.join(root, "caf").encode() + b"\\xe9.png"
+    os.rename(os.path.join(root, "plain.png").encode(), name)
+    with open(os.path.join(root, "list.txt"), "wb") as f:
+        f.write(b"caf\\xe9.png 1\\n")
+    result = convert_imageset(root, os.path.join(root, "list.txt"), os.path.join(root, "db"))
+    reader = blobpipe.LmdbReader(os.path.join(root, "db"))
+    (key,) = reader.keys()
+    chw, label = blobpipe.decode_datum(reader.get(key))
+    print(result.records, key, label, bool((chw == pixels.transpose(2, 0, 1)).all()))
+"""
+
+
+def test_a_list_file_name_that_is_not_utf8_is_read_as_caffe_reads_it(tmp_path: Path) -> None:
+    """The file's bytes are read by their bytes path and decoded from memory (OpenCV's
+    imread cannot take such a name: it crashed the process)."""
+    from tests._helpers import run_script
+
+    done = run_script(_NOT_UTF8, str(tmp_path))
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["1", "b'00000000_caf\\xe9.png'", "1", "True"]
 
 
 def test_unreadable_images_are_skipped_but_keep_their_index(tmp_path: Path) -> None:
@@ -513,6 +568,45 @@ def test_export_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
     export(tmp_path / "mixed", tmp_path / "m", transform=Transform(crop_size=24))
     assert np.load(tmp_path / "m" / "data.npy").shape == (2, 3, 24, 24)
+
+
+@pytest.mark.parametrize("name", ["o.npz", "o.binaryproto", "o"])
+def test_an_interrupted_export_leaves_no_partial_output(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or an error) in the middle of an export removes ``OUT.partial``; one left
+    by a killed run is removed by the next export, which says so."""
+    from blobpipe._tools import _export
+
+    calls = 0
+
+    def interrupt(self: object, n: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_export.Progress, "advance", interrupt)
+    out = tmp_path / name
+    with pytest.raises(KeyboardInterrupt):
+        export(CAFFE / "lmdb" / "raw_color", out, batch_size=8)
+    assert calls == 2
+    assert not out.exists() and not (tmp_path / f"{name}.partial").exists()
+    monkeypatch.undo()
+    stale = tmp_path / f"{name}.partial"  # what a killed run leaves
+    stale.mkdir()
+    (stale / MARKER_NAME).write_text('{"kind": "export", "complete": false}')
+    (stale / "data.npy").write_bytes(b"half")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("blobpipe").addHandler(handler)
+    try:
+        export(CAFFE / "lmdb" / "raw_color", out, batch_size=8)
+    finally:
+        logging.getLogger("blobpipe").removeHandler(handler)
+    assert out.exists() and not stale.exists()
+    assert any("an unfinished export left by an interrupted run" in m for m in seen), seen
 
 
 # -- inspect and bench ---------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
@@ -50,9 +50,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import DATUM, RecordKind, RecordSource
-from ._order import EpochOrder, Order, ShardMode, shard_from
+from ._fill import RecordSource
+from ._lmdb import LmdbReader
+from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
 from ._plan import BatchPlan
+from ._readahead import ReadAhead
+from ._records import DATUM, RecordKind
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
@@ -62,6 +65,7 @@ Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 
 _STATE_VERSION = 1
+_MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,18 +141,32 @@ class Batches:
             collection of names; others draw their own. Sharing sources need
             the same ``crop_size`` and ``mirror``, and records of one height
             and width.
+        split_transform: called once at open with the primary source's transform
+            and record kind ("datum" or "blobproto"); the primary's rows are filled
+            with the transform it returns (a Loader's host half of a device
+            transform; :attr:`transform` is then that one), or with the given one
+            when it returns None.
         phase: "train" (random crops) or "test" (centre crops); mirror is random
             in both when enabled, as in Caffe.
         order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
-            by ``(seed, epoch)``) or "buffer" (a shuffle buffer of ``buffer_size``
-            records over key order: reads stay near each other).
-        buffer_size: the shuffle buffer's size; only with ``order="buffer"``.
+            by ``(seed, epoch)``), "buffer" (a shuffle buffer of ``buffer_size``
+            records over key order: reads stay near each other) or "quasi" (for
+            databases larger than memory: runs of ``buffer_size // 32`` consecutive
+            records, permuted, shuffled together 32 runs at a time, so an epoch
+            reads from at most ``buffer_size`` records' worth of the file at once).
+        buffer_size: the shuffle buffer's or the quasi-random window's size; only
+            with ``order="buffer"`` or ``"quasi"``.
         seed: seeds the shuffle and the per-record randomness.
         shard: ``None``, ``(rank, world_size)`` or "auto": an initialised
             ``torch.distributed`` process group's rank and size, else torchrun's
             ``RANK``/``WORLD_SIZE`` environment variables, else no sharding.
-        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``)
-            or "contiguous".
+        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``),
+            "contiguous", or "node": each node (``ranks_per_node`` consecutive
+            ranks) keeps the same part of the records in every epoch, ordered
+            within the node and split between its ranks, so a node's page cache
+            holds only its part.
+        ranks_per_node: the ranks of one node, with ``shard_mode="node"``
+            (default: torchrun's ``LOCAL_WORLD_SIZE``).
         pad_shards: how sharded epochs are made equal. True (default): every rank
             gets ``ceil(n / world)`` records, the epoch's order wrapping around to
             repeat its first records, as torch's DistributedSampler does; "drop":
@@ -208,25 +226,31 @@ class Batches:
         record: Record | Mapping[str, Record] = "auto",
         blob_dtype: Literal["float32", "float64"] = "float32",
         share_random: bool | Collection[str] = False,
+        split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self._phase = _check_phase(phase)
-        if order not in ("key", "shuffle", "buffer"):
-            raise ValueError(f"order must be 'key', 'shuffle' or 'buffer', got {order!r}")
-        if order == "buffer":
+        if order not in ("key", "shuffle", "buffer", "quasi"):
+            raise ValueError(f"order must be 'key', 'shuffle', 'buffer' or 'quasi', got {order!r}")
+        if order in ("buffer", "quasi"):
             if buffer_size is None or buffer_size < 1:
                 raise ValueError(
-                    f"order='buffer' needs buffer_size >= 1, got buffer_size={buffer_size!r}"
+                    f"order={order!r} needs buffer_size >= 1, got buffer_size={buffer_size!r}"
                 )
         elif buffer_size is not None:
-            raise ValueError(f"buffer_size is only used with order='buffer', not {order!r}")
+            raise ValueError(
+                f"buffer_size is only used with order='buffer' or 'quasi', not {order!r}"
+            )
         if mode not in ("wrap", "epoch"):
             raise ValueError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
         if last not in ("keep", "drop", "pad"):
             raise ValueError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
-        if shard_mode not in ("strided", "contiguous"):
-            raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
+        if shard_mode not in ("strided", "contiguous", "node"):
+            raise ValueError(
+                f"shard_mode must be 'strided', 'contiguous' or 'node', got {shard_mode!r}"
+            )
         if label_dtype not in ("float32", "int64"):
             raise ValueError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
         self._label_dtype = np.dtype(label_dtype)
@@ -235,6 +259,7 @@ class Batches:
         if blob_dtype not in ("float32", "float64"):
             raise ValueError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
         self._rank, self._world = shard_from(shard)
+        per_node = ranks_per_node_from(ranks_per_node, self._world) if shard_mode == "node" else 1
         self._batch_size = int(batch_size)
         self._seed = int(seed)
         if pad_shards not in (True, False, "drop"):
@@ -248,7 +273,7 @@ class Batches:
         try:
             self._sharing = open_sources(
                 self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
-                readahead, self._phase,
+                readahead, self._phase, split_transform,
             )  # fmt: skip
             # whether any source draws crops or flips (a Loader's host transform keeps them)
             self._random = any(src.filler.transform.needs_random for src in self._sources)
@@ -263,8 +288,14 @@ class Batches:
                 raise DataError("the database holds no records", path=self._path)
             self._epochs = EpochOrder(
                 self._n, order, buffer_size, self._seed, (self._rank, self._world),
-                shard_mode, self._pad_shards,
+                shard_mode, self._pad_shards, per_node,
             )  # fmt: skip
+            # the values of the next records requested ahead of the batches planned
+            self._ahead = [
+                ReadAhead(src.parts[0].reader)
+                for src in self._sources
+                if len(src.parts) == 1 and isinstance(src.parts[0].reader, LmdbReader)
+            ]
             self._shard_len = self._epochs.records_per_epoch
             self._settings = {
                 **self._epochs.settings(),
@@ -294,15 +325,6 @@ class Batches:
             raise
 
     # -- sources -------------------------------------------------------------------------
-
-    def _use_transform(self, transform: Transform) -> None:
-        """Fill the primary source with ``transform`` instead (a Loader's host half
-        of a device transform); before the first plan."""
-        primary = self._sources[0]
-        primary.refill(transform, self._phase)
-        self._filler = primary.filler
-        self._transform = transform
-        self._out_shapes.clear()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -420,7 +442,7 @@ class Batches:
             pad = state.get("pad_shards", False)
             saved["pad_shards"] = pad if saved_shard[1] > 1 else False
             n = int(state["num_records"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ValueError(f"malformed Batches state {state!r}: {exc!r}") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported Batches state version {version!r}")
@@ -442,7 +464,13 @@ class Batches:
                 f"now has {self._n}",
                 path=self._path,
             )
-        if epoch < 0 or not 0 <= pos < self._shard_len:
+        if not 0 <= epoch <= _MAX_EPOCH:
+            raise ValueError(
+                f"the state's epoch {epoch} is out of range: epochs count from 0 to "
+                f"2**62 (the random draws take the epoch as a 64-bit integer); pass a "
+                "state saved by state_dict()"
+            )
+        if not 0 <= pos < self._shard_len:
             raise ValueError(
                 f"the state's epoch {epoch} / position {pos} is out of range "
                 f"(this shard has {self._shard_len} records per epoch)"
@@ -509,6 +537,9 @@ class Batches:
                 self._end_pending = True
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
+        e, _, b = runs[-1]
+        for ahead in self._ahead:
+            ahead.planned(self._epochs.order(e), e, b)
 
         orders = self._epochs
         random = self._random

@@ -6,10 +6,10 @@ Caffe decodes an encoded Datum with ``cv::imdecode``: ``force_color`` →
 OpenCV's ``cv2.imdecode``, and every image it returns is that function's.
 
 :func:`decode_image` is the one entry point (the Datum readers and the batch path
-both use it): an image whose PNG or JPEG header announces more than
-``max_pixels`` pixels is refused before anything is allocated (other formats are
-bounded by OpenCV's own ``OPENCV_IO_MAX_IMAGE_PIXELS``, set to the same limit);
-what OpenCV cannot decode comes back as :class:`Undecodable`, a sentence the
+both use it): an image whose header announces more than ``max_pixels`` pixels,
+or whose size cannot be read from its header (every format OpenCV reads:
+``_imagehead``), is refused before anything is allocated, whoever imported OpenCV
+first; what OpenCV cannot decode comes back as :class:`Undecodable`, a sentence the
 caller puts in its error. :func:`decode_many` decodes a batch's images one after
 another, each as the caller asks for it. OpenCV releases the GIL while it
 decodes, so worker threads decode in parallel.
@@ -22,7 +22,6 @@ made no difference to the Loader; see ``docs/performance.md``.)
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, cast
 
@@ -30,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import ProtoError
+from ._imagehead import NO_SIGNATURE, JpegFrame, image_size, jpeg_frame
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -52,53 +52,14 @@ def _opencv() -> Any:
     """OpenCV, imported on first use (never at import of blobpipe)."""
     global _cv2
     if _cv2 is None:
-        # Formats whose header we cannot read are bounded by OpenCV's own limit,
-        # which it reads on its first decode: at most DEFAULT_MAX_PIXELS unless
-        # the environment sets another.
+        # Every image's size is checked from its header before it is decoded; OpenCV's
+        # own limit (read once, when OpenCV is first imported, so only when it is
+        # imported here) is a second bound.
         os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_PIXELS))
         import cv2  # OpenCV loads on the first encoded record, not at import
 
         _cv2 = cv2
     return _cv2
-
-
-class JpegFrame(NamedTuple):
-    """A JPEG's first frame header (SOFn)."""
-
-    marker: int  # 0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...
-    precision: int  # bits per sample
-    width: int
-    height: int
-    components: int
-
-
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_BE16 = struct.Struct(">H")
-_BE32X2 = struct.Struct(">II")
-
-
-def jpeg_frame(b: bytes) -> JpegFrame | None:
-    """The first frame header of JPEG bytes ``b`` (after the SOI), None if there is none."""
-    n = len(b)
-    i = 2
-    while i + 4 <= n:
-        if b[i] != 0xFF:  # extraneous bytes before a marker: libjpeg skips them
-            i += 1
-            continue
-        marker = b[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
-            i += 2
-            continue
-        if marker in _SOF_MARKERS:
-            if i + 10 > n:
-                return None
-            height, width = _BE16.unpack_from(b, i + 5)[0], _BE16.unpack_from(b, i + 7)[0]
-            return JpegFrame(marker, b[i + 4], width, height, b[i + 9])
-        i += 2 + _BE16.unpack_from(b, i + 2)[0]
-    return None
 
 
 class Undecodable(NamedTuple):
@@ -110,19 +71,10 @@ class Undecodable(NamedTuple):
 
 
 def image_header(b: bytes | memoryview) -> tuple[int, int, JpegFrame | None] | None:
-    """(width, height, the JPEG frame header or None for a PNG) from a PNG or JPEG
-    header, None for other or unreadable data."""
-    n = len(b)
-    head = bytes(b[:4096])  # headers sit at the start: scan a bytes copy, not the view
-    if n >= 24 and head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
-        width, height = _BE32X2.unpack_from(head, 16)
-        return width, height, None
-    if n >= 4 and head[0] == 0xFF and head[1] == 0xD8:
-        frame = jpeg_frame(head)
-        if frame is None and n > len(head):
-            frame = jpeg_frame(bytes(b))  # a long header (EXIF, ICC profile, ...)
-        return None if frame is None else (frame.width, frame.height, frame)
-    return None
+    """(width, height, the JPEG frame header or None) from an encoded image's header
+    (any format OpenCV reads, see ``_imagehead``); None where it cannot be read."""
+    size = image_size(b)
+    return None if isinstance(size, str) else (size.width, size.height, size.frame)
 
 
 def decode_image(
@@ -133,10 +85,17 @@ def decode_image(
     docstring)."""
     if not len(data):
         return Undecodable("the record says encoded: true but holds no image bytes in data", True)
-    header = image_header(data)
-    if header is not None and header[0] * header[1] > max_pixels:
+    size = image_size(data)
+    if isinstance(size, str):  # no decoder may be left to allocate what the bytes say
+        who = "OpenCV cannot" if size == NO_SIGNATURE else "cannot"
         return Undecodable(
-            f"the encoded image announces {header[0]}×{header[1]} pixels, more than "
+            f"{who} decode the encoded image ({len(data)} bytes, starting "
+            f"{bytes(data[:8])!r}): {size}",
+            True,
+        )
+    if size.width * size.height > max_pixels:
+        return Undecodable(
+            f"the encoded image announces {size.width}×{size.height} pixels, more than "
             f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
             False,
         )

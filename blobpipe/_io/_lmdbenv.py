@@ -20,10 +20,15 @@ One environment per process
     environment's flags (``readahead``) are those of its first reader.
 
 Fork
-    A child of ``fork()`` must not use its parent's environments. An
-    ``os.register_at_fork`` hook closes them in the child and empties the registry;
-    each reader sees the change (the registry's generation) and reopens its database
-    on first use.
+    A child of ``fork()`` keeps its parent's environments, read-only and lock-free,
+    but none of its parent's transactions. It must never close them: a parent thread
+    may have been inside LMDB at the fork, and py-lmdb's close waits for that thread,
+    which does not exist in the child; nor can the child open the same file again
+    (py-lmdb allows one open per process, and the inherited one stays open). So an
+    ``os.register_at_fork`` hook replaces the registry's lock and gives each
+    inherited environment a new entry (``inherited``: no references, never closed);
+    each reader sees the change (the registry's generation), drops its parent's
+    transactions and takes a reference to the child's entry on first use.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ import lmdb
 import numpy as np
 
 from .._errors import DatabaseNotFoundError, DataError
-from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta, read_tree
+from ._indexcache import IndexPlace, tree_of
+from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta
+from ._readahead import will_need
 
 __all__ = ["REGISTRY", "SharedEnv", "acquire", "acquire_locked", "release"]
 
@@ -61,6 +68,7 @@ class SharedEnv:
         "env",
         "file_id",
         "generation",
+        "inherited",
         "map",
         "mapped",
         "path",
@@ -88,6 +96,32 @@ class SharedEnv:
         self.mapped = np.frombuffer(self.map, np.uint8) if self.map is not None else None
         self.tree = mapped[1] if mapped is not None else None
         self.refs = 0
+        self.inherited = False
+
+    def adopted(self, generation: int) -> SharedEnv:
+        """The entry a fork child keeps for this environment: the same files and map,
+        no references, never closed (see the module docstring)."""
+        child = SharedEnv(
+            self.env, self.file_id, self.path, generation, self.entries, self.data_file, None
+        )
+        child.map, child.mapped, child.tree = self.map, self.mapped, self.tree
+        child.inherited = True
+        return child
+
+    def shrunk(self) -> tuple[int, int] | None:
+        """``(mapped, now)`` when the data file is now shorter than the map made at
+        open (truncated or copied over in place): a page past its new end would
+        raise SIGBUS when touched. None while the file is whole (one ``fstat``), or
+        when it is not mapped by us."""
+        mapped = self.map
+        if mapped is None:
+            return None
+        try:
+            now = mapped.size()  # fstat of the mapped file: its current length
+        except (OSError, ValueError):
+            return None
+        length = len(mapped)
+        return (length, now) if now < length else None
 
     def unmap(self) -> None:
         """Release our map of the file and its descriptor now, unless arrays made from
@@ -98,9 +132,10 @@ class SharedEnv:
                 mapped.close()
 
 
-def _map_file(path: str, file_id: _FileId) -> mmap.mmap | None:
-    """The data file mapped read-only (our own mapping of the pages LMDB maps); None
-    when it cannot be, or when ``path`` is no longer the file ``file_id``."""
+def _map_file(path: str, file_id: _FileId) -> tuple[mmap.mmap, os.stat_result] | None:
+    """The data file mapped read-only (our own mapping of the pages LMDB maps), and its
+    status when mapped; None when it cannot be, or when ``path`` is no longer the file
+    ``file_id``."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -108,13 +143,13 @@ def _map_file(path: str, file_id: _FileId) -> mmap.mmap | None:
                 return None
             # Default advice (not MADV_RANDOM, even without readahead): the kernel's
             # fault-around then maps several cached pages per page fault.
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), st
     except (OSError, ValueError, OverflowError):
         return None
 
 
 def _check_tree(
-    path: str, data_file: str, file_id: _FileId
+    path: str, data_file: str, file_id: _FileId, index: IndexPlace = "cache"
 ) -> tuple[mmap.mmap, Tree | None] | None:
     """Map the data file and check its B-tree before LMDB walks it (LMDB trusts its pages:
     a damaged one can abort the process or kill it with SIGBUS). Returns the map and the
@@ -123,12 +158,14 @@ def _check_tree(
     Raises:
         DataError: the tree is damaged, or holds something other than plain records.
     """
-    mapped = _map_file(data_file, file_id)
-    if mapped is None:
+    found = _map_file(data_file, file_id)
+    if found is None:
         return None
+    mapped, st = found
     message: str | None
     try:
-        tree = read_tree(np.frombuffer(mapped, np.uint8))
+        # from the persistent index of this snapshot, else walked with readahead hints
+        tree = tree_of(np.frombuffer(mapped, np.uint8), st, data_file, index, will_need(mapped))
     except (Damaged, Unsupported, NamedDatabases) as exc:
         message = _refusal(exc)
     except MemoryError:
@@ -166,7 +203,8 @@ class _Registry:
     """The environments open in this process, by data file.
 
     Invariant: ``envs`` holds exactly the environments opened in this process (this
-    ``generation``) with refs > 0, and ``generation`` changes in a fork child. Both the
+    ``generation``) with refs > 0, plus those inherited from a fork parent (any refs),
+    and ``generation`` changes in a fork child. Both the
     lock and the dict are replaced in the child, so a lock held by a parent thread at
     fork time cannot deadlock the child: read them through ``REGISTRY`` each time,
     never keep them.
@@ -182,12 +220,14 @@ REGISTRY = _Registry()
 
 
 def _after_fork_in_child() -> None:
+    """In a fork child: a new lock (a parent thread may have held the old one) and a
+    new generation whose entries adopt the parent's environments. Takes no lock and
+    calls nothing in LMDB: the parent's other threads may hold either."""
     REGISTRY.lock = threading.Lock()
-    inherited, REGISTRY.envs = REGISTRY.envs, {}
     REGISTRY.generation += 1
-    for shared in inherited.values():
-        with contextlib.suppress(lmdb.Error):
-            shared.env.close()
+    REGISTRY.envs = {
+        file_id: shared.adopted(REGISTRY.generation) for file_id, shared in REGISTRY.envs.items()
+    }
 
 
 if hasattr(os, "register_at_fork"):
@@ -260,7 +300,7 @@ def _check_size(data_file: str, size: int, path: str) -> None:
         )
 
 
-def acquire_locked(path: str, readahead: bool) -> SharedEnv:
+def acquire_locked(path: str, readahead: bool, index: IndexPlace = "cache") -> SharedEnv:
     """Return the shared environment for ``path`` with one more reference.
 
     The caller holds ``REGISTRY.lock``.
@@ -268,7 +308,7 @@ def acquire_locked(path: str, readahead: bool) -> SharedEnv:
     subdir, file_id, data_file = _locate(path)
     shared = REGISTRY.envs.get(file_id)
     if shared is None:
-        mapped = _check_tree(path, data_file, file_id)
+        mapped = _check_tree(path, data_file, file_id, index)
         try:
             env = lmdb.open(
                 path,
@@ -314,7 +354,7 @@ def _unmap(mapped: tuple[mmap.mmap, Tree | None] | None) -> None:
         mapped[0].close()
 
 
-def acquire(path: str, readahead: bool) -> SharedEnv:
+def acquire(path: str, readahead: bool, index: IndexPlace = "cache") -> SharedEnv:
     """The shared environment for ``path``, with one more reference (opened if needed).
 
     Raises:
@@ -323,7 +363,7 @@ def acquire(path: str, readahead: bool) -> SharedEnv:
             already opened in this process outside blobpipe.
     """
     with REGISTRY.lock:
-        return acquire_locked(path, readahead)
+        return acquire_locked(path, readahead, index)
 
 
 def release(shared: SharedEnv) -> None:
@@ -332,8 +372,8 @@ def release(shared: SharedEnv) -> None:
         if shared.generation != REGISTRY.generation:
             return  # the parent's: the fork hook closed it already
         shared.refs -= 1
-        if shared.refs:
-            return
+        if shared.refs or shared.inherited:
+            return  # an inherited environment stays open for the child's life
         del REGISTRY.envs[shared.file_id]
         # Closed under the lock, so nobody can reopen the files before they are closed.
         shared.env.close()

@@ -2,10 +2,13 @@
 
 Caffe's semantics (``tools/convert_imageset.cpp``, ``util/io.cpp``), kept exactly:
 
-* a list line is ``path label``, split at the LAST space; the key is
+* a list line is ``path label``, split at the LAST space, the label read as
+  C's ``atoi`` reads it (``1_000`` is 1); the key is
   ``%08d_<path as listed>`` where the number is the line index (after
   ``--shuffle``), counted before unreadable files are skipped;
-* images are read with OpenCV ``imread`` (BGR; colour → 3 channels, gray → 1)
+* images are read as OpenCV's ``imread`` reads them (BGR; colour → 3 channels,
+  gray → 1): the file's bytes, read by their bytes path (names that are not
+  UTF-8 work, as in Caffe), decoded from memory after a header size check,
   and resized with ``cv2.resize``'s default bilinear only when both sizes are > 0;
 * ``encode_type`` implies encoding; ``encoded`` without a type takes the
   file's extension. The file's own bytes are stored when no size is set and
@@ -27,6 +30,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from .._errors import DataError
-from .._io._datum import encode_encoded_datum, encode_raw_datum
+from .._io._encode import encode_encoded_datum, encode_raw_datum
+from .._io._image import DEFAULT_MAX_PIXELS
+from .._io._imagehead import image_size
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
     MARKER_NAME,
@@ -56,6 +62,10 @@ _log = logging.getLogger("blobpipe")
 _LMDB_FILES = frozenset({"data.mdb", "lock.mdb"})
 _CHUNK_BYTES = 64 << 20
 _INT32 = (-(2**31), 2**31 - 1)
+# C's atoi: leading white space (isspace in the C locale), a sign, decimal digits;
+# whatever follows the digits is ignored.
+_ATOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_MAX_KEY = 511  # LMDB's largest key (MDB_MAXKEYSIZE)
 _MARKER_KIND = "convert-imageset"
 
 
@@ -89,10 +99,13 @@ class ConvertResult:
 def read_list_file(list_file: str | os.PathLike[str]) -> list[tuple[bytes, int]]:
     """Parse a Caffe list file into ``(path bytes, label)`` pairs, one per line.
 
-    Lines split at the last space (paths may contain spaces). A blank line
-    keeps its index with an empty path (Caffe skips it as unreadable).
-    Raises :class:`DataError` (with the line number) for a line without an
-    integer label, and :class:`FileNotFoundError` when the file is missing.
+    Lines split at the last space (paths may contain spaces); the label is read
+    as Caffe's ``atoi`` reads it (leading white space and a sign, then digits; what
+    follows them is ignored: ``1_000`` is 1, ``7abc`` is 7). A blank line keeps its
+    index with an empty path (Caffe skips it as unreadable).
+    Raises :class:`DataError` (with the line number) for a line whose label holds no
+    digits (Caffe's atoi gives 0) or does not fit int32, or whose path is too long
+    for an LMDB key, and :class:`FileNotFoundError` when the file is missing.
     """
     path = Path(list_file)
     try:
@@ -108,14 +121,19 @@ def read_list_file(list_file: str | os.PathLike[str]) -> list[tuple[bytes, int]]
             entries.append((b"", 0))
             continue
         pos = line.rfind(b" ")
-        label_text = line[pos + 1 :].strip() if pos >= 0 else b""
-        try:
-            label = int(label_text)
-        except ValueError:
+        digits = _ATOI.match(line, pos + 1) if pos >= 0 else None
+        if digits is None:
             raise DataError(
                 f"list file {str(path)!r} line {number}: expected 'path label' "
                 f"(label an integer after the last space), got {line.decode(errors='replace')!r}"
-            ) from None
+            )
+        label = int(digits.group(1))
+        if len(b"%08d_" % (number - 1)) + pos > _MAX_KEY:
+            raise DataError(
+                f"list file {str(path)!r} line {number}: the path is {pos} bytes; the "
+                f"record's key ('%08d_' and the path) would exceed LMDB's {_MAX_KEY}-byte "
+                "key limit: use shorter paths (relative to the image root)"
+            )
         if not _INT32[0] <= label <= _INT32[1]:
             raise DataError(
                 f"list file {str(path)!r} line {number}: label {label} does not fit Caffe's int32"
@@ -132,10 +150,33 @@ def _match_ext(filename: str, encoding: str) -> bool:
 
 
 def _read_image(filename: str, is_color: bool) -> np.ndarray[Any, Any] | None:
+    """The image as Caffe's ``cv::imread`` reads it: the file's bytes read here (by
+    their bytes path, so any name the file system holds works, as in Caffe) and
+    decoded from memory by OpenCV, once its header has been checked.
+
+    Raises:
+        _Skip: the file cannot be read, or announces more than ``DEFAULT_MAX_PIXELS``.
+    """
+    try:
+        with open(os.fsencode(filename), "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise _Skip(f"cannot read file: {exc.strerror}") from None
+    size = image_size(data)
+    if isinstance(size, str):
+        return None  # no decoder OpenCV has takes it (or its header is cut short)
+    if size.width * size.height > DEFAULT_MAX_PIXELS:
+        raise _Skip(
+            f"it announces {size.width}×{size.height} pixels, more than {DEFAULT_MAX_PIXELS} "
+            "(the pixel limit blobpipe decodes); resize it first"
+        )
     import cv2
 
     flag = cv2.IMREAD_COLOR if is_color else cv2.IMREAD_GRAYSCALE
-    img = cv2.imread(filename, flag)
+    try:
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+    except cv2.error:
+        return None
     return None if img is None else np.asarray(img)
 
 

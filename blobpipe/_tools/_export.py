@@ -14,12 +14,15 @@ Formats (chosen by ``format`` or by OUT's suffix):
 
 All are built in ``<OUT>.partial`` and renamed into place when complete. The
 space an export needs is checked before its data is written; a disk that fills
-anyway is a :class:`DiskFullError`, and the partial output is removed.
+anyway is a :class:`DiskFullError`. An export that stops for any reason (an
+error, Ctrl-C) removes ``<OUT>.partial``; one left by a killed run is removed,
+with a warning, by the next export to the same ``OUT`` (an export starts over).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import zipfile
 from collections.abc import Iterator
@@ -49,6 +52,7 @@ __all__ = ["ExportResult", "export"]
 
 Format = Literal["npy", "npz", "binaryproto"]
 _FORMATS = ("npy", "npz", "binaryproto")
+_log = logging.getLogger("blobpipe")
 _STAGING_FILES = frozenset({"data.npy", "labels.npy", "out.npz", "out.binaryproto"})
 _PROTO_LIMIT = 2**31 - 1
 
@@ -167,18 +171,45 @@ def export(
         )
         if total == 0:
             raise DataError("nothing to export: limit 0 selects no records", path=db_path)
+        if staging.exists():
+            _log.warning(
+                "removing %r: an unfinished export left by an interrupted run (an export "
+                "starts over)",
+                str(staging),
+            )
         remove_partial(staging, _STAGING_FILES)
         staging.mkdir(parents=True)
         try:
-            write_marker(staging, {"kind": "export", "complete": False})
-            shape, dtype = _write_arrays(batches, staging, total, fmt, db_path, quiet)
+            try:
+                write_marker(staging, {"kind": "export", "complete": False})
+                shape, dtype = _write_arrays(batches, staging, total, fmt, db_path, quiet)
+            except OSError as exc:
+                raise _removed_when_full(exc, staging) from exc
+        except BaseException:
+            _abandon(staging)
+            raise
+    try:
+        try:
+            _finish(staging, out_path, fmt, shape, batch_size, force)
         except OSError as exc:
             raise _removed_when_full(exc, staging) from exc
-    try:
-        _finish(staging, out_path, fmt, shape, batch_size, force)
-    except OSError as exc:
-        raise _removed_when_full(exc, staging) from exc
+    except BaseException:
+        _abandon(staging)
+        raise
     return ExportResult(path=out_path, format=fmt, count=total, shape=shape, dtype=dtype)
+
+
+def _abandon(staging: Path) -> None:
+    """An export that stopped (an error, Ctrl-C) removes what it wrote: an export
+    cannot be resumed. What cannot be removed is named in a warning."""
+    with contextlib.suppress(OSError):
+        remove_partial(staging, _STAGING_FILES)
+    if staging.exists():
+        _log.warning(
+            "the unfinished export is left in %r; delete it, or run the export again "
+            "(it starts over)",
+            str(staging),
+        )
 
 
 def _removed_when_full(exc: OSError, staging: Path) -> OSError:
