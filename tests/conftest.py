@@ -8,6 +8,8 @@ Tests that take the ``device_backend`` fixture run against the emulated device
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,17 +105,24 @@ def to_numpy(array: object) -> object:
     return get() if callable(get) else array
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _index_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+_CREATED_CACHE: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
     """Persistent LMDB indexes go to a temporary cache, not the user's, for the whole
-    session (subprocesses inherit it)."""
-    saved = os.environ.get("BLOBPIPE_CACHE_DIR")
-    os.environ["BLOBPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("index-cache"))
-    yield
-    if saved is None:
-        os.environ.pop("BLOBPIPE_CACHE_DIR", None)
-    else:
-        os.environ["BLOBPIPE_CACHE_DIR"] = saved
+    session: set before any test module is imported, so subprocesses started with a
+    copy of the environment inherit it too."""
+    folder = tempfile.mkdtemp(prefix="blobpipe-index-cache-")
+    _CREATED_CACHE.append(folder)
+    os.environ["BLOBPIPE_CACHE_DIR"] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _CREATED_CACHE:
+        if os.environ.get("BLOBPIPE_CACHE_DIR") == folder:
+            del os.environ["BLOBPIPE_CACHE_DIR"]
+        shutil.rmtree(folder, ignore_errors=True)
+    _CREATED_CACHE.clear()
 
 
 @pytest.fixture(params=["asyncio", "trio"])

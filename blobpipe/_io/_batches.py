@@ -554,9 +554,9 @@ class Batches:
                 self._end_pending = True
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
-        e, _, b = runs[-1]
+        e, a, b = runs[-1]
         for ahead in self._ahead:
-            ahead.planned(self._epochs.order(e), e, b)
+            ahead.planned(self._epochs.order(e), e, a, b)
 
         orders = self._epochs
         random = self._random

@@ -46,7 +46,7 @@ import numpy as np
 from .._errors import DatabaseNotFoundError, DataError
 from ._indexcache import IndexPlace, tree_of
 from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta
-from ._readahead import will_need
+from ._readahead import random_access, will_need
 
 __all__ = ["REGISTRY", "SharedEnv", "acquire", "acquire_locked", "release"]
 
@@ -165,7 +165,8 @@ def _check_tree(
     message: str | None
     try:
         # from the persistent index of this snapshot, else walked with readahead hints
-        tree = tree_of(np.frombuffer(mapped, np.uint8), st, data_file, index, will_need(mapped))
+        with random_access(mapped):
+            tree = tree_of(np.frombuffer(mapped, np.uint8), st, data_file, index, will_need(mapped))
     except (Damaged, Unsupported, NamedDatabases) as exc:
         message = _refusal(exc)
     except MemoryError:

@@ -172,19 +172,6 @@ def _ragged(starts: I64, counts: I64, step: int) -> tuple[I64, I64]:
     return starts[owner] + step * j, owner
 
 
-def _key_bytes(file: npt.NDArray[np.uint8], at: I64, size: I64) -> bytes:
-    """The keys at ``at`` of sizes ``size`` (at least one byte each), joined: gathered
-    as fixed-width rows of the file, then the bytes past each key's size dropped."""
-    width = int(size.max())
-    last = len(file) - width
-    if int(at.max()) <= last:
-        windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
-        rows = windows[at]
-    else:  # a key within ``width`` bytes of the file's end
-        rows = file[np.minimum(at[:, np.newaxis] + np.arange(width), len(file) - 1)]
-    return rows[np.arange(width) < size[:, np.newaxis]].tobytes()
-
-
 def _nodes(
     file: npt.NDArray[np.uint8], pages: I64, psize: int, npages: int, kind: int, limit: int
 ) -> tuple[I64, I64, I64, I64]:
@@ -228,6 +215,30 @@ def _nodes(
     return at, starts[owner], pages[owner], counts
 
 
+def _rows(file: npt.NDArray[np.uint8], at: I64, size: I64, width: int) -> npt.NDArray[np.uint8]:
+    """The keys at ``at`` of sizes ``size`` as rows of ``width`` bytes, zero padded (a
+    gather of whole rows of the file's ``width``-byte windows, not of single bytes)."""
+    cols = np.arange(width, dtype=np.int64)
+    last = len(file) - width
+    if int(at.max()) <= last:
+        windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
+        rows = windows[at]
+    else:  # a key within ``width`` bytes of the file's end
+        rows = file[np.minimum(at[:, np.newaxis] + cols, len(file) - 1)]
+    rows[cols >= size[:, np.newaxis]] = 0
+    return np.ascontiguousarray(rows)
+
+
+def _signs(
+    a: npt.NDArray[np.bytes_], a_size: I64, b: npt.NDArray[np.bytes_], b_size: I64
+) -> npt.NDArray[np.int64]:
+    """Per pair of zero-padded keys, the sign of ``a`` minus ``b`` in byte order: equal
+    padded keys differ at most in trailing zero bytes, where the shorter is less."""
+    by_bytes = (a > b).astype(np.int64) - (a < b)
+    sign: npt.NDArray[np.int64] = np.where(by_bytes != 0, by_bytes, np.sign(a_size - b_size))
+    return sign
+
+
 def _compare(
     file: npt.NDArray[np.uint8], a_at: I64, a_size: I64, b_at: I64, b_size: I64
 ) -> npt.NDArray[np.int64]:
@@ -236,32 +247,31 @@ def _compare(
     if n == 0:
         return np.zeros(0, np.int64)
     width = int(max(a_size.max(), b_size.max()))
-    cols = np.arange(width, dtype=np.int64)
-    # every width-byte window of the file, as rows: a key's bytes are one row (a
-    # gather of whole rows, not of single bytes)
-    last = len(file) - width
-    windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
-
-    def padded(at: I64, size: I64) -> npt.NDArray[np.bytes_]:
-        """The keys as fixed-width byte strings, zero padded."""
-        if int(at.max()) <= last:
-            rows = windows[at]
-        else:  # a key within ``width`` bytes of the file's end
-            rows = file[np.minimum(at[:, np.newaxis] + cols, len(file) - 1)]
-        rows[cols >= size[:, np.newaxis]] = 0
-        return np.ascontiguousarray(rows).view(f"S{width}").reshape(n)
-
-    a, b = padded(a_at, a_size), padded(b_at, b_size)
-    # byte order on the zero-padded keys; equal ones differ at most in trailing zero
-    # bytes, where the shorter key is less
-    by_bytes = (a > b).astype(np.int64) - (a < b)
-    sign: npt.NDArray[np.int64] = np.where(by_bytes != 0, by_bytes, np.sign(a_size - b_size))
-    return sign
+    a = _rows(file, a_at, a_size, width).view(f"S{width}").reshape(n)
+    b = _rows(file, b_at, b_size, width).view(f"S{width}").reshape(n)
+    return _signs(a, a_size, b, b_size)
 
 
 def _increasing(file: npt.NDArray[np.uint8], key_at: I64, ksize: I64) -> npt.NDArray[np.bool_]:
     """Per pair of consecutive keys, whether the second is greater (byte order)."""
-    return _compare(file, key_at[:-1], ksize[:-1], key_at[1:], ksize[1:]) < 0
+    return _ordered(file, key_at, ksize)[0]
+
+
+def _ordered(
+    file: npt.NDArray[np.uint8], key_at: I64, ksize: I64, skip: int = 0
+) -> tuple[npt.NDArray[np.bool_], bytes]:
+    """Per pair of consecutive keys, whether the second is greater (byte order); and
+    the keys but the first ``skip``, joined. Each key is gathered once."""
+    n = len(key_at)
+    if n == 0:
+        return np.zeros(0, np.bool_), b""
+    width = int(ksize.max())
+    rows = _rows(file, key_at, ksize, width)
+    keys = rows.view(f"S{width}").reshape(n)
+    ok = _signs(keys[:-1], ksize[:-1], keys[1:], ksize[1:]) < 0
+    mine = rows[skip:]
+    joined = mine[np.arange(width) < ksize[skip:, np.newaxis]].tobytes()
+    return ok, joined
 
 
 def _check_separators(
@@ -437,11 +447,14 @@ def _walk(file: npt.NDArray[np.uint8], advise: Advise | None) -> Tree | None:
         big = (flags & _F_BIGDATA) != 0
         _fail(data_at + np.where(big, 8, dsize) > start + psize, page, "a value outside its page")
         if last_key is None:
-            ok = _increasing(file, key_at, ksize)
+            ok, joined = _ordered(file, key_at, ksize)
             _fail(~ok, page[1:], "keys out of order")
         else:
-            ok = _increasing(
-                file, np.concatenate([last_key[0], key_at]), np.concatenate([last_key[1], ksize])
+            ok, joined = _ordered(
+                file,
+                np.concatenate([last_key[0], key_at]),
+                np.concatenate([last_key[1], ksize]),
+                skip=1,
             )
             _fail(~ok, page, "keys out of order")
         last_key = (key_at[-1:], ksize[-1:])
@@ -463,7 +476,7 @@ def _walk(file: npt.NDArray[np.uint8], advise: Advise | None) -> Tree | None:
         keys_at[done : done + m] = key_at
         keys_size[done : done + m] = ksize
         leaf_counts.append(counts)
-        key_bytes.append(_key_bytes(file, key_at, ksize))
+        key_bytes.append(joined)
         done += m
     if done != n:
         raise Damaged(f"{done} records in the tree, {n} in the meta page ({where})")

@@ -5,7 +5,8 @@ or a shuffled epoch of a cold database, then runs at the disk's latency, one rea
 flight. ``MADV_WILLNEED`` starts the reads of the pages named and returns at once, so
 the disk holds many reads in flight and the faults that follow find the pages cached.
 A hint never changes what is read, only when: where ``madvise`` is missing or fails,
-nothing happens.
+nothing happens. During the walk the map is ``MADV_RANDOM`` (:func:`random_access`): a
+fault then reads only its page, not the values around it.
 
 :func:`will_need` gives the B-tree walk its hint (each level's pages, once the level
 above has named them); :class:`ReadAhead` keeps the values of the next records of an
@@ -19,7 +20,7 @@ import contextlib
 import mmap
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -68,6 +69,26 @@ def advise_ranges(
                 mapped.madvise(_WILLNEED, lo, hi - lo)
 
 
+@contextlib.contextmanager
+def random_access(mapped: mmap.mmap) -> Iterator[None]:
+    """``MADV_RANDOM`` on ``mapped`` for the block, then the default advice again. A
+    page fault under the default advice also reads the file around the page; during
+    a B-tree walk that means the values between leaf pages, gigabytes of them, while
+    the walk's own pages are requested by :func:`will_need`."""
+    rand = getattr(mmap, "MADV_RANDOM", None)
+    normal = getattr(mmap, "MADV_NORMAL", None)
+    if rand is None or normal is None:
+        yield
+        return
+    with contextlib.suppress(OSError, ValueError):
+        mapped.madvise(rand)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            mapped.madvise(normal)
+
+
 def evict_file(path: str) -> None:
     """Ask the OS to drop the cached pages of the file ``path`` that no process maps
     (``posix_fadvise(POSIX_FADV_DONTNEED)``); nothing where that is missing."""
@@ -113,9 +134,9 @@ class ReadAhead:
         self._done = 0  # positions of ``_epoch`` requested: up to here
         self._chunks: deque[tuple[int, int, int]] = deque()  # (start, stop, bytes) requested
 
-    def planned(self, order: npt.NDArray[np.int64], epoch: int, stop: int) -> None:
-        """A batch was planned up to position ``stop`` of ``order`` (epoch ``epoch``):
-        request what lies ahead of it."""
+    def planned(self, order: npt.NDArray[np.int64], epoch: int, first: int, stop: int) -> None:
+        """A batch was planned over positions ``[first, stop)`` of ``order`` (epoch
+        ``epoch``): request its records not requested yet, and what lies ahead."""
         if epoch != self._epoch:
             self._epoch, self._done = epoch, 0
             self._chunks.clear()
@@ -125,7 +146,7 @@ class ReadAhead:
         # bytes requested and not yet planned (a chunk planned in part: its share)
         pending = sum(b * (e - max(a, stop)) // (e - a) for a, e, b in chunks)
         budget = AHEAD_BYTES - pending
-        start = max(self._done, stop)
+        start = max(self._done, first)
         window = order[start : stop + AHEAD_RECORDS]
         if budget <= 0 or not len(window):
             return
