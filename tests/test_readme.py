@@ -87,15 +87,17 @@ def test_python_blocks_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (tmp_path / "tests").symlink_to(ROOT / "tests")
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__readme__"}
-    for block in python_blocks():
-        code = compile(block.code, f"README.md:{block.line}", "exec")
-        if block.needs:
-            continue
-        exec(code, namespace)  # the README's own snippet
-    for value in list(namespace.values()):  # loaders the snippets left open
-        close = getattr(value, "close", None)
-        if type(value).__name__ in ("Loader", "Batches") and callable(close):
-            close()
+    try:
+        for block in python_blocks():
+            code = compile(block.code, f"README.md:{block.line}", "exec")
+            if block.needs:
+                continue
+            exec(code, namespace)  # the README's own snippet
+    finally:
+        for value in list(namespace.values()):  # loaders the snippets left open
+            close = getattr(value, "close", None)
+            if type(value).__name__ in ("Loader", "Batches") and callable(close):
+                close()
 
 
 def _line(shown: str) -> str:
