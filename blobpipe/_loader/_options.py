@@ -39,6 +39,7 @@ class BatchesOptions(TypedDict, total=False):
     )
     blob_dtype: Literal["float32", "float64"]
     share_random: bool | Collection[str]
+    max_batch_bytes: int
 
 
 def check_options(options: Mapping[str, object], owner: str) -> None:
