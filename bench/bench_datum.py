@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from blobpipe._io._datum import datum_view, decode_datum_into, encode_raw_datum, parse_datum
+from blobpipe import datum_view, decode_datum_into, encode_raw_datum, parse_datum
 from blobpipe._io._lmdb import LmdbReader
 from blobpipe._proto.caffe_pb2 import Datum
 

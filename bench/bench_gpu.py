@@ -18,8 +18,11 @@ All on W3 of the workload benchmark (``_workloads_data.imagenet_raw``: 2,048 raw
    (uint8 crosses the bus) and without it (float32 crosses).
 3. **Training step**: every batch feeds a fixed 5 ms of GPU work (a one-thread
    ``clock64`` spin kernel calibrated with CUDA events) on the consumer's own
-   stream, synchronised each step like a training loop reading its loss. Run once
-   on a synthetic batch already on the device and once fed by the loader;
+   stream, synchronised each step like a training loop reading its loss; the
+   consumer asks for each batch with that stream current, so the loader orders
+   the slot's reuse after the step (the release is recorded on the stream the
+   consumer works on). Run once on a synthetic batch already on the device and
+   once fed by the loader;
    starvation = the loader's ``statistics().wait_time`` over the run's wall time.
    Target: < 2%.
 
@@ -263,7 +266,9 @@ def train_synthetic(cp: Any, spin: Spin, steps: int, batch_shape: tuple[int, ...
 def train_with_loader(
     cp: Any, spin: Spin, db: Prepared, crop: int, workers: int, steps: int
 ) -> dict[str, Any]:
-    with make_loader(db, crop, workers, True) as loader:
+    # the step's stream is current when each batch is asked for: the loader records
+    # the previous batch's release there, after the step that read it
+    with make_loader(db, crop, workers, True) as loader, spin.stream:
         it = iter(loader)
         for _ in range(10):  # warm-up, as a training loop's first steps
             spin(next(it).data.gpu_data())

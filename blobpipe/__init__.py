@@ -1,12 +1,7 @@
 """blobpipe: Caffe's Blob, SyncedMemory and DataLayer for modern Python.
 
-Layers, each importing only those before it:
-errors and the protobuf codec → device backends → memory (pool, SyncedMemory)
-→ Blob → io (LMDB reader, transforms, batches) → loader → CLI tools.
-``_codec`` is the only module that touches Caffe's messages (``_proto``); it
-works on NumPy arrays and Python values, and its three Blob-returning
-functions (``read_blobproto``, ``read_caffemodel``, ``write_blobproto``)
-import Blob when called.
+The modules, what each owns and what it may import: the table at the top of
+``docs/design.md`` (held by ``tests/test_layers.py``).
 
 Nothing here imports CuPy or decides on a device: backends are resolved on
 first use (``device="auto"`` tries CUDA, then falls back to the host).
@@ -18,10 +13,10 @@ from ._backends import Backend as Backend
 from ._backends import get_backend as get_backend
 from ._backends import set_default_backend as set_default_backend
 from ._blob import Blob as Blob
+from ._blobfile import read_blobproto as read_blobproto
+from ._blobfile import read_caffemodel as read_caffemodel
+from ._blobfile import write_blobproto as write_blobproto
 from ._codec import load_mean_file as load_mean_file
-from ._codec import read_blobproto as read_blobproto
-from ._codec import read_caffemodel as read_caffemodel
-from ._codec import write_blobproto as write_blobproto
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BlobIndexError as BlobIndexError
 from ._errors import BlobpipeError as BlobpipeError
@@ -38,20 +33,20 @@ from ._errors import UnsupportedOperationError as UnsupportedOperationError
 from ._io._batches import ArrayBatch as ArrayBatch
 from ._io._batches import Batches as Batches
 from ._io._batches import BatchPlan as BatchPlan
-from ._io._datum import ParsedDatum as ParsedDatum
 from ._io._datum import datum_view as datum_view
 from ._io._datum import decode_datum as decode_datum
 from ._io._datum import decode_datum_into as decode_datum_into
-from ._io._datum import encode_encoded_datum as encode_encoded_datum
-from ._io._datum import encode_float_datum as encode_float_datum
-from ._io._datum import encode_raw_datum as encode_raw_datum
-from ._io._datum import parse_datum as parse_datum
+from ._io._encode import encode_encoded_datum as encode_encoded_datum
+from ._io._encode import encode_float_datum as encode_float_datum
+from ._io._encode import encode_raw_datum as encode_raw_datum
 from ._io._lmdb import LmdbReader as LmdbReader
 from ._io._lmdb import ReadTransaction as ReadTransaction
 from ._io._prototxt import DataLayerConfig as DataLayerConfig
 from ._io._prototxt import read_data_layer as read_data_layer
 from ._io._transform import RecordParams as RecordParams
 from ._io._transform import Transform as Transform
+from ._io._wire import ParsedDatum as ParsedDatum
+from ._io._wire import parse_datum as parse_datum
 from ._layout import nchw_offset as nchw_offset
 from ._layout import nchw_to_nhwc as nchw_to_nhwc
 from ._layout import nhwc_offset as nhwc_offset

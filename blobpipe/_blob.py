@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._backends import Backend, get_backend
+from ._backends import Backend, Event, Stream, get_backend
 from ._codec import BlobProto, fill_blobproto, proto_arrays, proto_shape_equals
 from ._errors import (
     BlobIndexError,
@@ -164,6 +164,19 @@ class Blob:
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
         return self._closed
+
+    def release_after(self, *, stream: Stream | None = None, event: Event | None = None) -> None:
+        """Order the return of the memories to the pool (when this blob or the last
+        one sharing them lets go) after the work queued on ``stream`` up to that
+        moment, and after ``event``: device work still reading them (a consumer's
+        kernels on its own stream) runs before any reuse."""
+        self._check_open()
+        for ref in (self._holder.data, self._holder.diff):
+            if ref is not None:
+                if stream is not None:
+                    ref.mem.release_after_stream(stream)
+                if event is not None:
+                    ref.mem.release_after_event(event)
 
     def __enter__(self) -> Blob:
         return self
@@ -503,12 +516,17 @@ class Blob:
         The side is the device when the data's head is HEAD_AT_GPU or SYNCED
         (on a device backend), else the host. The export is a writable alias,
         so the head moves there as with ``mutable_gpu_data()`` /
-        ``mutable_cpu_data()``. A host export holds a reference to the memory: the
-        pool does not reuse it while the exported array lives, even once the blob
-        is closed. ``np.from_dlpack(blob)`` and
+        ``mutable_cpu_data()``. The export holds a reference to the memory, on
+        either side: the pool does not reuse it while the exported array lives,
+        even once the blob is closed. ``np.from_dlpack(blob)`` and
         ``torch.from_dlpack(blob)`` take it. Keyword arguments (``stream``,
         ``max_version``, ``dl_device``, ``copy``) go to the array's own
         ``__dlpack__``.
+
+        A device export's ``stream`` (the consumer's stream, DLPack's
+        hand-shake: None is the legacy default stream, -1 none) also orders the
+        memory's reuse: a loader refills the batch's buffers, and the pool hands
+        them out again, only after the work the consumer queued on it by then.
 
         A Loader's batches are the loader's buffers: their host-side exports are
         read-only (DLPack 1.0's flag, the head left where it is) to consumers
@@ -518,7 +536,15 @@ class Blob:
         device-side exports get the writable alias.
         """
         if self._head_on_device("data"):
-            return self.mutable_gpu_data().__dlpack__(**kwargs)
+            view = self.mutable_gpu_data()
+            consumer = self._backend.dlpack_stream(kwargs.get("stream"))
+            if consumer is not None:
+                self._mem("data").release_after_stream(consumer)
+            if not hasattr(view, "__cuda_array_interface__"):
+                kwargs.pop("stream", None)  # NumPy (the emulated device) takes none
+            assert self._holder.data is not None
+            held = self._holder.data.keep_alive(view, device=True)
+            return held.__dlpack__(**kwargs)
         if self._export_readonly and self._wants_versioned(kwargs):
             array = self.cpu_data()
         else:

@@ -10,7 +10,7 @@ of blobpipe works on NumPy arrays and Python values:
   the shape before anything the shape sizes is allocated). ``Blob.from_proto``
   and :func:`load_mean_file` use them; :func:`fill_blobproto` and
   :func:`blobproto_bytes` write one (``Blob.to_proto``, ``compute_mean``).
-* ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`read_caffemodel`)
+* ``NetParameter``: a ``.caffemodel``'s parameter blobs (:func:`caffemodel_blobs`)
   and a net prototxt's ``Data`` layer (:func:`parse_net`,
   :func:`data_layer_fields`), with Caffe's layer filtering and its V1 upgrade.
 * ``TransformationParameter``: its fields as keyword arguments of
@@ -19,12 +19,11 @@ of blobpipe works on NumPy arrays and Python values:
 Protobuf's ``DecodeError`` is turned into :class:`ProtoError` in one place
 (:func:`_decode`); every message names the file and what to do about it.
 
-Layering: this module imports only the errors, the shape checks (``_shape``)
-and the generated messages (``blobpipe._proto``), so Blob can use it: Blob's
-``from_proto``/``to_proto`` are :func:`proto_arrays`, :func:`proto_shape_equals`
-and :func:`fill_blobproto`. The three Blob-returning
-conveniences (:func:`read_blobproto`, :func:`read_caffemodel`,
-:func:`write_blobproto`) import Blob when called.
+It converts protobuf ↔ NumPy and Python values only and sits below Blob (its
+place in the layers: ``docs/design.md``): Blob's ``from_proto``/``to_proto`` are
+:func:`proto_arrays`, :func:`proto_shape_equals` and :func:`fill_blobproto`; the
+functions that make Blobs of files (``read_blobproto``, ``read_caffemodel``,
+``write_blobproto``) are in ``_blobfile.py``, above Blob.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar
+from typing import Any, Final, TypedDict, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -57,10 +55,6 @@ from ._proto.caffe_pb2 import (
 )
 from ._shape import MAX_BLOB_AXES, format_shape, validate_shape
 
-if TYPE_CHECKING:
-    from ._backends import Backend
-    from ._blob import Blob
-
 __all__ = [
     "BlobProto",
     "DataLayerFields",
@@ -70,6 +64,7 @@ __all__ = [
     "blob_values",
     "blobproto_array",
     "blobproto_bytes",
+    "caffemodel_blobs",
     "data_layer_fields",
     "decode_blobproto",
     "fill_blobproto",
@@ -77,10 +72,8 @@ __all__ = [
     "parse_net",
     "proto_arrays",
     "proto_shape_equals",
-    "read_blobproto",
-    "read_caffemodel",
+    "read_blobproto_file",
     "transform_fields",
-    "write_blobproto",
 ]
 
 StrPath = str | os.PathLike[str]
@@ -229,7 +222,7 @@ def blob_values(
     return _as_array(proto, data_field), diff
 
 
-def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.ndarray:
+def blobproto_array(data: bytes | bytearray | memoryview, label: str = "the record") -> np.ndarray:
     """One serialized ``caffe.BlobProto`` (an LMDB record) as an array of its shape.
 
     Caffe's rules: the legacy num/channels/height/width shape when any is set,
@@ -246,8 +239,7 @@ def blobproto_array(data: bytes | memoryview, label: str = "the record") -> np.n
     fields = "num/channels/height/width" if legacy else "shape"
     if len(shape) > MAX_BLOB_AXES:
         raise ProtoError(
-            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most "
-            f"{MAX_BLOB_AXES}"
+            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most {MAX_BLOB_AXES}"
         )
     if any(d < 0 for d in shape):
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")
@@ -398,95 +390,41 @@ def blobproto_bytes(
     return fill_blobproto(None, data.shape, data, diff, legacy=legacy).SerializeToString()
 
 
-# -- Blob conveniences ------------------------------------------------------------------
+# -- Blob files: the messages (``_blobfile.py`` makes Blobs of them) -------------------------
 
 
-def _blob_from(proto: BlobProto, dtype: Any, backend: Backend | str | None, where: str) -> Blob:
-    from ._blob import Blob
+def read_blobproto_file(path: StrPath) -> BlobProto:
+    """The ``caffe.BlobProto`` in the ``.binaryproto`` file ``path``.
 
-    blob = Blob(dtype=dtype, backend=backend)
-    try:
-        blob.from_proto(proto, reshape=True)
-    except ProtoError as exc:
-        blob.close()
-        raise ProtoError(f"{where}: {exc}") from exc
-    except BaseException:
-        blob.close()
-        raise
-    return blob
-
-
-def read_blobproto(
-    path: StrPath, *, dtype: Any = np.float32, backend: Backend | str | None = None
-) -> Blob:
-    """Read a ``.binaryproto`` file (one ``caffe.BlobProto``) into a new Blob.
-
-    The shape comes from the legacy num/channels/height/width fields when any
-    is set, else from ``shape`` (Caffe's rule); ``double_data`` is read when
-    present, else ``data``, cast to ``dtype`` (float32 or float64). The caller
-    owns the Blob (close it, or use it as a context manager).
-
-    Raises FileNotFoundError, ProtoError (unparsable file, bad shape, value
-    count mismatch), UnsupportedOperationError for an integer ``dtype``.
+    Raises FileNotFoundError, ProtoError (an unparsable file; the message names it).
     """
-    where = repr(os.fspath(path))
-    proto = _read(BlobProto(), path, where, "valid caffe.BlobProto", _BLOBPROTO_FIX)
-    return _blob_from(proto, dtype, backend, where)
+    return _read(BlobProto(), path, repr(os.fspath(path)), "valid caffe.BlobProto", _BLOBPROTO_FIX)
 
 
-def write_blobproto(blob: Blob, path: StrPath, *, write_diff: bool = False) -> None:
-    """Write ``blob`` as a ``.binaryproto`` file (see :meth:`Blob.to_proto`).
+def caffemodel_blobs(path: StrPath) -> list[tuple[str, list[BlobProto]]]:
+    """The parameter blobs of the ``.caffemodel`` file ``path``, per layer with blobs:
+    layers in file order, from the ``layer`` field then the legacy V1 ``layers``.
 
-    The ``shape`` field is written, never the legacy num/channels/height/width
-    ones; Caffe reads either. The message is built before the file is opened,
-    so a blob that cannot be written leaves no file behind.
-
-    Raises UnsupportedOperationError for integer blobs, StateError for a
-    closed blob, OSError from the filesystem.
-    """
-    payload = blob.to_proto(write_diff=write_diff).SerializeToString()
-    Path(path).write_bytes(payload)
-
-
-def read_caffemodel(
-    path: StrPath, *, dtype: Any = np.float32, backend: Backend | str | None = None
-) -> dict[str, list[Blob]]:
-    """The parameter blobs of a ``.caffemodel``: layer name → list of Blobs.
-
-    Layers come in file order, from the ``layer`` field and then the legacy
-    V1 ``layers`` field; layers without blobs are left out (like pycaffe's
-    ``net.params``). The caller owns the Blobs.
-
-    Raises FileNotFoundError, ProtoError (unparsable file, a bad blob, two
-    layers with blobs under one name), UnsupportedOperationError for an
-    integer ``dtype``.
+    Raises FileNotFoundError, ProtoError (an unparsable file, two layers with blobs
+    under one name).
     """
     where = os.fspath(path)
     net = _read(
         NetParameter(), path, repr(where), "valid caffe.NetParameter (.caffemodel)", _CAFFEMODEL_FIX
     )
-    result: dict[str, list[Blob]] = {}
-    try:
-        layers: list[LayerParameter | V1LayerParameter] = [*net.layer, *net.layers]
-        for layer in layers:
-            if not len(layer.blobs):
-                continue
-            if layer.name in result:
-                raise ProtoError(
-                    f"{where!r}: two layers named {layer.name!r} hold blobs; cannot tell "
-                    "their parameters apart"
-                )
-            blobs: list[Blob] = []
-            result[layer.name] = blobs
-            for i, proto in enumerate(layer.blobs):
-                blobs.append(
-                    _blob_from(proto, dtype, backend, f"{where!r}, layer {layer.name!r} blob {i}")
-                )
-    except BaseException:
-        for blobs in result.values():
-            for blob in blobs:
-                blob.close()
-        raise
+    result: list[tuple[str, list[BlobProto]]] = []
+    names: set[str] = set()
+    layers: list[LayerParameter | V1LayerParameter] = [*net.layer, *net.layers]
+    for layer in layers:
+        if not len(layer.blobs):
+            continue
+        if layer.name in names:
+            raise ProtoError(
+                f"{where!r}: two layers named {layer.name!r} hold blobs; cannot tell "
+                "their parameters apart"
+            )
+        names.add(layer.name)
+        result.append((layer.name, list(layer.blobs)))
     return result
 
 

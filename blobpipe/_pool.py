@@ -8,8 +8,16 @@ each power-of-two range [2^(e-1), 2^e) is cut into 16 equal steps, so a block
 wastes less than 1/16 of its range's top, i.e. under 12.5% of the request (CuPy's
 pinned pool rounds to the next power of two, up to ~100% waste).
 
-Invariant: a block freed with an event (the copy that reads or writes it) is
-not handed out again before that event has completed.
+Invariants:
+
+* a block freed with an event (the copy that reads or writes it) is not handed
+  out again before that event has completed;
+* on a backend with a device, a freed block is also not handed out again before
+  the work queued so far on the releasing caller's stream (its current stream,
+  or the one it names) has completed: the consumer's kernels may still read it,
+  and another stream is not ordered after them;
+* cached blocks (free or waiting) hold at most the cache limit: the free blocks
+  beyond it, largest first, go back to the system when a block is freed.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from ._backends import Backend, Event
+from ._backends import Backend, Event, Stream, all_of
 from ._errors import PoolMemoryError
 
-__all__ = ["Block", "MemoryPool", "PoolStatistics", "get_pool", "size_class"]
+__all__ = ["DEFAULT_CACHE_LIMIT", "Block", "MemoryPool", "PoolStatistics", "get_pool", "size_class"]
+
+#: bytes a pool keeps cached for reuse unless told otherwise (set_cache_limit)
+DEFAULT_CACHE_LIMIT = 512 << 20
 
 _SMALL = 4096
 _SMALL_GRANULE = 512
@@ -80,7 +91,7 @@ class PoolStatistics:
     ``cached_bytes``: capacity of blocks kept for reuse (free or waiting for
     their copy's event); ``free_blocks`` / ``pending_blocks`` count them;
     ``allocations``: buffers ever obtained from the backend; ``limit``: the
-    byte limit (0: none).
+    byte limit (0: none); ``cache_limit``: the most bytes kept cached (0: none).
     """
 
     kind: str
@@ -93,6 +104,7 @@ class PoolStatistics:
     pending_blocks: int
     allocations: int
     limit: int
+    cache_limit: int = DEFAULT_CACHE_LIMIT
 
     @property
     def total_bytes(self) -> int:
@@ -111,9 +123,18 @@ class MemoryPool:
     """A thread-safe pool of ``kind`` ("host" or "device") buffers of a backend.
 
     ``limit`` caps the bytes held (in use + cached); 0 means no limit.
+    ``cache_limit`` caps the bytes kept cached for reuse (default 512 MiB; 0
+    means no cap): beyond it, freed blocks go back to the system.
+    :meth:`free_all_blocks` returns every cached block at once.
     """
 
-    def __init__(self, backend: Backend, kind: str, limit: int = 0) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        kind: str,
+        limit: int = 0,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
+    ) -> None:
         if kind not in ("host", "device"):
             raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
         self.backend = backend
@@ -130,7 +151,9 @@ class MemoryPool:
         self._free_count = 0
         self._allocations = 0
         self._empty: Any = None  # the one zero-byte buffer, shared by empty blocks
+        self._cache_limit = 0
         self.set_limit(limit)
+        self.set_cache_limit(cache_limit)
 
     def __repr__(self) -> str:
         return f"<MemoryPool {self.kind} of {self.backend!r}>"
@@ -146,6 +169,18 @@ class MemoryPool:
     def get_limit(self) -> int:
         """The byte cap (0: none)."""
         return self._limit
+
+    def set_cache_limit(self, nbytes: int) -> None:
+        """Keep at most ``nbytes`` cached for reuse (0: no cap); trims at once."""
+        if nbytes < 0:
+            raise ValueError(f"cache_limit must be >= 0, got {nbytes}")
+        with self._lock:
+            self._cache_limit = int(nbytes)
+            self._trim_locked()
+
+    def get_cache_limit(self) -> int:
+        """The most bytes kept cached (0: no cap)."""
+        return self._cache_limit
 
     # -- allocation ------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
@@ -225,8 +260,14 @@ class MemoryPool:
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def free(self, block: Block, event: Event | None = None) -> None:
+    def free(
+        self, block: Block, event: Event | None = None, *, stream: Stream | None = None
+    ) -> None:
         """Give ``block`` back. With ``event``, it is reused only once it completed.
+
+        On a backend with a device, it is also reused only after the work queued
+        so far on ``stream`` (default: the caller's current stream) has completed,
+        so device work the caller queued on the block runs first.
 
         Freeing a block twice, or a block of another pool, raises ValueError.
         """
@@ -235,8 +276,10 @@ class MemoryPool:
         buf = block.buffer
         if buf is None:
             raise ValueError(f"{block!r} was already freed")
-        block.buffer = None
         cap = block.capacity
+        if cap and self.backend.has_device:
+            event = all_of([e for e in (event, self._release_event(stream)) if e is not None])
+        block.buffer = None
         with self._lock:
             self._used -= cap
             self._requested -= block.nbytes
@@ -248,6 +291,31 @@ class MemoryPool:
             else:
                 self._free[cap].append(buf)
                 self._free_count += 1
+            self._trim_locked()
+
+    def _release_event(self, stream: Stream | None) -> Event | None:
+        """An event after the work queued so far on ``stream`` (else the current one)."""
+        backend = self.backend
+        try:
+            stream = stream or backend.current_stream()
+            return None if stream.idle() else backend.record_event(stream)
+        except RuntimeError:
+            # at interpreter exit no stream can be made: nothing will reuse the block
+            return None
+
+    def _trim_locked(self) -> None:
+        """Release free blocks, largest first, while the cache is over its limit."""
+        limit = self._cache_limit
+        if not limit or self._cached <= limit:
+            return
+        for cap in sorted(self._free, reverse=True):
+            lst = self._free[cap]
+            while lst and self._cached > limit:
+                lst.pop()
+                self._cached -= cap
+                self._free_count -= 1
+            if self._cached <= limit:
+                break
 
     def _reap_locked(self) -> None:
         if not self._pending:
@@ -261,6 +329,7 @@ class MemoryPool:
             else:
                 still.append(item)
         self._pending = still
+        self._trim_locked()
 
     def free_all_blocks(self, wait: bool = False) -> None:
         """Release every cached free block to the system.
@@ -305,6 +374,7 @@ class MemoryPool:
                 pending_blocks=len(self._pending),
                 allocations=self._allocations,
                 limit=self._limit,
+                cache_limit=self._cache_limit,
             )
 
 

@@ -16,6 +16,12 @@ SYNCED when the copy is *issued*: until the copy's event has completed the copy
 is *pending*, and every accessor first waits for it. So no accessor can observe
 device bytes that have not landed, nor modify host bytes a copy still reads.
 
+Its blocks go back to the pool (on :meth:`SyncedMemory.close`, or when the last
+blob sharing it lets go) after the last copy touching them *and* after the work
+queued so far on the releasing caller's current stream and on every stream named
+with :meth:`SyncedMemory.release_after_stream` (a loader's consumer stream, a
+DLPack consumer's): the pool reuses none of it before that work has run.
+
 A SyncedMemory is not thread-safe (neither is Caffe's); give each thread its own
 or guard it.
 """
@@ -29,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ._backends import Backend, Event, Stream, get_backend, wait_event
+from ._backends import Backend, Event, Stream, all_of, get_backend, wait_event
+from ._backends._base import hold_array
 from ._errors import ShapeError, StateError
 from ._pool import Block, MemoryPool, get_pool
 
@@ -48,21 +55,39 @@ class Head(enum.Enum):
 class _Owned:
     """The pool blocks a SyncedMemory owns; shared with its finalizer."""
 
-    __slots__ = ("cpu", "event", "gpu")
+    __slots__ = ("after", "backend", "cpu", "event", "gpu", "streams")
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self.cpu: Block | None = None
         self.gpu: Block | None = None
         # The last copy touching either buffer; blocks return only after it.
         self.event: Event | None = None
+        # Streams whose work queued up to the release runs before any reuse, and
+        # events that must have completed too (release_after_*).
+        self.streams: list[Stream] = []
+        self.after: list[Event] = []
+
+    def add_stream(self, stream: Stream) -> None:
+        if not any(s.same(stream) for s in self.streams):
+            self.streams.append(stream)
+
+    def take_streams(self) -> list[Stream]:
+        streams, self.streams = self.streams, []
+        return streams
 
     def release(self) -> None:
-        event, self.event = self.event, None
-        for attr in ("cpu", "gpu"):
-            block = getattr(self, attr)
-            if block is not None:
-                setattr(self, attr, None)
-                block.pool.free(block, event)
+        events = [e for e in (self.event, *self.after) if e is not None]
+        self.event, self.after = None, []
+        blocks = [b for b in (self.cpu, self.gpu) if b is not None]
+        self.cpu = self.gpu = None
+        streams = self.take_streams()
+        if blocks and streams:
+            events.extend(self.backend.record_event(s) for s in streams)
+        event = all_of(events) if events else None
+        for block in blocks:
+            # the pool adds the releasing caller's current stream
+            block.pool.free(block, event)
 
 
 def _as_bytes(buf: Any, size: int, where: str) -> Any:
@@ -118,7 +143,7 @@ class SyncedMemory:
         self._head = Head.UNINITIALIZED
         self._cpu: Any = None  # flat uint8 view of exactly size bytes
         self._gpu: Any = None
-        self._owned = _Owned()
+        self._owned = _Owned(self._backend)
         self._pending: Event | None = None
         self._pending_head = Head.UNINITIALIZED
         self._closed = False
@@ -299,9 +324,14 @@ class SyncedMemory:
         self._head = Head.HEAD_AT_CPU
 
     def set_gpu_data(self, buf: Any) -> None:
-        """Use a borrowed device buffer (never returned to a pool); head → HEAD_AT_GPU."""
+        """Use a borrowed device buffer (never returned to a pool); head → HEAD_AT_GPU.
+
+        Raises UnsupportedOperationError when ``buf`` is not memory of this
+        backend's device (host memory, another GPU).
+        """
         self._check_open()
         self._backend._require_device("set_gpu_data")
+        self._backend.check_device_array(buf, "set_gpu_data")
         self._settle()
         flat = _as_bytes(buf, self._size, "gpu")
         if self._owned.gpu is not None:
@@ -309,6 +339,22 @@ class SyncedMemory:
             block.pool.free(block)
         self._gpu = flat
         self._head = Head.HEAD_AT_GPU
+
+    # -- ordering the release --------------------------------------------------------
+    def release_after_stream(self, stream: Stream) -> None:
+        """Hand the blocks back, when released, only after the work queued on
+        ``stream`` up to that moment (a consumer's stream: the pool does not reuse
+        memory its kernels may still read)."""
+        self._owned.add_stream(stream)
+
+    def release_after_event(self, event: Event) -> None:
+        """Hand the blocks back, when released, only after ``event`` completed."""
+        self._owned.after.append(event)
+
+    def take_release_streams(self) -> list[Stream]:
+        """The streams named with :meth:`release_after_stream` since the last take
+        (a ring slot records its release on them, then forgets them)."""
+        return self._owned.take_streams()
 
     # -- asynchronous copies --------------------------------------------------------
     def start_gpu_push(self, stream: Stream | None = None) -> Event:
@@ -396,22 +442,23 @@ class SharedMemory:
         if last:
             self.mem.close()
 
-    def keep_alive(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """``array`` (a host view of this memory) as an array holding a reference to
-        it, released when the last array over it goes: the pool does not reuse the
-        bytes while an export made from it lives, even after the blobs let go."""
-        kept: np.ndarray[Any, Any] = np.asarray(_Kept(array, self.acquire()))
-        return kept
+    def keep_alive(self, array: Any, *, device: bool = False) -> Any:
+        """``array`` (a host view of this memory, or with ``device`` a device view)
+        as an array holding a reference to it, released when the last array over
+        it goes: the pool does not reuse the bytes while an export made from it
+        lives, even after the blobs let go."""
+        reference = _Reference(self.acquire())
+        if device:
+            return self.mem.backend.hold_device(array, reference)
+        return hold_array(array, reference)
 
 
-class _Kept:
-    """The base of a kept-alive array: the view's interface and the reference."""
+class _Reference:
+    """One reference to a SharedMemory, released when this object goes."""
 
-    __slots__ = ("__array_interface__", "_array", "_mem")
+    __slots__ = ("_mem",)
 
-    def __init__(self, array: np.ndarray[Any, Any], mem: SharedMemory) -> None:
-        self.__array_interface__ = array.__array_interface__
-        self._array = array
+    def __init__(self, mem: SharedMemory) -> None:
         self._mem: SharedMemory | None = mem
 
     def __del__(self) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from blobpipe import read_blobproto
 from blobpipe._blob import Blob
-from blobpipe._codec import read_blobproto
 from blobpipe._layout import nchw_offset, nchw_to_nhwc, nhwc_offset
 
 MEAN = Path(__file__).resolve().parent.parent / "tests/data/caffe/raw_color_mean.binaryproto"

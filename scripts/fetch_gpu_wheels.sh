@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Download (here, with network) the wheels the GPU machine's image lacks, for its
-# Python (PYVER, default 3.12: the device image's) on x86_64, into .whl/ (git-ignored);
+# Python (PYVER, default 3.12: the GPU image's) on x86_64, into .whl/ (git-ignored);
 # scripts/gpu_check.sh installs them. Usage: PYVER=3.11 bash scripts/fetch_gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
-# The versions this project is developed and tested with. The GPU image (the device tool's
-# KINDS.md) has numpy, CuPy, torch, OpenCV, anyio, protobuf, pytest, pytest-timeout and
+# The versions this project is developed and tested with. The GPU machine's
+# image has numpy, CuPy, torch, OpenCV, anyio, protobuf, pytest, pytest-timeout and
 # hypothesis, but no lmdb, trio or pytest-asyncio; anyio and protobuf travel too, in case
 # the image's are older than pyproject.toml admits. gpu_check.sh names what is missing.
 for spec in "lmdb==3.0.0" "trio==0.35.0" "outcome==1.3.0.post0" "sniffio==1.3.1" \

@@ -69,6 +69,19 @@ def to_numpy(array: object) -> object:
     return get() if callable(get) else array
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _index_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Persistent LMDB indexes go to a temporary cache, not the user's, for the whole
+    session (subprocesses inherit it)."""
+    saved = os.environ.get("BLOBPIPE_CACHE_DIR")
+    os.environ["BLOBPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("index-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("BLOBPIPE_CACHE_DIR", None)
+    else:
+        os.environ["BLOBPIPE_CACHE_DIR"] = saved
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Run ``@pytest.mark.anyio`` tests under both asyncio and trio."""

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import blobpipe
-from blobpipe import BackendUnavailableError
+from blobpipe import BackendUnavailableError, UnsupportedOperationError
 from blobpipe._backends import (
     COMPLETED,
+    CudaDevices,
     EmulatedBackend,
     HostBackend,
+    _base,
     get_backend,
+    set_cuda_devices,
     set_default_backend,
     wait_event,
 )
-from tests._helpers import in_forked_child
+from blobpipe.testing import current_device, emulated_cuda, touched_devices, use_device
+from tests import _fake_cupy
+from tests._helpers import in_forked_child, raw_db
 
 
 def test_names() -> None:
@@ -154,3 +166,254 @@ def test_a_forked_child_makes_its_backends_anew() -> None:
         assert get_backend("cpu") is host and get_backend(None) is emu  # the parent's stay
     finally:
         set_default_backend(old)
+
+
+# -- "cuda" and "auto" mean the calling thread's current device (issue 20, finding 4) -------------
+
+
+def test_cuda_and_auto_resolve_to_the_threads_current_device() -> None:
+    """As torch's ``"cuda"``: the device ``torch.cuda.set_device`` (here the emulated
+    ``use_device``) made current in the calling thread, resolved when asked."""
+    got: dict[str, tuple[int, int]] = {}
+
+    def rank(k: int) -> None:  # a DDP rank's thread: set_device(k), then Loader(device="cuda")
+        use_device(k)
+        cuda, auto = get_backend("cuda"), get_backend("auto")
+        assert isinstance(cuda, EmulatedBackend) and isinstance(auto, EmulatedBackend)
+        got[f"rank {k}"] = (cuda.emulated_device, auto.emulated_device)
+
+    with emulated_cuda(devices=2):
+        threads = [threading.Thread(target=rank, args=(k,)) for k in (1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert get_backend("cuda:1") is get_backend("cuda:1")
+    assert got == {"rank 0": (0, 0), "rank 1": (1, 1)}
+
+
+def test_cuda_on_a_missing_device_is_unavailable() -> None:
+    with emulated_cuda(devices=1):
+        with pytest.raises(BackendUnavailableError, match=r"cuda:0 \.\. cuda:0"):
+            get_backend("cuda:1")
+        result: list[object] = []
+
+        def other() -> None:
+            use_device(3)
+            result.append(get_backend("auto"))  # no such device: auto falls back
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert isinstance(result[0], HostBackend)
+
+
+# -- worker threads never switch to a device they do not use (finding 5) --------------------------
+
+
+def test_filler_threads_touch_only_the_loaders_device(tmp_path: Path) -> None:
+    """A loader on device 1: every filler thread's device scopes (pinned and device
+    allocations, the copies, the transform) find device 1 current. Without
+    ``bind_thread`` CuPy's ``with Device(1)`` sets device 0 again on exit, which on
+    CUDA 12 creates a context on device 0 in every thread. Modelled on the emulated
+    device by recording each switch; the context's own cost is not."""
+    db = raw_db(tmp_path / "db", 24)
+    backend = EmulatedBackend(device_id=1)
+    seen: dict[str, set[int]] = {}
+    t = blobpipe.Transform(scale=0.5, mean_value=(1, 2, 3))
+    with blobpipe.Loader(db, 4, device=backend, prefetch=4, workers=2, transform=t) as loader:
+        for _, _batch in zip(range(8), loader, strict=False):
+            for thread in threading.enumerate():
+                if thread.name.startswith("blobpipe-filler-"):
+                    seen[thread.name] = seen.get(thread.name, set()) | touched_devices(thread)
+    assert seen and all(devices == {1} for devices in seen.values()), seen
+
+
+def test_bind_thread_makes_the_device_current_for_good() -> None:
+    backend = EmulatedBackend(device_id=1)
+
+    def worker() -> None:
+        backend.bind_thread()
+        with backend.using(backend.create_stream()):
+            pass
+        out.append((current_device(), touched_devices()))
+
+    out: list[tuple[int, set[int]]] = []
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert out == [(1, {1})]
+
+
+# -- fork (finding 7) -----------------------------------------------------------------------------
+
+
+def test_a_child_forked_after_cuda_refuses_cuda_and_auto() -> None:
+    """CUDA cannot be used in a child forked after CUDA was initialised: every CUDA
+    name, ``"auto"`` too, raises a clear error there instead of making a backend (or
+    falling back to the host unnoticed); the host backend still works."""
+    with emulated_cuda(devices=1):
+        get_backend("cuda")  # CUDA initialised in the parent
+
+        def child() -> bool:
+            for name in ("cuda", "cuda:0", "auto"):
+                try:
+                    get_backend(name)
+                except BackendUnavailableError as exc:
+                    if "forked after CUDA was initialised" not in str(exc):
+                        return False
+                else:
+                    return False
+            return isinstance(get_backend("cpu"), HostBackend)
+
+        assert in_forked_child(child) == 0
+
+
+def test_a_child_forked_before_cuda_may_use_it() -> None:
+    with emulated_cuda(devices=1):
+
+        def child() -> bool:
+            return isinstance(get_backend("auto"), EmulatedBackend)
+
+        assert in_forked_child(child) == 0
+
+
+# -- the CuPy backend's logic, on a NumPy stand-in for CuPy (issue 20, findings 2-6, 8) ------------
+
+
+@pytest.fixture(params=[14, 13], ids=["cupy14", "cupy13"])
+def fake_cupy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``import cupy`` gives the stand-in (tests/_fake_cupy.py); no GPU involved."""
+    cp = _fake_cupy.make(devices=2, version=request.param)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    previous = set_cuda_devices(CudaDevices())
+    try:
+        yield cp
+    finally:
+        set_cuda_devices(previous)
+        _base._cuda_initialised.clear()  # no real CUDA was initialised
+
+
+def test_cupy_wraps_foreign_streams_without_the_deprecated_class(fake_cupy: Any) -> None:
+    """CuPy 14's ``ExternalStream`` warns at every construction (an error under
+    ``-W error``): a torch stream or a raw handle goes through
+    ``Stream.from_external``; CuPy 13 has only ``ExternalStream``."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        raw = backend.as_stream(0x5000)
+        torch_like = backend.as_stream(types.SimpleNamespace(cuda_stream=0x6000))
+    assert raw.raw.ptr == 0x5000 and torch_like.raw.ptr == 0x6000  # type: ignore[attr-defined]
+    own = backend.create_stream()
+    assert backend.as_stream(own) is own
+
+
+def test_cupy_host_waits_use_blocking_sync_events(fake_cupy: Any) -> None:
+    """Every event blobpipe records is ``Event(block=True)`` (the waiting thread
+    sleeps); a stream's synchronize waits on such an event, not on
+    ``cudaStreamSynchronize``, which spins."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    stream = backend.create_stream()
+    fake_cupy.log.clear()
+    backend.record_event(stream).synchronize()
+    backend.record_event(stream, timing=True)
+    stream.synchronize()
+    events = [e for e in fake_cupy.log if e[0] == "Event"]
+    assert events == [("Event", True, True), ("Event", True, False), ("Event", True, True)]
+    assert ("eventSynchronize", True) in fake_cupy.log
+    assert not [e for e in fake_cupy.log if e[0] == "streamSynchronize"]
+
+
+def test_cupy_only_out_of_memory_is_a_memory_error(fake_cupy: Any) -> None:
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    runtime_error = fake_cupy.cuda.runtime.CUDARuntimeError
+    for oom in (runtime_error(2), fake_cupy.cuda.memory.OutOfMemoryError("out of memory")):
+        fake_cupy.state["fail"] = oom
+        with pytest.raises(MemoryError, match="cannot allocate 64 bytes on cuda:0"):
+            backend.alloc_device(64)
+    fake_cupy.state["fail"] = runtime_error(700)  # cudaErrorIllegalAddress: not memory
+    with pytest.raises(runtime_error) as info:
+        backend.alloc_device(64)
+    assert not isinstance(info.value, MemoryError)
+
+
+def test_cupy_worker_thread_never_switches_to_device_0(fake_cupy: Any) -> None:
+    """A filler thread of a ``cuda:1`` loader: ``bind_thread`` sets device 1 once;
+    the device scopes after it (streams, events, allocations) set no other
+    device. Without it CuPy's ``with Device(1)`` sets 0 again on exit: on CUDA 12
+    a context on device 0 in every such thread."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(1)
+
+    def filler() -> None:
+        backend.bind_thread()
+        stream = backend.create_stream()
+        backend.record_event(stream)
+        backend.alloc_device(16)
+        with backend.using(stream):
+            pass
+
+    t = threading.Thread(target=filler, name="filler")
+    t.start()
+    t.join()
+    devices = {e[2] for e in fake_cupy.log if e[0] == "setDevice" and e[1] == "filler"}
+    assert devices == {1}
+
+
+def test_cupy_device_export_holds_its_owner(fake_cupy: Any) -> None:
+    """``hold_device`` exports an array over ``UnownedMemory`` whose owner is
+    blobpipe's reference: CuPy's DLPack capsule keeps the array, hence the owner."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(1)
+    view = backend.alloc_device(64)
+    owner = object()
+    held = backend.hold_device(view, owner)
+    assert held.data.mem._owner is owner
+    assert held.data.ptr == view.data.ptr and held.data.mem.device_id == 1
+    assert held.shape == view.shape and held.nbytes == 64
+
+
+def test_cupy_dlpack_stream_values(fake_cupy: Any) -> None:
+    """DLPack's ``stream``: None and 1 the legacy default stream, 2 the per-thread
+    one, -1 no ordering, 0 (torch's old default) as 1, others a handle."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    assert backend.dlpack_stream(-1) is None
+    for value, ptr in ((None, 1), (0, 1), (1, 1), (2, 2), (0x7000, 0x7000)):
+        stream = backend.dlpack_stream(value)
+        assert stream is not None and stream.raw.ptr == ptr  # type: ignore[attr-defined]
+
+
+def test_cupy_set_gpu_data_checks_the_device(fake_cupy: Any) -> None:
+    from blobpipe._backends._cupy import CupyBackend
+
+    one, zero = CupyBackend(1), CupyBackend(0)
+    one.check_device_array(one.alloc_device(8), "set_gpu_data")
+    with pytest.raises(UnsupportedOperationError, match="on cuda:0, this blob lives on cuda:1"):
+        one.check_device_array(zero.alloc_device(8), "set_gpu_data")
+    with pytest.raises(UnsupportedOperationError, match="got ndarray"):
+        one.check_device_array(np.zeros(8, np.uint8), "set_gpu_data")
+
+
+def test_cuda_means_cupys_current_device(fake_cupy: Any) -> None:
+    """``"cuda"`` and ``"auto"``: CuPy's current device of the calling thread."""
+    got: list[tuple[int | None, int | None]] = []
+
+    def rank() -> None:
+        fake_cupy.cuda.runtime.setDevice(1)  # torch.cuda.set_device(1)
+        got.append((get_backend("cuda").device_id, get_backend("auto").device_id))
+
+    t = threading.Thread(target=rank)
+    t.start()
+    t.join()
+    assert got == [(1, 1)]
+    assert get_backend("cuda").device_id == 0  # this thread's current device

@@ -207,8 +207,9 @@ def test_variable_size_records(tmp_path: Path) -> None:
         pytest.raises(
             DataError,
             match=r"record b'1' has shape \(3, 9, 7\) \(output \(3, 9, 7\)\) but the batch's first "
-            r"record b'0' has shape \(3, 6, 8\) \(output \(3, 6, 8\)\).*use batch_size=1 or a "
-            r"crop_size; record key b'1'; database",
+            r"record b'0' has shape \(3, 6, 8\) \(output \(3, 6, 8\)\).*sizes differ \(6×8 and "
+            r"9×7\).*--resize_height/--resize_width.*crop_size.*batch_size=1; record key b'1'; "
+            r"database",
         ),
     ):
         next(iter(b))
@@ -488,10 +489,10 @@ def test_constructor_errors(db10: Path, tmp_path: Path) -> None:
         Batches(empty, 2)
     for kwargs, msg in [
         ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
-        ({"order": "random"}, "order must be 'key', 'shuffle' or 'buffer', got 'random'"),
+        ({"order": "random"}, "order must be 'key', 'shuffle', 'buffer' or 'quasi', got 'random'"),
         ({"mode": "loop"}, "mode must be 'wrap' or 'epoch'"),
         ({"last": "x"}, "last must be 'keep', 'drop' or 'pad'"),
-        ({"shard_mode": "x"}, "shard_mode must be 'strided' or 'contiguous'"),
+        ({"shard_mode": "x"}, "shard_mode must be 'strided', 'contiguous' or 'node'"),
         ({"phase": "val"}, "phase must be 'train' or 'test'"),
         ({"seed": -1}, "seed must be a non-negative integer"),
     ]:

@@ -12,14 +12,8 @@ import pytest
 import blobpipe
 from blobpipe._backends import Backend, HostBackend
 from blobpipe._blob import Blob
-from blobpipe._codec import (
-    blobproto_bytes,
-    load_mean_file,
-    read_blobproto,
-    read_caffemodel,
-    transform_fields,
-    write_blobproto,
-)
+from blobpipe._blobfile import read_blobproto, read_caffemodel, write_blobproto
+from blobpipe._codec import blobproto_bytes, load_mean_file, transform_fields
 from blobpipe._errors import ProtoError, UnsupportedOperationError
 from blobpipe._pool import get_pool
 from blobpipe._proto import caffe_pb2

@@ -13,19 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blobpipe._errors import DataError, ProtoError, ShapeError
-from blobpipe._io import _datum, _index
-from blobpipe._io._datum import (
-    ParsedDatum,
-    datum_view,
-    decode_datum,
-    decode_datum_into,
+from blobpipe._io import _image
+from blobpipe._io import _records as kinds
+from blobpipe._io._datum import datum_view, decode_datum, decode_datum_into
+from blobpipe._io._encode import (
     encode_encoded_datum,
     encode_float_datum,
     encode_raw_datum,
-    parse_datum,
+    encode_varint,
 )
 from blobpipe._io._image import image_header
 from blobpipe._io._index import RecordIndex
+from blobpipe._io._records import BLOBPROTO, DATUM, record_kind
+from blobpipe._io._wire import ParsedDatum, parse_datum
 from blobpipe._proto.caffe_pb2 import Datum
 from tests._helpers import lmdb_items, write_lmdb
 
@@ -41,7 +41,7 @@ ENCODED = _records("encoded_jpg")
 
 
 def _varint(v: int) -> bytes:
-    return _datum._enc_varint(v)
+    return encode_varint(v)
 
 
 def _tag(field: int, wt: int) -> bytes:
@@ -552,17 +552,17 @@ def _expected_kind(record: bytes) -> tuple[int, bytes | None, tuple[int, int, in
     try:
         d = Datum.FromString(record)
     except DecodeError:
-        return _index.BAD, None, (0, 0, 0), 0
+        return kinds.BAD, None, (0, 0, 0), 0
     shape = (d.channels, d.height, d.width)
     count = d.channels * d.height * d.width if min(shape) > 0 else 0
     if d.encoded:
-        return (_index.ENCODED if d.data else _index.BAD), None, (0, 0, 0), d.label
+        return (kinds.ENCODED if d.data else kinds.BAD), None, (0, 0, 0), d.label
     if d.data:
         ok = count == len(d.data) and (not d.float_data or len(d.float_data) == count)
-        return (_index.RAW, d.data, shape, d.label) if ok else (_index.BAD, None, (0, 0, 0), 0)
+        return (kinds.RAW, d.data, shape, d.label) if ok else (kinds.BAD, None, (0, 0, 0), 0)
     if d.float_data and count == len(d.float_data):
-        return _index.PARSED, None, shape, d.label
-    return _index.BAD, None, (0, 0, 0), 0
+        return kinds.PARSED, None, shape, d.label
+    return kinds.BAD, None, (0, 0, 0), 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -575,11 +575,11 @@ def test_the_record_index_agrees_with_protobuf(records: list[bytes]) -> None:
     for i, record in enumerate(records):
         kind, pixels, shape, label = _expected_kind(record)
         assert loc.kind[i] == kind, record
-        if kind == _index.RAW:
+        if kind == kinds.RAW:
             off = int(loc.offset[i])
             assert index.buffer[off : off + len(pixels or b"")].tobytes() == pixels
             assert tuple(loc.shape[i]) == shape
-        if kind != _index.BAD:
+        if kind != kinds.BAD:
             assert loc.label[i] == label  # exact: int32 labels, as in the record
 
 
@@ -589,7 +589,7 @@ def test_the_record_index_takes_caffe_records_of_mixed_label_sizes() -> None:
         for i, label in enumerate([0, 127, 128, 300000, -1])
     ]
     loc = RecordIndex.joined(records).locate(np.arange(5), SHAPE)
-    assert (loc.kind == _index.RAW).all()
+    assert (loc.kind == kinds.RAW).all()
     assert loc.label.tolist() == [0, 127, 128, 300000, -1]
 
 
@@ -607,7 +607,7 @@ def test_opencv_bounds_formats_we_cannot_read() -> None:
     import os
 
     decode_datum(encode_encoded_datum(cv2.imencode(".bmp", np.zeros((4, 4, 3), np.uint8))[1], 0))
-    assert int(os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"]) <= _datum.DEFAULT_MAX_PIXELS
+    assert int(os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"]) <= _image.DEFAULT_MAX_PIXELS
 
 
 def test_uint8_batches_equal_the_records(tmp_path: Path) -> None:
@@ -625,3 +625,135 @@ def test_uint8_batches_equal_the_records(tmp_path: Path) -> None:
     assert batch.data.dtype == np.uint8
     assert [int(batch.data[i].max()) for i in range(3)] == [1, 2, 3]
     assert batch.label.tolist() == [3, 200, 70000]
+
+
+# -- record kinds: a damaged Datum is never a BlobProto ---------------------------------------
+
+SHORT = b"\x08\x03\x10\x08\x18\x08\x22\xbf\x01" + bytes(191) + b"\x28\x05\x38\x00"  # 191 of 192
+
+
+def _kind_db(path: Path, damaged: set[int], n: int = 40) -> Path:
+    items = [
+        (
+            b"%08d" % i,
+            SHORT if i in damaged else encode_raw_datum(np.full((3, 8, 8), i, np.uint8), i),
+        )
+        for i in range(n)
+    ]
+    return write_lmdb(path, items)
+
+
+@pytest.mark.parametrize(
+    ("damaged", "named"), [(set(range(40)), 0), ({0}, 0), ({5}, 5)], ids=["all", "first", "fifth"]
+)
+def test_a_short_raw_datum_is_named_not_read_as_a_blobproto(
+    tmp_path: Path, damaged: set[int], named: int
+) -> None:
+    from blobpipe import Batches, Loader
+    from blobpipe._cli import main
+    from blobpipe.testing import EmulatedBackend
+
+    db = _kind_db(tmp_path / "db", damaged)
+    assert record_kind(SHORT) == DATUM
+    want = f"record key b'{named:08d}'"
+    with (
+        Batches(db, 8, mode="epoch") as b,
+        pytest.raises(DataError, match="data holds 191") as info,
+    ):
+        list(b)
+    assert want in str(info.value) and str(db) in str(info.value)
+    with (
+        Loader(db, 8, mode="epoch", device=EmulatedBackend()) as loader,
+        pytest.raises(DataError, match="data holds 191") as info,
+    ):
+        for _ in loader:
+            pass
+    assert want in str(info.value)
+    assert main(["export", str(db), str(tmp_path / "out.npz")]) != 0
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_first_record_of_the_minority_kind_is_named(tmp_path: Path) -> None:
+    from blobpipe import Batches
+    from blobpipe._codec import blobproto_bytes
+
+    blob = blobproto_bytes(np.zeros((3, 8, 8), np.float32))
+    items = [(b"%08d" % i, encode_raw_datum(np.full((3, 8, 8), i, np.uint8), i)) for i in range(20)]
+    db = write_lmdb(tmp_path / "db", [(items[0][0], blob), *items[1:]])
+    with pytest.raises(DataError, match="other records are Datums") as info:
+        Batches(db, 4)
+    assert "record key b'00000000'" in str(info.value)
+    # the majority's first record is fine; the BlobProto among Datums is named where it is
+    db2 = write_lmdb(tmp_path / "db2", [*items[:7], (items[7][0], blob), *items[8:]])
+    with (
+        Batches(db2, 4, mode="epoch") as b,
+        pytest.raises(DataError, match=r"is a caffe\.BlobProto"),
+    ):
+        list(b)
+    # a first record that is neither kind is named, in a database of either kind
+    blobs = [(b"%08d" % i, blob) for i in range(8)]
+    for name, rest in (("datums", items), ("blobs", blobs)):
+        db3 = write_lmdb(tmp_path / name, [(b"%08d" % 0, b"\x08\x03\x10"), *rest[1:]])
+        with Batches(db3, 4, mode="epoch") as b, pytest.raises(DataError) as info:
+            list(b)
+        assert "record key b'00000000'" in str(info.value), name
+
+
+def _mutated(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["raw", "float", "encoded", "short"]))
+    if kind == "raw":
+        base = encode_raw_datum(np.zeros((3, 2, 2), np.uint8), draw(st.integers(-5, 300)))
+    elif kind == "float":
+        base = encode_float_datum(np.zeros((1, 2, 3), np.float32), draw(st.integers(0, 3)))
+    elif kind == "encoded":
+        base = encode_encoded_datum(b"\x89PNG\r\n\x1a\n" + bytes(20), draw(st.integers(0, 3)))
+    else:
+        base = SHORT
+    rec = bytearray(base)
+    for _ in range(draw(st.integers(0, 3))):
+        op = draw(st.sampled_from(["flip", "cut", "drop", "insert"]))
+        if not rec:
+            break
+        at = draw(st.integers(0, len(rec) - 1))
+        if op == "flip":
+            rec[at] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del rec[at:]
+        elif op == "drop":
+            del rec[at : at + draw(st.integers(1, 12))]
+        else:
+            rec[at:at] = draw(st.binary(min_size=1, max_size=6))
+    return bytes(rec)
+
+
+def _datum_like(record: bytes) -> bool:
+    """Whether protobuf's own Datum parser sees a field only a Datum has (data, label,
+    encoded): such a record is judged as a Datum, however damaged."""
+    try:
+        d = Datum.FromString(record)
+    except DecodeError:
+        return False
+    return d.HasField("data") or d.HasField("label") or d.HasField("encoded")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.composite(_mutated)(), min_size=1, max_size=6))
+def test_classify_never_takes_a_datum_for_a_blobproto(records: list[bytes]) -> None:
+    """Over mutated Datums: classify agrees with protobuf's Datum parser on every
+    record's kind, and says BlobProto only for records that are no Datum (by
+    protobuf's parser, not blobpipe's) and that protobuf reads as a BlobProto."""
+    from blobpipe._proto.caffe_pb2 import BlobProto
+
+    index = RecordIndex.joined(records)
+    loc = index.locate(np.arange(len(records)), (3, 2, 2))
+    for i, record in enumerate(records):
+        want, _, _, _ = _expected_kind(record)
+        got = int(loc.kind[i])
+        if got == kinds.BLOB:
+            assert want == kinds.BAD and not _datum_like(record), record
+            BlobProto.FromString(record)  # protobuf reads it
+            assert record_kind(record) == BLOBPROTO
+        else:
+            assert got == want, record
+        if _datum_like(record):
+            assert record_kind(record) == DATUM, record

@@ -17,7 +17,6 @@ import pytest
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import Batches
-from blobpipe._io._datum import parse_datum
 from blobpipe._io._image import (
     Undecodable,
     decode_image,
@@ -28,6 +27,7 @@ from blobpipe._io._image import (
 )
 from blobpipe._io._imagehead import image_size
 from blobpipe._io._transform import Transform
+from blobpipe._io._wire import parse_datum
 from tests._helpers import image, key, write_lmdb
 from tests._images import FORMATS, SHAPE, announcing, encoded
 from tests.test_faults import run_script
@@ -242,10 +242,10 @@ _HUGE_AFTER_OPENCV = """
             print(name, "refused" if "announces" in str(exc) else f"other: {exc}")
         except Exception as exc:
             print(name, f"raised {type(exc).__name__}: {exc}")
-    # this process's own peak (VmHWM: ru_maxrss would keep the forking parent's across exec)
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    print("peak_mib", peak // 1024)
+    # VmHWM is this process's own peak (ru_maxrss can carry the forking parent's)
+    with open("/proc/self/status") as status:
+        hwm = next(line for line in status if line.startswith("VmHWM:"))
+    print("maxrss_mib", int(hwm.split()[1]) // 1024)
 """
 
 

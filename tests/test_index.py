@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import ArrayBatch, Batches
-from blobpipe._io._index import ENCODED, PARSED, RAW
 from blobpipe._io._lmdbfile import NamedDatabases, value_extents
+from blobpipe._io._records import ENCODED, PARSED, RAW
 from blobpipe._io._transform import Transform
 from tests._helpers import (
     encoded_db,

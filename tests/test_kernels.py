@@ -158,3 +158,75 @@ def test_draw_words_equal_draw_word(seed: int, epochs: list[int], index: int) ->
     indices = [index + k for k in range(len(epochs))]
     got = draw_words(seed, epochs, indices).tolist()
     assert got == [draw_word(seed, e, i) for e, i in zip(epochs, indices, strict=True)]
+
+
+class _CountingNumpy:
+    """NumPy, counting the ufunc calls the kernel makes (a stand-in namespace)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(np, name)
+        if name in ("subtract", "multiply"):
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                return attr(*args, **kwargs)
+
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 64), (3, 128, 128), (1, 28, 28)])
+def test_a_block_written_in_one_pass_is_one_call_whatever_the_row_size(
+    shape: tuple[int, int, int],
+) -> None:
+    # rows of one offset (TEST, no crop) with a scale only: one ufunc call for the
+    # whole block, not one per row, however large the rows
+    n = 16
+    x = np.random.default_rng(5).integers(0, 256, (n, *shape), dtype=np.uint8)
+    geo = draw_geometry(shape[1], shape[2], 0, False, False, np.zeros(n, np.uint64))
+    xp = _CountingNumpy()
+    out = np.empty((n, *shape), np.float32)
+    apply(xp, x, out, geo, KernelSpec(0, None, np.float32(0.00390625), "NCHW"))
+    assert xp.calls == 1
+    assert np.array_equal(out, x.astype(np.float32) * np.float32(0.00390625))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 9),
+    chunk_rows=st.integers(1, 10),
+    case=st.sampled_from(sorted(CASES)),
+    layout=st.sampled_from(["NCHW", "NHWC"]),
+    mirror=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_blocks_in_chunks_equal_caffe(
+    n: int, chunk_rows: int, case: str, layout: str, mirror: bool, seed: int
+) -> None:
+    # a block done in chunks of any size (the host's two-pass blocks) gives
+    # Caffe's values: mean and scale, mixed flips fixed up chunk by chunk
+    import blobpipe._io._kernels as kernels
+
+    cfg = CASES[case]
+    crop, scale = int(cfg["crop"]), float(cfg["scale"])  # type: ignore[call-overload]
+    shape = (3, 9, 11)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+    mean = _mean(cfg["mean"], shape)  # type: ignore[arg-type]
+    geo = draw_geometry(9, 11, crop, mirror, False, rng.integers(0, 2**63, n, dtype=np.uint64))
+    want = np.stack(
+        [reference(x[i], *geo.row(i), crop, mean, scale, layout, np.float32) for i in range(n)]
+    )
+    spec = KernelSpec(crop, mean, np.float32(scale), layout)
+    out = np.zeros(want.shape, np.float32)
+    row_bytes = out[0].nbytes
+    saved = kernels._CHUNK_BYTES
+    kernels._CHUNK_BYTES = chunk_rows * row_bytes
+    try:
+        apply(np, x, out, geo, spec)
+    finally:
+        kernels._CHUNK_BYTES = saved
+    assert np.array_equal(out, want)

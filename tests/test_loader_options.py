@@ -40,6 +40,7 @@ LOADER_SIGNATURE = {
     "blob_dtype": "float32",
     "share_random": False,
     "max_batch_bytes": 4 << 30,
+    "ranks_per_node": None,
 }
 
 
@@ -57,7 +58,8 @@ def test_every_batches_option_is_a_loader_option() -> None:
     """A keyword added to Batches must be added to BatchesOptions (and only there)."""
     batches = inspect.signature(Batches).parameters
     keywords = {name for name, p in batches.items() if p.kind is p.KEYWORD_ONLY}
-    assert set(BatchesOptions.__annotations__) == keywords - {"order"}
+    # order and split_transform are the Loader's own (it splits its transform itself)
+    assert set(BatchesOptions.__annotations__) == keywords - {"order", "split_transform"}
 
 
 def test_an_unknown_keyword_is_a_type_error(db: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from blobpipe import PoolMemoryError
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._blob import Blob
-from blobpipe._pool import MemoryPool, get_pool, size_class
+from blobpipe._pool import DEFAULT_CACHE_LIMIT, MemoryPool, get_pool, size_class
 from tests._helpers import GatedBackend
 
 
@@ -290,3 +290,55 @@ def test_host_buffers_are_64_byte_aligned(nbytes: int) -> None:
         blob = Blob((3, nbytes), np.uint8, backend=backend)
         assert blob.mutable_cpu_data().ctypes.data % 64 == 0
         blob.close()
+
+
+# -- the cache is bounded and releasable ---------------------------------------------------------
+
+
+def test_cached_bytes_stay_under_the_cache_limit() -> None:
+    """200 blocks in use at once, then freed: the pool keeps at most its cache limit
+    of them (largest first released), and free_all_blocks() returns the rest."""
+    pool = MemoryPool(HostBackend(), "host", cache_limit=1 << 20)
+    blocks = [pool.malloc(64 << 10) for _ in range(200)]  # 12.5 MiB in use
+    for block in blocks:
+        pool.free(block)
+    stats = pool.statistics()
+    assert stats.cached_bytes <= 1 << 20
+    assert stats.cached_bytes >= (1 << 20) - (64 << 10)  # the cache is still used
+    assert stats.cache_limit == 1 << 20
+    pool.free_all_blocks()
+    assert pool.statistics().cached_bytes == 0
+
+
+def test_lowering_the_cache_limit_trims_at_once() -> None:
+    pool = MemoryPool(HostBackend(), "host", cache_limit=0)  # no cap
+    for block in [pool.malloc(4096) for _ in range(64)]:
+        pool.free(block)
+    assert pool.statistics().cached_bytes == 64 * 4096
+    pool.set_cache_limit(8 * 4096)
+    assert pool.statistics().cached_bytes == 8 * 4096
+    with pytest.raises(ValueError, match="cache_limit must be >= 0"):
+        pool.set_cache_limit(-1)
+
+
+def test_the_default_pools_are_bounded() -> None:
+    pool = get_pool(HostBackend(), "host")
+    assert pool.get_cache_limit() == DEFAULT_CACHE_LIMIT > 0
+
+
+def test_a_device_block_waits_for_the_freeing_callers_stream() -> None:
+    """On a device backend a freed block is reused only after the work queued so
+    far on the freeing caller's current stream."""
+    backend = EmulatedBackend()
+    pool = MemoryPool(backend, "device")
+    block = pool.malloc(4096)
+    buf = block.buffer
+    gate = threading.Event()
+    backend.run_later(lambda: gate.wait(5.0), 0.0)  # the caller's kernel still reads it
+    pool.free(block)
+    again = pool.malloc(4096)
+    assert again.buffer is not buf and pool.statistics().pending_blocks == 1
+    gate.set()
+    backend.current_stream().synchronize()
+    pool.free(again)
+    assert pool.statistics().pending_blocks == 0

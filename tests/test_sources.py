@@ -462,11 +462,38 @@ def test_databases_as_one_errors(tmp_path: Path) -> None:
         Batches([dbs[0], blobs], 2)
     assert str(blobs) in str(info.value)
     other = raw_db(tmp_path / "other", 3, (3, 7, 8))
-    with Batches([dbs[0], other], 7, mode="epoch") as b, pytest.raises(DataError) as info:
-        next(iter(b))
+    with pytest.raises(DataError) as info:
+        Batches([dbs[0], other], 7, mode="epoch")
     assert str(other) in str(info.value) and "b'00000000'" in str(info.value)
     with pytest.raises(ValueError, match="empty list"):
         Batches([], 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fix"),
+    [((1, 6, 8), "--force-color"), ((3, 9, 9), "--resize_height/--resize_width")],
+    ids=["channels", "size"],
+)
+def test_databases_whose_records_differ_in_shape_are_refused_at_open(
+    tmp_path: Path, shape: tuple[int, int, int], fix: str
+) -> None:
+    """Checked at open from each database's first record: the error names both records
+    (key and database) and the fix for what differs; a crop that makes the rows one
+    shape makes them fine."""
+    a = raw_db(tmp_path / "a", 5, (3, 6, 8))
+    b = write_lmdb(
+        tmp_path / "b",
+        [(b"x%07d" % i, blobpipe.encode_raw_datum(image(i, shape), i)) for i in range(2)],
+    )
+    for order in ("key", "shuffle"):
+        with pytest.raises(DataError) as info:
+            Batches([a, b], 4, order=order)
+        msg = str(info.value)
+        assert f"record b'00000000' of {a}" in msg and f"record b'x0000000' of {b}" in msg
+        assert fix in msg and str(shape) in msg
+    if shape[0] == 3:
+        with Batches([a, b], 7, mode="epoch", transform=Transform(crop_size=6)) as batches:
+            assert [x.data.shape for x in batches] == [(7, 3, 6, 6)]
 
 
 def test_lockstep_sources_of_several_databases(tmp_path: Path) -> None:

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+import blobpipe
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
+from blobpipe.testing import EmulatedArray
 from tests._helpers import queue_late, raw_db
 from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
 from tests.test_loader import make_backend
@@ -247,16 +249,13 @@ def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
 
 
 def second_device(name: str) -> Backend:
-    """Device 1: the emulated one, or CUDA's second GPU (skipped with fewer than two)."""
+    """Device 1: the emulated one, or CUDA's second GPU; with one GPU, ``cuda:0``
+    named by its explicit index (the ``cuda:N`` path, not the cross-device one)."""
     if name == "emulated":
         return EmulatedBackend(delay=0.001, device_id=1)
     first = cupy_backend_or_skip()  # pragma: no cover - GPU machines
     count = first.xp.cuda.runtime.getDeviceCount()  # pragma: no cover
-    if count < 2:  # pragma: no cover
-        pytest.skip(f"needs two CUDA devices, this machine has {count}")
-    from blobpipe._backends._cupy import CupyBackend  # pragma: no cover
-
-    return CupyBackend(1)  # pragma: no cover
+    return blobpipe.get_backend(f"cuda:{min(1, count - 1)}")  # pragma: no cover
 
 
 SECOND = ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)]
@@ -327,13 +326,13 @@ async def test_the_transform_kernels_run_once_at_open(
 
     seen: list[int] = []  # batches planned when the kernel ran
     loader: Loader | None = None
-    real = device_module.apply
+    real = device_module.finish_on_device
 
     def spy(*args: Any, **kwargs: Any) -> None:
         seen.append(loader._planned if loader is not None else -1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(device_module, "apply", spy)
+    monkeypatch.setattr(device_module, "finish_on_device", spy)
     t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
     loader = Loader(
         db30,
@@ -354,10 +353,52 @@ async def test_the_transform_kernels_run_once_at_open(
             for _ in range(3):
                 await anext(loader)
     if device_transform:
-        assert at_open[:2] == [0, 0]  # block and row-by-row, before any batch was planned
-        assert len(seen) >= 2 + 3  # then each batch's own (3 delivered, from 2 slots)
+        assert at_open == [0]  # before any batch was planned
+        assert len(seen) >= 1 + 3  # then each batch's own (3 delivered, from 2 slots)
     else:
         assert seen == []
+
+
+@pytest.mark.parametrize("batch_size", [2, 16])
+def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None:
+    """A mean file, random crops and mirrors (W3's recipe): the device finishes a
+    batch in the same few kernels whatever its size (the mean's crops gathered in
+    one), not one or two per row; and its output equals the host's transform."""
+    backend = EmulatedBackend()
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    options: dict[str, Any] = {"phase": "train", "order": "shuffle", "seed": 5, "transform": t}
+    counts: list[int] = []
+    import blobpipe._loader._device as device_module
+
+    real = device_module.finish_on_device
+
+    def counted(xp: Any, *args: Any) -> None:
+        calls = [0]
+        ufunc = EmulatedArray.__array_ufunc__
+
+        def count(self: Any, *a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            return ufunc(self, *a, **k)
+
+        EmulatedArray.__array_ufunc__ = count  # type: ignore[method-assign]
+        try:
+            real(xp, *args)
+        finally:
+            EmulatedArray.__array_ufunc__ = ufunc  # type: ignore[method-assign]
+        counts.append(calls[0])
+
+    got = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_module, "finish_on_device", counted)
+        with Loader(
+            RAW_COLOR, batch_size, device=backend, prefetch=1, workers=1, **options
+        ) as loader:
+            for _, batch in zip(range(3), loader, strict=False):
+                got.append(np.array(to_numpy(batch.data.gpu_data())))
+    assert counts and max(counts) <= 2, counts  # subtract, multiply
+    want = _expected(RAW_COLOR, 3, batch_size=batch_size, **options)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), k
 
 
 # -- a torch consumer on its own stream (the GPU check's target) ----------------------------------
@@ -393,3 +434,272 @@ def test_torch_consumer_on_a_side_stream_sees_no_torn_batch(
         if not np.isclose(float(s), w, rtol=1e-9)
     ]
     assert not torn, f"{len(torn)} of {n} batches torn, the first: {torn[:5]}"
+
+
+# -- memory reuse ordered by the consumer's stream (issue 20) ------------------------------------
+
+
+def _read_late_on(backend: Backend, stream: Any, src: Any) -> Any:
+    """Queue, on ``stream``, a late copy of device array ``src``; return its target."""
+    xp = backend.xp
+    dst = xp.zeros(src.shape, src.dtype)
+    with backend.using(stream):
+        queue_late(backend, lambda: xp.copyto(dst, src), LATE)
+    return dst
+
+
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("how", ["current", "named"])
+def test_a_closed_blobs_device_block_waits_for_the_consumers_stream(device: str, how: str) -> None:
+    """A blob closed while the consumer's kernels on a side stream still read it:
+    the pool hands its device block to no one before that work ran. The side stream
+    is the closer's current one ("current") or named (``release_after(stream=)``)."""
+    backend = make_backend(device)
+    side = backend.create_stream()
+    blob = Blob((4096,), np.float32, backend=backend)
+    blob.mutable_cpu_data()[:] = 1
+    seen = _read_late_on(backend, side, blob.gpu_data())
+    if how == "current":
+        with backend.using(side):
+            blob.close()
+    else:
+        blob.release_after(stream=side)
+        blob.close()
+    others = []
+    for _ in range(4):  # each would take the closed blob's block and overwrite it
+        other = Blob((4096,), np.float32, backend=backend)
+        other.mutable_cpu_data()[:] = 2
+        other.gpu_data()
+        others.append(other)
+    side.synchronize()
+    assert to_numpy(seen).tolist() == [1] * 4096
+    for other in others:
+        other.close()
+
+
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_a_detached_batch_closed_off_its_named_stream_is_not_reused_early(
+    db30: Path, device: str
+) -> None:
+    """``Loader(stream=side)``: the consumer reads a detached batch on ``side`` and
+    closes it from outside ``side``; blobs made next (written off ``side``) do not
+    get its memory while the read is queued."""
+    backend = make_backend(device)
+    side = backend.create_stream()
+    with Loader(db30, 4, device=backend, prefetch=2, stream=side, device_transform=False) as loader:
+        batch = next(loader).detach()
+        shape, dtype = batch.data.shape, batch.data.dtype
+        seen = _read_late_on(backend, side, batch.data.gpu_data())
+        batch.close()
+        others = []
+        for _ in range(4):
+            other = Blob(shape, dtype, backend=backend)
+            other.mutable_cpu_data()[...] = -1
+            other.gpu_data()
+            others.append(other)
+        side.synchronize()
+        for other in others:
+            other.close()
+    want = _expected(db30, 1, batch_size=4)[0]
+    assert np.array_equal(to_numpy(seen), want)
+
+
+class _Plan:
+    """The part of a BatchPlan that ``Slot.prepare`` reads."""
+
+    def __init__(self, n: int, shape: tuple[int, ...]) -> None:
+        self.data_shape = (n, *shape)
+        self.dtype = np.dtype(np.uint8)
+        self.label_dtype = np.dtype(np.float32)
+        self.extra: tuple[Any, ...] = ()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_a_growing_slot_lets_its_old_buffers_go_after_the_release() -> None:
+    """A slot refitted to a larger batch releases its old device buffers ordered
+    after the consumer's release event: no other blob reuses them while the
+    consumer's work on the slot's last batch may still read them."""
+    from blobpipe._loader._ring import Slot
+
+    backend = EmulatedBackend()
+    side = backend.create_stream()
+    slot = Slot(backend, backend.create_stream())
+    data, _, _, _ = slot.prepare(_Plan(4, (8, 8)), None)  # type: ignore[arg-type]
+    data[...] = 7
+    assert slot.host is not None
+    src = slot.host.gpu_data()
+    seen = _read_late_on(backend, side, src)
+    slot.released = backend.record_event(side)  # the consumer let the batch go
+    slot.prepare(_Plan(64, (8, 8)), None)  # type: ignore[arg-type]
+    others = []
+    for _ in range(4):
+        other = Blob((4, 8, 8), np.uint8, backend=backend)
+        other.mutable_cpu_data()[...] = 9
+        other.gpu_data()
+        others.append(other)
+    side.synchronize()
+    assert to_numpy(seen).tolist() == np.full((4, 8, 8), 7, np.uint8).tolist()
+    slot.close()
+    for other in others:
+        other.close()
+
+
+# -- device exports hold their memory (issue 20, finding 2, and its "done when") -------------------
+
+
+@pytest.mark.parametrize("device_transform", [None, False])
+def test_numpy_from_dlpack_of_a_detached_device_batch_keeps_its_values(
+    db30: Path, device_transform: bool | None
+) -> None:
+    """``numpy.from_dlpack`` of a detached emulated-device batch keeps its values
+    after the batch is closed and four more batches are detached."""
+    backend = EmulatedBackend(delay=0.001)
+    t = Transform(scale=0.5)
+    with Loader(
+        db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
+    ) as loader:
+        batch = next(loader).detach()
+        assert batch.data.__dlpack_device__() == (1, 0)  # NumPy memory stands in for it
+        exported = np.from_dlpack(batch.data)
+        batch.close()
+        later = [next(loader).detach() for _ in range(4)]
+        backend.synchronize()
+        want = _expected(db30, 1, batch_size=4, transform=t)[0]
+        assert np.array_equal(exported, want)
+        for b in later:
+            b.close()
+    assert np.array_equal(exported, want)  # and after the loader closed
+
+
+def test_a_device_export_holds_the_memory_until_it_goes() -> None:
+    backend = EmulatedBackend()
+    pool = blobpipe.get_pool(backend, "device")
+    blob = Blob((1024,), np.float32, backend=backend)
+    blob.mutable_gpu_data()
+    exported = np.from_dlpack(blob)
+    used = pool.statistics().used_bytes
+    blob.close()
+    assert pool.statistics().used_bytes == used  # the export holds the block
+    del exported
+    assert pool.statistics().used_bytes == used - 4096
+
+
+# -- the stream a DLPack consumer names (issue 20, finding 6) --------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
+async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
+    db30: Path, device: str, device_transform: bool | None
+) -> None:
+    """A consumer that takes each batch with ``from_dlpack`` on its side stream
+    (CuPy and torch pass their current stream to ``__dlpack__``) and reads it late
+    there, without ``Loader(stream=)`` and asking for the next batch off that
+    stream: the slot is refilled only after that read."""
+    backend = make_backend(device)
+    side = backend.create_stream()
+    xp = backend.xp
+    t = Transform(scale=0.5)
+    seen: list[Any] = []
+    async with Loader(
+        db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
+    ) as loader:
+        for _ in range(6):
+            batch = await anext(loader)
+            with backend.using(side):
+                x = xp.from_dlpack(batch.data)
+                dst = xp.empty_like(x)
+                queue_late(backend, lambda dst=dst, x=x: xp.copyto(dst, x), LATE)
+            seen.append(dst)
+        side.synchronize()
+    want = _expected(db30, 6, batch_size=4, transform=t)
+    for k, (got, w) in enumerate(zip(seen, want, strict=True)):
+        assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
+
+
+# -- the same rules on real CUDA (the GPU check's first probes) -----------------------------------
+
+
+@pytest.mark.gpu
+def test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values(
+    db30: Path,
+) -> None:  # pragma: no cover - GPU machines
+    """Finding 2 on CUDA: ``cupy.from_dlpack`` of a detached batch keeps its values
+    after the batch is closed and four more batches are detached."""
+    backend = cupy_backend_or_skip()
+    t = Transform(scale=0.5)
+    with Loader(db30, 4, device=backend, prefetch=2, transform=t) as loader:
+        batch = next(loader).detach()
+        exported = backend.xp.from_dlpack(batch.data)
+        batch.close()
+        later = [next(loader).detach() for _ in range(4)]
+        backend.synchronize()
+        got = to_numpy(exported)
+        for b in later:
+            b.close()
+    assert np.array_equal(got, _expected(db30, 1, batch_size=4, transform=t)[0])
+
+
+@pytest.mark.gpu
+def test_a_raw_stream_handle_warns_nothing(db30: Path) -> None:  # pragma: no cover - GPU
+    """Finding 3 on CUDA: ``Loader(stream=<cudaStream_t int>)`` under warnings-as-errors."""
+    import warnings
+
+    backend = cupy_backend_or_skip()
+    side = backend.xp.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Loader(db30, 4, device=backend, prefetch=2, stream=int(side.ptr)) as loader:
+            for _, _batch in zip(range(3), loader, strict=False):
+                pass
+
+
+@pytest.mark.gpu
+def test_cuda_is_the_threads_current_device() -> None:  # pragma: no cover - GPU machines
+    """Finding 4 on CUDA: ``"cuda"`` after ``cupy.cuda.Device(n).use()`` in a thread
+    (n: the last device; 0 on a one-GPU machine)."""
+    import threading
+
+    cp = cupy_backend_or_skip().xp
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    got: list[int | None] = []
+
+    def rank() -> None:
+        cp.cuda.Device(last).use()
+        got.append(blobpipe.get_backend("cuda").device_id)
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    thread.join()
+    assert got == [last]
+
+
+@pytest.mark.gpu
+def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragma: no cover
+    """Finding 5 on CUDA: every filler thread's current device is the loader's
+    after its work (the last device; on one GPU this cannot show a switch to 0)."""
+    import threading
+
+    import blobpipe._loader._ring as ring
+
+    cp = cupy_backend_or_skip().xp
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    backend = blobpipe.get_backend(f"cuda:{last}")
+    seen: dict[str, int] = {}
+    real = ring.Slot.prepare
+
+    def prepare(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        seen[threading.current_thread().name] = int(cp.cuda.runtime.getDevice())
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ring.Slot, "prepare", prepare)
+        with Loader(db30, 4, device=backend, prefetch=4, workers=2) as loader:
+            for _, _batch in zip(range(8), loader, strict=False):
+                pass
+    fillers = {k: v for k, v in seen.items() if k.startswith("blobpipe-filler-")}
+    assert fillers and set(fillers.values()) == {last}, seen

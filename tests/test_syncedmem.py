@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import anyio
 import numpy as np
 import pytest
 
-from blobpipe import BackendUnavailableError, ShapeError, StateError
+from blobpipe import BackendUnavailableError, ShapeError, StateError, UnsupportedOperationError
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._pool import get_pool
 from blobpipe._syncedmem import Head, SyncedMemory
@@ -410,4 +411,37 @@ def test_overwrite_cpu_waits_for_a_push_reading_the_bytes() -> None:
     assert not backend.timed_out and event.query()
     assert to_numpy(mem._gpu).tolist() == [3] * 8  # the push carried the old bytes
     assert to_numpy(mem.gpu_data()).tolist() == [4] * 8
+    mem.close()
+
+
+# -- issue 20, finding 8 ---------------------------------------------------------------------------
+
+
+def test_first_device_touch_does_not_wait_for_the_callers_queued_work() -> None:
+    """The zero fill of a fresh device block waits for the fill alone: work the
+    caller queued before on its current stream (here held back until the test
+    opens a gate) does not block ``mutable_gpu_data()``."""
+    backend = EmulatedBackend()
+    gate = threading.Event()
+    ran: list[bool] = []
+    backend.run_later(lambda: ran.append(gate.wait(3.0)), 0.0)  # the caller's queued step
+    mem = SyncedMemory(64, backend)
+    dev = mem.mutable_gpu_data()
+    returned_while_held = not ran
+    gate.set()
+    backend.current_stream().synchronize()
+    assert returned_while_held, "mutable_gpu_data() waited for the caller's queued work"
+    assert not dev.get().any()
+    mem.close()
+
+
+def test_set_gpu_data_refuses_memory_of_another_device() -> None:
+    one = EmulatedBackend(device_id=1)
+    zero = EmulatedBackend(device_id=0)
+    mem = SyncedMemory(16, one)
+    with pytest.raises(UnsupportedOperationError, match="emulated device 0, this blob lives on"):
+        mem.set_gpu_data(zero.alloc_device(16))
+    with pytest.raises(UnsupportedOperationError, match="got host memory"):
+        mem.set_gpu_data(np.zeros(16, np.uint8))
+    mem.set_gpu_data(one.alloc_device(16))  # its own device's memory is fine
     mem.close()

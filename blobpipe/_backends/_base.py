@@ -14,7 +14,9 @@ loader) speaks only this interface:
     Backend.fill_device_zero(dst)
     Backend.current_stream() / using(stream) / as_stream(obj)
     Backend.record_event(stream) / stream_wait(stream, event)
-    Event.query() / Event.synchronize() / await wait_event(event)
+    Backend.bind_thread() / hold_device(view, owner) / check_device_array(a, what)
+    Backend.dlpack_stream(stream)
+    Event.query() / Event.synchronize() / await wait_event(event) / all_of(events)
 
 Invariants (the stream discipline, docs/design.md):
 
@@ -22,7 +24,11 @@ Invariants (the stream discipline, docs/design.md):
   before that copy's event has completed;
 * every copy and launch is ordered after the work the caller queued so far on
   its current stream (:meth:`Backend.current_stream`), so device bytes the
-  caller's kernels write are there before blobpipe reads them.
+  caller's kernels write are there before blobpipe reads them;
+* a thread that works for one device (a loader's filler) makes it its current
+  device once (:meth:`Backend.bind_thread`) and is never switched to another:
+  on CUDA 12 and later, switching a thread to a device creates that device's
+  primary context.
 """
 
 from __future__ import annotations
@@ -47,11 +53,30 @@ __all__ = [
     "BackendStatistics",
     "CompletedEvent",
     "Event",
+    "EventGroup",
     "Stream",
+    "all_of",
+    "cuda_initialised",
+    "hold_array",
+    "note_cuda_initialised",
     "wait_event",
 ]
 
 HOST_ALIGN = 64  # bytes: host buffers start at a multiple of this
+
+# set once a CUDA backend was made in this process; a child forked after it
+# cannot use CUDA (see _backends.__init__)
+_cuda_initialised = threading.Event()
+
+
+def note_cuda_initialised() -> None:
+    """A CUDA backend exists in this process (CUDA is initialised)."""
+    _cuda_initialised.set()
+
+
+def cuda_initialised() -> bool:
+    """Whether a CUDA backend was made in this process."""
+    return _cuda_initialised.is_set()
 
 
 def aligned(
@@ -63,6 +88,27 @@ def aligned(
     the allocator put it (and SIMD loops like it too)."""
     skip = -raw.ctypes.data % HOST_ALIGN
     return raw[skip : skip + nbytes]
+
+
+class _Held:
+    """The base of a held array: the view's memory interface and the owner."""
+
+    __slots__ = ("__array_interface__", "_array", "_owner")
+
+    def __init__(self, array: np.ndarray[Any, Any], owner: object) -> None:
+        self.__array_interface__ = array.__array_interface__
+        self._array = array
+        self._owner = owner
+
+
+def hold_array(array: np.ndarray[Any, Any], owner: object) -> np.ndarray[Any, Any]:
+    """A NumPy array over ``array``'s memory whose base references ``owner``: the
+    owner lives as long as the array or anything exported from it (a DLPack
+    capsule and the consumer's array keep their producer referenced)."""
+    held: np.ndarray[Any, Any] = np.asarray(_Held(array, owner))
+    if not array.flags.writeable:
+        held.flags.writeable = False
+    return held
 
 
 class Event(abc.ABC):
@@ -93,6 +139,38 @@ class CompletedEvent(Event):
 COMPLETED = CompletedEvent()
 
 
+class EventGroup(Event):
+    """Completes when every one of ``events`` has (see :func:`all_of`)."""
+
+    def __init__(self, events: tuple[Event, ...]) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+    def __repr__(self) -> str:
+        return f"EventGroup({list(self.events)!r})"
+
+
+def all_of(events: list[Event] | tuple[Event, ...]) -> Event:
+    """One event that completes when all of ``events`` have: groups are flattened,
+    completed events dropped; :data:`COMPLETED` when none is left."""
+    flat: list[Event] = []
+    for e in events:
+        for one in e.events if isinstance(e, EventGroup) else (e,):
+            if one is not COMPLETED and not isinstance(one, CompletedEvent):
+                flat.append(one)
+    if not flat:
+        return COMPLETED
+    if len(flat) == 1:
+        return flat[0]
+    return EventGroup(tuple(flat))
+
+
 class Stream(abc.ABC):
     """An ordered queue of device work (copies, kernels)."""
 
@@ -103,6 +181,11 @@ class Stream(abc.ABC):
     def same(self, other: Stream) -> bool:
         """True when ``other`` queues work on the same device stream as this one."""
         return other is self
+
+    def idle(self) -> bool:
+        """True when all work queued on this stream so far has completed (an event
+        recorded now would be complete already)."""
+        return False
 
 
 async def wait_event(event: Event) -> None:
@@ -148,6 +231,7 @@ class Backend:
         self._d2h_bytes = 0
         self._host_allocs = 0
         self._device_allocs = 0
+        self._fill_stream: Stream | None = None  # fill_device_zero's
 
     # -- identity ---------------------------------------------------------
     def __repr__(self) -> str:
@@ -211,9 +295,26 @@ class Backend:
         raise NotImplementedError
 
     def fill_device_zero(self, dst: Any) -> None:
-        """Zero a device buffer (synchronously, in the default stream's order)."""
+        """Zero a device buffer that no queued work uses yet (a fresh pool block).
+
+        The fill runs on a stream of its own, not ordered after the caller's
+        current stream, and the call returns once it has run: the calling thread
+        waits for the fill alone, never for the work it queued before.
+        """
         self._require_device("fill_device_zero")
-        dst.fill(0)
+        self._launch(lambda: dst.fill(0), self._zero_stream()).synchronize()
+
+    def _zero_stream(self) -> Stream:
+        """The stream of :meth:`fill_device_zero` (made on first use)."""
+        with self._stats_lock:
+            stream = self._fill_stream
+        if stream is None:
+            made = self.create_stream()
+            with self._stats_lock:
+                if self._fill_stream is None:
+                    self._fill_stream = made
+                stream = self._fill_stream
+        return stream
 
     # -- streams and copies ------------------------------------------------------
     def create_stream(self) -> Stream:
@@ -326,8 +427,43 @@ class Backend:
 
     def stream_wait(self, stream: Stream, event: Event) -> None:
         """Work queued on ``stream`` after this call runs only once ``event`` has
-        completed (``cudaStreamWaitEvent``); the calling thread does not wait."""
+        completed (``cudaStreamWaitEvent``); the calling thread does not wait.
+        An :class:`EventGroup` is waited for event by event."""
         self._require_device("stream_wait")
+        for one in event.events if isinstance(event, EventGroup) else (event,):
+            if not one.query():
+                self._stream_wait(stream, one)
+
+    def _stream_wait(self, stream: Stream, event: Event) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    # -- threads, exports, foreign arrays ----------------------------------------------
+    def bind_thread(self) -> None:
+        """Make this backend's device the calling thread's current device for good.
+
+        For threads that work for this device only (a loader's fillers): later
+        device scopes in the thread find it current and switch nothing, so the
+        thread never touches (on CUDA: never creates a context on) another
+        device. Cheap when already bound. Nothing without a device.
+        """
+        return None
+
+    def hold_device(self, view: Any, owner: object) -> Any:
+        """A device array over the memory of device array ``view`` that keeps
+        ``owner`` referenced for as long as it, or anything made from it (a
+        DLPack capsule, the consumer's tensor), lives."""
+        self._require_device("hold_device")
+        raise NotImplementedError  # pragma: no cover
+
+    def check_device_array(self, array: Any, what: str) -> None:
+        """Raise UnsupportedOperationError unless ``array`` is memory of this
+        backend's device (``what`` names the operation)."""
+        self._require_device(what)
+
+    def dlpack_stream(self, stream: object) -> Stream | None:
+        """The stream a DLPack consumer named in ``__dlpack__(stream=...)``, as a
+        Stream of this backend; None when it asks for no ordering (-1)."""
+        self._require_device("dlpack_stream")
         raise NotImplementedError  # pragma: no cover
 
     def _after_current(self, stream: Stream) -> None:

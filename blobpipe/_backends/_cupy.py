@@ -1,21 +1,27 @@
 """The CUDA backend, on CuPy: pinned host memory, non-blocking streams, events.
 
 CuPy is imported when this backend is first constructed, never at
-``import blobpipe``.
+``import blobpipe``. Works with CuPy 13 and 14: foreign streams are wrapped with
+``Stream.from_external`` where it exists (14; ``ExternalStream`` warns there),
+else with ``ExternalStream``.
+
+Events are blocking-sync (``cudaEventBlockingSync``): a host thread waiting for one
+sleeps instead of spinning a core.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .._errors import BackendUnavailableError
-from ._base import Backend, Event, Stream
+from .._errors import BackendUnavailableError, UnsupportedOperationError
+from ._base import Backend, Event, Stream, note_cuda_initialised
 
 __all__ = ["CupyBackend", "import_cupy"]
 
@@ -45,12 +51,30 @@ class _CupyEvent(Event):
         self._event.synchronize()
 
 
+class _Handle:
+    """A raw ``cudaStream_t`` (an int) under the CUDA stream protocol
+    (``Stream.from_external`` takes objects with ``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 class _CupyStream(Stream):
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, cp: Any) -> None:
         self.raw = stream
+        self._cp = cp
 
     def synchronize(self) -> None:
-        self.raw.synchronize()
+        # a blocking-sync event: the waiting thread sleeps (cudaStreamSynchronize spins)
+        event = self._cp.cuda.Event(block=True, disable_timing=True)
+        event.record(self.raw)
+        event.synchronize()
+
+    def idle(self) -> bool:
+        return bool(self.raw.done)  # cudaStreamQuery
 
     def same(self, other: Stream) -> bool:
         return isinstance(other, _CupyStream) and int(other.raw.ptr) == int(self.raw.ptr)
@@ -84,6 +108,8 @@ class CupyBackend(Backend):
         self._device = cp.cuda.Device(device_id)
         self._default: _CupyStream | None = None
         self._lock = threading.Lock()
+        self._bound = threading.local()  # .yes: bind_thread() ran in this thread
+        note_cuda_initialised()
 
     @property
     def device_id(self) -> int | None:
@@ -96,6 +122,16 @@ class CupyBackend(Backend):
     def xp(self) -> ModuleType:
         return self._cp
 
+    def _out_of_memory(self, exc: BaseException) -> bool:
+        """Whether a CuPy error is an out-of-memory (the pool may free and retry);
+        any other CUDA error is passed on as it is."""
+        cp = self._cp
+        if isinstance(exc, cp.cuda.memory.OutOfMemoryError):
+            return True
+        return isinstance(exc, cp.cuda.runtime.CUDARuntimeError) and getattr(
+            exc, "status", None
+        ) == getattr(cp.cuda.runtime, "errorMemoryAllocation", 2)
+
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         cp = self._cp
         try:
@@ -105,10 +141,12 @@ class CupyBackend(Backend):
             # would otherwise create a context on device 0 for it.
             with self._device:
                 mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
-        except cp.cuda.runtime.CUDARuntimeError as exc:
-            raise MemoryError(
-                f"cannot allocate {nbytes} bytes of pinned host memory: {exc}"
-            ) from exc
+        except Exception as exc:
+            if self._out_of_memory(exc):
+                raise MemoryError(
+                    f"cannot allocate {nbytes} bytes of pinned host memory: {exc}"
+                ) from exc
+            raise
         return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
 
     def _alloc_device(self, nbytes: int) -> Any:
@@ -116,14 +154,12 @@ class CupyBackend(Backend):
         with self._device:
             try:
                 mem = cp.cuda.Memory(max(nbytes, 1))
-            except cp.cuda.memory.OutOfMemoryError as exc:
-                raise MemoryError(
-                    f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}"
-                ) from exc
-            except cp.cuda.runtime.CUDARuntimeError as exc:
-                raise MemoryError(
-                    f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}"
-                ) from exc
+            except Exception as exc:
+                if self._out_of_memory(exc):
+                    raise MemoryError(
+                        f"cannot allocate {nbytes} bytes on cuda:{self._device_id}: {exc}"
+                    ) from exc
+                raise
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
 
@@ -135,31 +171,80 @@ class CupyBackend(Backend):
             else:
                 cp.get_default_memory_pool().free_all_blocks()
 
-    def fill_device_zero(self, dst: Any) -> None:
-        with self._device:
-            dst.fill(0)
-            self._cp.cuda.get_current_stream().synchronize()
-
     def create_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.Stream(non_blocking=True))
+            return _CupyStream(self._cp.cuda.Stream(non_blocking=True), self._cp)
 
     def default_stream(self) -> Stream:
         with self._lock:
             if self._default is None:
                 with self._device:
-                    self._default = _CupyStream(self._cp.cuda.Stream(non_blocking=True))
+                    self._default = _CupyStream(self._cp.cuda.Stream(non_blocking=True), self._cp)
             return self._default
 
     def _record(self, stream: Stream, timing: bool = False) -> Event:
         assert isinstance(stream, _CupyStream)
-        ev = self._cp.cuda.Event(block=False, disable_timing=not timing, interprocess=False)
+        # blocking-sync: a host thread that waits for it sleeps instead of spinning
+        ev = self._cp.cuda.Event(block=True, disable_timing=not timing, interprocess=False)
         ev.record(stream.raw)
         return _CupyEvent(ev)
 
     def current_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.get_current_stream())
+            return _CupyStream(self._cp.cuda.get_current_stream(), self._cp)
+
+    def bind_thread(self) -> None:
+        if getattr(self._bound, "yes", False):
+            return
+        runtime = self._cp.cuda.runtime
+        if runtime.getDevice() != self._device_id:
+            runtime.setDevice(self._device_id)
+        self._bound.yes = True
+
+    def hold_device(self, view: Any, owner: object) -> Any:
+        cp = self._cp
+        nbytes = int(view.nbytes)
+        mem = cp.cuda.UnownedMemory(int(view.data.ptr), nbytes, owner, self._device_id)
+        return cp.ndarray(
+            view.shape,
+            dtype=view.dtype,
+            memptr=cp.cuda.MemoryPointer(mem, 0),
+            strides=view.strides,
+        )
+
+    def check_device_array(self, array: Any, what: str) -> None:
+        if not isinstance(array, self._cp.ndarray):
+            raise UnsupportedOperationError(
+                f"{what}: expected a CuPy array on cuda:{self._device_id}, got "
+                f"{type(array).__name__} (host memory: use set_cpu_data)"
+            )
+        device = int(array.device.id)
+        if device != self._device_id:
+            raise UnsupportedOperationError(
+                f"{what}: the array is on cuda:{device}, this blob lives on "
+                f"cuda:{self._device_id}; copy it there first (array.copy() under "
+                f"cupy.cuda.Device({self._device_id}))"
+            )
+
+    def dlpack_stream(self, stream: object) -> Stream | None:
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            if stream == -1:
+                return None
+            if stream == 0:  # not valid DLPack; torch has sent it for its default stream
+                stream = 1
+        elif stream is None:  # DLPack: None means the legacy default stream
+            stream = 1
+        return self.as_stream(stream)
+
+    def _external(self, ptr: int) -> Any:
+        """A CuPy stream over a foreign ``cudaStream_t``."""
+        cuda = self._cp.cuda
+        from_external = getattr(cuda.Stream, "from_external", None)
+        if from_external is not None:  # CuPy 14
+            return from_external(_Handle(ptr))
+        with warnings.catch_warnings():  # CuPy 13: the only way
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cuda.ExternalStream(ptr, self._device_id)
 
     @contextlib.contextmanager
     def _using(self, stream: _CupyStream) -> Iterator[None]:
@@ -173,22 +258,23 @@ class CupyBackend(Backend):
         cp = self._cp
         if isinstance(stream, _CupyStream):
             return stream
-        if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
-            return _CupyStream(stream)
+        base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
+        if isinstance(stream, (cp.cuda.Stream, base)):
+            return _CupyStream(stream, cp)
         handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
         if isinstance(handle, int) and not isinstance(handle, bool):
-            return _CupyStream(cp.cuda.ExternalStream(handle, self._device_id))
+            return _CupyStream(self._external(handle), cp)
         raise TypeError(
             f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
             f"(an int), got {type(stream).__name__}"
         )
 
-    def stream_wait(self, stream: Stream, event: Event) -> None:
+    def _stream_wait(self, stream: Stream, event: Event) -> None:
         raw = self._own(stream).raw
         if isinstance(event, _CupyEvent):
             with self._device:
                 raw.wait_event(event._event)
-        elif not event.query():  # not a CUDA event: the host waits for it
+        else:  # not a CUDA event: the host waits for it
             event.synchronize()
 
     @staticmethod

@@ -19,6 +19,19 @@ belong to a device: the backend's for its allocations, the current one for
 arrays its ``xp`` makes. As CuPy does, device work on an array of another
 device than the current one raises ValueError, and a copy refuses memory of
 another device, so work issued outside its device's scope shows as an error.
+
+Switching devices is modelled as CUDA 12 does it: a fresh thread's current device
+is 0 without having touched it; every switch (``using()`` entering or leaving,
+:func:`use_device`, :meth:`EmulatedBackend.bind_thread`) *touches* the device it
+switches to, as ``cudaSetDevice`` creates that device's primary context.
+:func:`touched_devices` tells which devices a thread has touched, so a worker
+thread that creates a context on a device it does not use shows in a test.
+(Not modelled: the context's memory, and CUDA calls that touch device 0 without
+a switch, e.g. a runtime API call before any ``cudaSetDevice``.)
+
+DLPack consumers: ``backend.xp.from_dlpack(obj)`` calls
+``obj.__dlpack__(stream=<the caller's current stream>)``, as CuPy and torch pass
+theirs, so a producer that ignores the consumer's stream shows.
 """
 
 from __future__ import annotations
@@ -34,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from ._base import Backend, Event, Stream
+from .._errors import UnsupportedOperationError
+from ._base import Backend, Event, Stream, hold_array
 
 __all__ = [
     "EmulatedArray",
@@ -42,6 +56,8 @@ __all__ = [
     "EmulatedEvent",
     "EmulatedStream",
     "current_device",
+    "touched_devices",
+    "use_device",
 ]
 
 
@@ -72,6 +88,9 @@ class EmulatedEvent(Event):
 
 _STOP = object()
 _device = threading.local()  # .id: the calling thread's current emulated device
+_touched_lock = threading.Lock()
+# thread -> the devices it switched to (its contexts)
+_touched: weakref.WeakKeyDictionary[threading.Thread, set[int]] = weakref.WeakKeyDictionary()
 
 
 def current_device() -> int:
@@ -79,14 +98,37 @@ def current_device() -> int:
     return int(getattr(_device, "id", 0))
 
 
+def _switch(device_id: int) -> None:
+    """``cudaSetDevice``: the device becomes current and is touched (its context made)."""
+    _device.id = device_id
+    with _touched_lock:
+        _touched.setdefault(threading.current_thread(), set()).add(device_id)
+
+
+def use_device(device_id: int) -> None:
+    """Make ``device_id`` the calling thread's current emulated device, for good
+    (``cupy.cuda.Device(n).use()``, ``torch.cuda.set_device(n)``)."""
+    _switch(int(device_id))
+
+
+def touched_devices(thread: threading.Thread | None = None) -> set[int]:
+    """The emulated devices ``thread`` (default: the calling one) was ever switched
+    to: on CUDA 12, the devices it created a primary context on."""
+    with _touched_lock:
+        return set(_touched.get(thread or threading.current_thread(), ()))
+
+
 @contextlib.contextmanager
 def _device_scope(device_id: int) -> Iterator[None]:
+    """CuPy's ``with Device(n)``: switch when another device is current; on exit
+    set the previous device again (always, as CuPy's ``Device.__exit__`` does)."""
     previous = current_device()
-    _device.id = device_id
+    if previous != device_id:
+        _switch(device_id)
     try:
         yield
     finally:
-        _device.id = previous
+        _switch(previous)
 
 
 class EmulatedArray(np.ndarray):
@@ -94,13 +136,16 @@ class EmulatedArray(np.ndarray):
 
     Elementwise work (ufuncs) on it from a thread whose current emulated device
     is another raises ValueError, as CuPy's kernels do; ``get()`` copies it to a
-    plain NumPy array, as CuPy's does.
+    plain NumPy array after the work queued so far on the caller's current
+    stream, as CuPy's does.
     """
 
     device_id: int
+    backend: Callable[[], EmulatedBackend | None] | None
 
     def __array_finalize__(self, obj: Any) -> None:
         self.device_id = getattr(obj, "device_id", current_device())
+        self.backend = getattr(obj, "backend", None)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         here = current_device()
@@ -125,7 +170,10 @@ class EmulatedArray(np.ndarray):
         return result
 
     def get(self) -> np.ndarray[Any, Any]:
-        """A host copy (a plain NumPy array)."""
+        """A host copy (a plain NumPy array), after the current stream's work."""
+        backend = self.backend() if self.backend is not None else None
+        if backend is not None:
+            backend.current_stream().synchronize()
         return np.array(self.view(np.ndarray))
 
 
@@ -135,12 +183,37 @@ _MAKERS = frozenset(
 )
 
 
+class _Capsule:
+    """Hands a DLPack capsule already made to ``numpy.from_dlpack``."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
 class _DeviceNumpy(ModuleType):
     """NumPy whose array constructors make :class:`EmulatedArray` s of the current
-    emulated device (CuPy's make arrays on the current CUDA device)."""
+    emulated device (CuPy's make arrays on the current CUDA device), and whose
+    ``from_dlpack`` passes the caller's current stream, as CuPy's does."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: EmulatedBackend) -> None:
         super().__init__("blobpipe.testing.xp", "NumPy over the emulated device")
+        self._backend = weakref.ref(backend)
+
+    def from_dlpack(self, obj: Any) -> EmulatedArray:
+        """``obj.__dlpack__(stream=<current stream>)`` as an array of the current device."""
+        backend = self._backend()
+        stream = backend.current_stream() if backend is not None else None
+        capsule = obj.__dlpack__(stream=stream)
+        made = np.from_dlpack(_Capsule(capsule)).view(EmulatedArray)
+        made.device_id = current_device()
+        made.backend = self._backend
+        return made
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(np, name)
@@ -150,16 +223,14 @@ class _DeviceNumpy(ModuleType):
         def make(*args: Any, **kwargs: Any) -> EmulatedArray:
             made = np.asarray(attr(*args, **kwargs)).view(EmulatedArray)
             made.device_id = current_device()
+            made.backend = self._backend
             return made
 
         return make
 
 
-_XP = _DeviceNumpy()
-
-
 def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id: int) -> None:
-    _device.id = device_id
+    _switch(device_id)
     while True:
         item = q.get()
         if item is _STOP:
@@ -182,6 +253,7 @@ class EmulatedStream(Stream):
 
     def __init__(self, backend: EmulatedBackend) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._last: EmulatedEvent | None = None  # the event of the last work queued
         backend_ref = weakref.ref(backend)
 
         def delay() -> float:
@@ -203,8 +275,13 @@ class EmulatedStream(Stream):
         """Queue ``fn`` to run after the work queued before it, ``delay`` seconds
         late (None: the backend's ``delay``); the event completes after it ran."""
         event = EmulatedEvent()
+        self._last = event
         self._queue.put((fn, event, delay))
         return event
+
+    def idle(self) -> bool:
+        last = self._last
+        return last is None or last.query()
 
     def synchronize(self) -> None:
         self.enqueue(None, delay=0.0).synchronize()
@@ -230,17 +307,19 @@ class EmulatedBackend(Backend):
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._local = threading.local()  # .stream: the stream using() made current
+        self._xp = _DeviceNumpy(self)
 
     def __repr__(self) -> str:
         return f"<EmulatedBackend emulated:{self.emulated_device}>"
 
     @property
     def xp(self) -> ModuleType:
-        return _XP
+        return self._xp
 
     def _alloc_device(self, nbytes: int) -> Any:
         buf = np.empty(nbytes, dtype=np.uint8).view(EmulatedArray)
         buf.device_id = self.emulated_device
+        buf.backend = weakref.ref(self)
         return buf
 
     def _own(self, array: Any, what: str) -> Any:
@@ -254,8 +333,41 @@ class EmulatedBackend(Backend):
         return array.reshape(-1).view(np.uint8)
 
     def fill_device_zero(self, dst: Any) -> None:
+        # as the base does, without the emulated copy delay: a memset of a fresh block
         self._require_device("fill_device_zero")
-        self.current_stream().enqueue(lambda: dst.fill(0), delay=0.0).synchronize()
+        stream = self._stream(self._zero_stream())
+        stream.enqueue(lambda: dst.fill(0), delay=0.0).synchronize()
+
+    def bind_thread(self) -> None:
+        if getattr(_device, "id", None) != self.emulated_device:
+            _switch(self.emulated_device)
+
+    def hold_device(self, view: Any, owner: object) -> Any:
+        held: EmulatedArray = hold_array(view, owner).view(EmulatedArray)
+        held.device_id = getattr(view, "device_id", self.emulated_device)
+        held.backend = weakref.ref(self)
+        return held
+
+    def check_device_array(self, array: Any, what: str) -> None:
+        device = getattr(array, "device_id", None)
+        if not isinstance(array, EmulatedArray) or device is None:
+            raise UnsupportedOperationError(
+                f"{what}: expected memory of emulated device {self.emulated_device} (an "
+                f"array made by backend.xp or alloc_device), got host memory "
+                f"({type(array).__name__})"
+            )
+        if device != self.emulated_device:
+            raise UnsupportedOperationError(
+                f"{what}: the array is memory of emulated device {device}, this blob "
+                f"lives on emulated device {self.emulated_device}; copy it there first"
+            )
+
+    def dlpack_stream(self, stream: object) -> Stream | None:
+        if stream is None:
+            return self.null_stream()  # DLPack: None means the legacy default stream
+        if isinstance(stream, int) and not isinstance(stream, bool) and stream == -1:
+            return None
+        return self.as_stream(stream)
 
     def create_stream(self) -> Stream:
         stream = EmulatedStream(self)
@@ -304,10 +416,8 @@ class EmulatedBackend(Backend):
             f"{type(stream).__name__}"
         )
 
-    def stream_wait(self, stream: Stream, event: Event) -> None:
-        target = self._stream(stream)
-        if not event.query():
-            target.enqueue(event.synchronize, delay=0.0)
+    def _stream_wait(self, stream: Stream, event: Event) -> None:
+        self._stream(stream).enqueue(event.synchronize, delay=0.0)
 
     def run_later(
         self, fn: Callable[[], object], seconds: float | None = None, stream: Stream | None = None

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
@@ -50,9 +50,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DataError, ShapeError, StateError
-from ._fill import DATUM, RecordKind, RecordSource
-from ._order import EpochOrder, Order, ShardMode, shard_from
+from ._fill import RecordSource
+from ._lmdb import LmdbReader
+from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
 from ._plan import BatchPlan
+from ._readahead import ReadAhead
+from ._records import DATUM, RecordKind
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
@@ -140,18 +143,32 @@ class Batches:
             collection of names; others draw their own. Sharing sources need
             the same ``crop_size`` and ``mirror``, and records of one height
             and width.
+        split_transform: called once at open with the primary source's transform
+            and record kind ("datum" or "blobproto"); the primary's rows are filled
+            with the transform it returns (a Loader's host half of a device
+            transform; :attr:`transform` is then that one), or with the given one
+            when it returns None.
         phase: "train" (random crops) or "test" (centre crops); mirror is random
             in both when enabled, as in Caffe.
         order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
-            by ``(seed, epoch)``) or "buffer" (a shuffle buffer of ``buffer_size``
-            records over key order: reads stay near each other).
-        buffer_size: the shuffle buffer's size; only with ``order="buffer"``.
+            by ``(seed, epoch)``), "buffer" (a shuffle buffer of ``buffer_size``
+            records over key order: reads stay near each other) or "quasi" (for
+            databases larger than memory: runs of ``buffer_size // 32`` consecutive
+            records, permuted, shuffled together 32 runs at a time, so an epoch
+            reads from at most ``buffer_size`` records' worth of the file at once).
+        buffer_size: the shuffle buffer's or the quasi-random window's size; only
+            with ``order="buffer"`` or ``"quasi"``.
         seed: seeds the shuffle and the per-record randomness.
         shard: ``None``, ``(rank, world_size)`` or "auto": an initialised
             ``torch.distributed`` process group's rank and size, else torchrun's
             ``RANK``/``WORLD_SIZE`` environment variables, else no sharding.
-        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``)
-            or "contiguous".
+        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``),
+            "contiguous", or "node": each node (``ranks_per_node`` consecutive
+            ranks) keeps the same part of the records in every epoch, ordered
+            within the node and split between its ranks, so a node's page cache
+            holds only its part.
+        ranks_per_node: the ranks of one node, with ``shard_mode="node"``
+            (default: torchrun's ``LOCAL_WORLD_SIZE``).
         pad_shards: how sharded epochs are made equal. True (default): every rank
             gets ``ceil(n / world)`` records, the epoch's order wrapping around to
             repeat its first records, as torch's DistributedSampler does; "drop":
@@ -214,6 +231,8 @@ class Batches:
         record: Record | Mapping[str, Record] = "auto",
         blob_dtype: Literal["float32", "float64"] = "float32",
         share_random: bool | Collection[str] = False,
+        split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
+        ranks_per_node: int | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
@@ -226,21 +245,25 @@ class Batches:
             raise ValueError(f"max_batch_bytes must be a positive integer, got {max_batch_bytes!r}")
         self._max_batch_bytes = int(max_batch_bytes)
         self._phase = _check_phase(phase)
-        if order not in ("key", "shuffle", "buffer"):
-            raise ValueError(f"order must be 'key', 'shuffle' or 'buffer', got {order!r}")
-        if order == "buffer":
+        if order not in ("key", "shuffle", "buffer", "quasi"):
+            raise ValueError(f"order must be 'key', 'shuffle', 'buffer' or 'quasi', got {order!r}")
+        if order in ("buffer", "quasi"):
             if buffer_size is None or buffer_size < 1:
                 raise ValueError(
-                    f"order='buffer' needs buffer_size >= 1, got buffer_size={buffer_size!r}"
+                    f"order={order!r} needs buffer_size >= 1, got buffer_size={buffer_size!r}"
                 )
         elif buffer_size is not None:
-            raise ValueError(f"buffer_size is only used with order='buffer', not {order!r}")
+            raise ValueError(
+                f"buffer_size is only used with order='buffer' or 'quasi', not {order!r}"
+            )
         if mode not in ("wrap", "epoch"):
             raise ValueError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
         if last not in ("keep", "drop", "pad"):
             raise ValueError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
-        if shard_mode not in ("strided", "contiguous"):
-            raise ValueError(f"shard_mode must be 'strided' or 'contiguous', got {shard_mode!r}")
+        if shard_mode not in ("strided", "contiguous", "node"):
+            raise ValueError(
+                f"shard_mode must be 'strided', 'contiguous' or 'node', got {shard_mode!r}"
+            )
         if label_dtype not in ("float32", "int64"):
             raise ValueError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
         self._label_dtype = np.dtype(label_dtype)
@@ -249,6 +272,7 @@ class Batches:
         if blob_dtype not in ("float32", "float64"):
             raise ValueError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
         self._rank, self._world = shard_from(shard)
+        per_node = ranks_per_node_from(ranks_per_node, self._world) if shard_mode == "node" else 1
         self._batch_size = int(batch_size)
         self._seed = int(seed)
         if pad_shards not in (True, False, "drop"):
@@ -259,7 +283,7 @@ class Batches:
 
         self._closed = False
         self._sources: list[Source] = []
-        # what a pickled copy reopens with (its shard as resolved here)
+        # what a pickled copy reopens with (its shard and node size as resolved here)
         self._reopen: dict[str, Any] = {
             "source": source, "batch_size": batch_size, "transform": transform,
             "phase": phase, "order": order, "buffer_size": buffer_size, "seed": seed,
@@ -267,11 +291,13 @@ class Batches:
             "pad_shards": pad_shards, "mode": mode, "last": last, "readahead": readahead,
             "label_dtype": label_dtype, "record": record, "blob_dtype": blob_dtype,
             "share_random": share_random, "max_batch_bytes": max_batch_bytes,
+            "split_transform": split_transform,
+            "ranks_per_node": per_node if shard_mode == "node" else ranks_per_node,
         }  # fmt: skip
         try:
             self._sharing = open_sources(
                 self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
-                readahead, self._phase,
+                readahead, self._phase, split_transform,
             )  # fmt: skip
             # whether any source draws crops or flips (a Loader's host transform keeps them)
             self._random = any(src.filler.transform.needs_random for src in self._sources)
@@ -286,8 +312,14 @@ class Batches:
                 raise DataError("the database holds no records", path=self._path)
             self._epochs = EpochOrder(
                 self._n, order, buffer_size, self._seed, (self._rank, self._world),
-                shard_mode, self._pad_shards,
+                shard_mode, self._pad_shards, per_node,
             )  # fmt: skip
+            # the values of the next records requested ahead of the batches planned
+            self._ahead = [
+                ReadAhead(src.parts[0].reader)
+                for src in self._sources
+                if len(src.parts) == 1 and isinstance(src.parts[0].reader, LmdbReader)
+            ]
             self._shard_len = self._epochs.records_per_epoch
             self._settings = {
                 **self._epochs.settings(),
@@ -317,15 +349,6 @@ class Batches:
             raise
 
     # -- sources -------------------------------------------------------------------------
-
-    def _use_transform(self, transform: Transform) -> None:
-        """Fill the primary source with ``transform`` instead (a Loader's host half
-        of a device transform); before the first plan."""
-        primary = self._sources[0]
-        primary.refill(transform, self._phase)
-        self._filler = primary.filler
-        self._transform = transform
-        self._out_shapes.clear()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -538,6 +561,9 @@ class Batches:
                 self._end_pending = True
         self._epoch, self._pos = epoch, pos
         state = self._state(epoch, pos)
+        e, _, b = runs[-1]
+        for ahead in self._ahead:
+            ahead.planned(self._epochs.order(e), e, b)
 
         orders = self._epochs
         random = self._random

@@ -1,7 +1,7 @@
 """Several databases as one: record ``i`` of the whole is record ``i - start[k]`` of
 database ``k``, in the order the databases were given.
 
-:class:`ConcatFiller` has the filler's interface (``_fill.Filler``) and hands each
+:class:`ConcatFiller` is a ``_fill.RowFiller``, as ``_fill.Filler`` is, and hands each
 database its own rows: a run of rows from one database is filled straight into
 the batch, rows of several databases interleaved (a shuffled order) are filled
 per database into a scratch block and scattered. Each database keeps its own
@@ -10,15 +10,15 @@ record index, so every row still comes from a mapped file where it can.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._fill import Filler, RecordKind
+from ._fill import Filler
 from ._plan import BatchPlan
+from ._records import RecordKind
 from ._transform import Transform
 
 __all__ = ["ConcatFiller"]
@@ -31,7 +31,7 @@ class ConcatFiller:
         self._parts = list(parts)
         self._starts = np.cumsum([0, *lengths], dtype=np.int64)
         self.kind: RecordKind = self._parts[0].kind
-        self._blob_dtype = self._parts[0]._blob_dtype
+        self.blob_dtype: np.dtype[Any] = self._parts[0].blob_dtype
 
     @property
     def transform(self) -> Transform:
@@ -66,7 +66,7 @@ class ConcatFiller:
         which = np.searchsorted(self._starts, indices, side="right") - 1
         for k in np.unique(which).tolist():
             rows = np.flatnonzero(which == k)  # relative to start
-            sub = self._sub_plan(plan, start + rows, indices[rows] - self._starts[k])
+            sub = plan.take((start + rows).tolist(), (indices[rows] - self._starts[k]).tolist())
             n = len(rows)
             first, last = int(rows[0]), int(rows[-1])
             if last - first + 1 == n:  # one run: straight into the batch
@@ -83,23 +83,3 @@ class ConcatFiller:
             label_out[at] = label
             if params_out is not None and params is not None:
                 params_out[at] = params
-
-    @staticmethod
-    def _sub_plan(
-        plan: BatchPlan, rows: npt.NDArray[np.intp], local: npt.NDArray[np.int64]
-    ) -> BatchPlan:
-        """The rows ``rows`` of ``plan``, with indices local to their database."""
-        pick = rows.tolist()
-        first = plan._first if pick[0] == 0 else None  # decoded for the plan's row 0
-        return dataclasses.replace(
-            plan,
-            keys=tuple(plan.keys[r] for r in pick),
-            indices=tuple(local.tolist()),
-            epochs=tuple(plan.epochs[r] for r in pick),
-            positions=tuple(plan.positions[r] for r in pick),
-            words=tuple(plan.words[r] for r in pick),
-            valid=len(pick),
-            data_shape=(len(pick), *plan.data_shape[1:]),
-            extra=(),
-            _first=first,
-        )

@@ -14,7 +14,7 @@ A database of ``caffe.BlobProto`` records (``kind="blobproto"``) fills its rows
 from each record's values (parsed by the codec, ``blobproto_array``), through
 the same kernel where Caffe's ``DataTransformer::Transform(Blob*)`` applies
 (records of 3 axes, ``(C, H, W)``, or 4, ``(N, C, H, W)``, whose items share one
-crop and flip, as there); :func:`detect_kind` tells the kinds apart.
+crop and flip, as there); ``_records.py`` tells the kinds apart.
 
 A row that cannot be had this way (not a valid Datum, an image that does not
 decode, a shape that does not fit the batch or the transform) goes through the
@@ -26,52 +26,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from .._codec import blobproto_array
-from .._errors import BlobpipeError, DataError, ProtoError, ShapeError
-from ._datum import DEFAULT_MAX_PIXELS, parse_datum, view_record
+from .._errors import BlobpipeError, DataError, ShapeError
+from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
 from ._image import Undecodable, decode_image, decode_many, imread_flag
-from ._index import ENCODED, PARSED, RAW, Located, RecordIndex
+from ._index import Located, RecordIndex
 from ._kernels import Geometry, apply, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
+from ._records import BLOBPROTO, DATUM, ENCODED, PARSED, RAW, RecordKind, blob_record
 from ._transform import Phase, RecordParams, Transform
 
-__all__ = ["BLOBPROTO", "DATUM", "Filler", "RecordKind", "RecordSource", "detect_kind"]
+__all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix"]
 
 _U1 = np.dtype(np.uint8)
-
-RecordKind = Literal["datum", "blobproto"]
-DATUM: RecordKind = "datum"
-BLOBPROTO: RecordKind = "blobproto"
-
-
-def detect_kind(value: bytes | memoryview) -> RecordKind | None:
-    """Which kind of Caffe record ``value`` is: a Datum holding pixels (raw,
-    float or encoded), else a BlobProto whose value count matches its shape, else
-    None. (The wire formats overlap: a BlobProto parses as a Datum without
-    pixels, so the Datum is tried first and must hold pixels.)"""
-    try:
-        p = parse_datum(value)
-    except BlobpipeError:
-        p = None
-    if p is not None:
-        count = p.channels * p.height * p.width if min(p.channels, p.height, p.width) > 0 else 0
-        if p.encoded and p.data is not None and len(p.data):
-            return DATUM
-        if count and p.data is not None and len(p.data) == count:
-            return DATUM
-        if count and p.data is None and p.float_data is not None and len(p.float_data) == count:
-            return DATUM
-    try:
-        blobproto_array(value)
-    except ProtoError:
-        return None
-    return BLOBPROTO
 
 
 class RecordSource(Protocol):
@@ -90,6 +62,62 @@ class RecordSource(Protocol):
         ...
 
 
+def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
+    """What to do when records of shapes ``a`` and ``b`` (``(C, H, W)`` for Datums)
+    must make rows of one batch."""
+    if not datum:
+        return "BlobProto records of one batch must share a shape: use batch_size=1"
+    if a[0] != b[0]:
+        return (
+            f"their channels differ ({a[0]} and {b[0]}): build the databases alike "
+            "(convert_imageset --gray for 1 channel, without it for 3), or, for encoded "
+            "records, decode them alike with force_color=True (--force-color) or "
+            "force_gray=True (--force-gray)"
+        )
+    return (
+        f"their sizes differ ({a[1]}×{a[2]} and {b[1]}×{b[2]}): resize when building the "
+        "databases (convert_imageset --resize_height/--resize_width), or crop them to one "
+        "size (crop_size no larger than the smallest), or use batch_size=1"
+    )
+
+
+class RowFiller(Protocol):
+    """What Batches needs of a source's filler: one database's (:class:`Filler`) or
+    several read as one (``_concat.ConcatFiller``)."""
+
+    kind: RecordKind
+    blob_dtype: np.dtype[Any]  # a BlobProto database's element type
+
+    @property
+    def transform(self) -> Transform:
+        """The transform every row goes through."""
+        ...
+
+    def output(self, record_shape: tuple[int, ...], key: bytes) -> tuple[tuple[int, ...], Any]:
+        """The row shape and element type of records of ``record_shape``."""
+        ...
+
+    def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
+        """The shape of record ``index``, and its pixels and label if decoded."""
+        ...
+
+    def fill(
+        self,
+        plan: BatchPlan,
+        data_out: np.ndarray,
+        label_out: np.ndarray,
+        start: int,
+        stop: int,
+        params_out: npt.NDArray[np.int32] | None,
+    ) -> None:
+        """Rows ``[start:stop]`` of ``plan`` into the outputs."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the record index (the reader stays open)."""
+        ...
+
+
 class Filler:
     """Reads, decodes and transforms batch rows; thread-safe (one per Batches)."""
 
@@ -99,7 +127,7 @@ class Filler:
     ) -> None:  # fmt: skip
         self.kind: RecordKind = kind
         # a BlobProto database's batch element type (float32, or float64 on request)
-        self._blob_dtype = np.dtype(np.float32) if blob_dtype is None else blob_dtype
+        self.blob_dtype: np.dtype[Any] = np.dtype(np.float32) if blob_dtype is None else blob_dtype
         self._reader = reader
         self._keys = keys
         self._transform = transform
@@ -128,7 +156,9 @@ class Filler:
             with self._lock:
                 if not self._index_tried:
                     reader = self._reader
-                    found = reader._extents(self._keys) if isinstance(reader, LmdbReader) else None
+                    found = None
+                    if isinstance(reader, LmdbReader):
+                        found = reader.mapped_extents(self._keys)
                     if found is not None:
                         file, extents = found
                         self._index = RecordIndex(
@@ -163,7 +193,7 @@ class Filler:
                     "float values: use dtype='float32'"
                 )
             if t.is_identity:
-                return record_shape, self._blob_dtype
+                return record_shape, self.blob_dtype
             if len(record_shape) not in (3, 4):
                 raise ShapeError(
                     f"the record is a BlobProto of shape {record_shape}; a transform (crop, "
@@ -173,7 +203,7 @@ class Filler:
                 )
             chw = record_shape[-3:]
             t.kernel_spec(chw)
-            return (*record_shape[:-3], *t.output_shape(chw)), self._blob_dtype
+            return (*record_shape[:-3], *t.output_shape(chw)), self.blob_dtype
         except ShapeError as exc:
             raise DataError(str(exc), path=self._path, key=key) from exc
 
@@ -215,37 +245,11 @@ class Filler:
         key = self._keys[index]
         idx = self.index()
         value = idx.value(index) if idx is not None else self._reader.get(key)
-        hint = (
-            "it is a caffe.Datum, and this database is read as BlobProtos (its first "
-            "record is one, or record='blobproto' was given): a database must hold one "
-            "kind of record"
-        )
-        try:
-            values = blobproto_array(value, f"record {key!r}")
-        except ProtoError as exc:
-            why = f"{exc}; {hint}" if detect_kind(value) == DATUM else str(exc)
-            raise DataError(why, path=self._path, key=key) from None
-        # a Datum's bytes read as a BlobProto are an empty blob (its fields clash)
-        if not values.size and detect_kind(value) == DATUM:
-            raise DataError(f"record {key!r}: {hint}", path=self._path, key=key)
-        return values
+        return blob_record(value, key, self._path)
 
     def _read(self, key: bytes, get: Callable[[bytes], Any]) -> tuple[np.ndarray, int]:
         """Record ``key``'s ``(C, H, W)`` pixels and label, checked (errors name it)."""
-        buf = get(key)
-        try:
-            p = parse_datum(buf, key=key, path=self._path)
-            chw, label = view_record(p, self._flag, DEFAULT_MAX_PIXELS, key, self._path)
-        except DataError as exc:
-            if detect_kind(buf) != BLOBPROTO:
-                raise
-            raise DataError(
-                f"record {key!r} is a caffe.BlobProto, not a Datum, and this database is "
-                "read as Datums (its first record is one, or record='datum' was given): a "
-                "database must hold one kind of record",
-                path=self._path,
-                key=key,
-            ) from exc
+        p, chw, label = checked_view(get(key), self._flag, DEFAULT_MAX_PIXELS, key, self._path)
         if not p.encoded:
             chw = chw.copy()  # a view of a transaction's memory: keep a copy
         return chw, label
@@ -325,10 +329,8 @@ class Filler:
         rows = []
         shape = plan.record_shape
         for r in range(start, stop):
-            if r == 0 and plan._first is not None:
-                values = plan._first[0]
-            else:
-                values = self._blob(plan.indices[r])
+            first = plan.decoded_first() if r == 0 else None
+            values = first[0] if first is not None else self._blob(plan.indices[r])
             if values.shape != shape:
                 raise DataError(
                     f"record {plan.keys[r]!r} is a blob of shape {values.shape} but the batch's "
@@ -409,10 +411,11 @@ class Filler:
         offsets = loc.offset.tolist()
         lengths = loc.length.tolist()
         kinds = loc.kind.tolist()
+        first = plan.decoded_first() if start == 0 else None
         images = (
             buffer[offsets[r] : offsets[r] + lengths[r]].data
             for r, k in enumerate(kinds)
-            if k == ENCODED and not (start + r == 0 and plan._first is not None)
+            if k == ENCODED and not (r == 0 and first is not None)
         )
         decoded = decode_many(images, self._flag)
         for r, k in enumerate(kinds):
@@ -420,8 +423,8 @@ class Filler:
                 c, h, w = loc.shape[r].tolist()
                 yield r, buffer[offsets[r] : offsets[r] + c * h * w].reshape(c, h, w)
             elif k == ENCODED:
-                if start + r == 0 and plan._first is not None:
-                    yield r, plan._first[0]  # decoded by next_plan
+                if r == 0 and first is not None:
+                    yield r, first[0]  # decoded by next_plan
                     continue
                 hwc = next(decoded)
                 yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
@@ -474,8 +477,9 @@ class Filler:
         flip it used if the record turns out fine after all."""
         t = self._transform
         key = plan.keys[row]
-        if row == 0 and plan._first is not None:
-            chw, label = plan._first
+        first = plan.decoded_first() if row == 0 else None
+        if first is not None:
+            chw, label = first
         else:
             chw, label = self._read(key, self._reader.get)
         expected = plan.data_shape[1:]
@@ -485,8 +489,8 @@ class Filler:
                 raise DataError(
                     f"record {key!r} has shape {tuple(chw.shape)} (output {out_shape}) but the "
                     f"batch's first record {plan.keys[0]!r} has shape {plan.record_shape} "
-                    f"(output {expected}); records in one batch must share a shape: use "
-                    "batch_size=1 or a crop_size",
+                    f"(output {expected}); records in one batch must share a shape: "
+                    + shape_fix(plan.record_shape, chw.shape, True),
                     path=self._path,
                     key=key,
                 )

@@ -13,16 +13,14 @@ values of one batch range (an index of that range, used once).
   shape once a batch has decoded it (0 before);
 * ``PARSED``: a record the fill reads through the Datum parser (float_data);
   ``offset``/``length`` are the whole value's;
-* ``BAD``: a record that is not a valid Datum with pixels; the fill's checked
-  path reads it again to raise its error (key, path, reason).
+* ``BAD`` (or ``BLOB``, a BlobProto): a record that is not a valid Datum with
+  pixels; the fill's checked path reads it again to raise its error (key, path,
+  reason).
 
-Records are classified the first time a batch reads them. Raw records laid
-out as ``convert_imageset`` writes them are recognised for a whole range at
-once by comparing header and tail bytes with a few numpy calls
-(:func:`~._datum.match_raw_layout`, which also decodes the labels); any other
-record goes through :func:`~._datum.parse_datum`. A record's fields are written
-before its kind, so a thread that sees a kind sees its fields (threads that
-classify the same record write the same values).
+Records are classified the first time a batch reads them, by
+:func:`~._records.classify` (a whole range at once). A record's fields are
+written before its kind, so a thread that sees a kind sees its fields (threads
+that classify the same record write the same values).
 """
 
 from __future__ import annotations
@@ -33,13 +31,10 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import BlobpipeError
-from ._datum import match_raw_layout, parse_datum, raw_header
 from ._lmdbfile import picked_meta
+from ._records import BAD, UNKNOWN, classify
 
-__all__ = ["BAD", "ENCODED", "PARSED", "RAW", "Located", "RecordIndex"]
-
-UNKNOWN, RAW, ENCODED, PARSED, BAD = 0, 1, 2, 3, 4
+__all__ = ["Located", "RecordIndex"]
 
 # Records read in key order are classified ahead, this many at most per pass,
 # and no more than this many bytes of values (whose headers and tails are read).
@@ -119,7 +114,7 @@ class RecordIndex:
 
     def shape_of(self, i: int) -> tuple[int, int, int] | None:
         """The ``(C, H, W)`` record ``i`` yields, if known."""
-        if self._kind[i] in (RAW, ENCODED, PARSED) and self._shape[i, 0]:
+        if self._shape[i, 0]:
             c, h, w = self._shape[i].tolist()
             return (c, h, w)
         return None
@@ -140,10 +135,17 @@ class RecordIndex:
         unknown = rows[self._kind[rows] == UNKNOWN]
         if len(unknown):
             if hint is not None:
-                unknown = self._classify_raw(self._with_next(unknown), hint)
-                unknown = unknown[np.isin(unknown, rows)]  # the rest: classified later
-            for i in sorted(set(unknown.tolist())):  # (np.unique imports numpy.ma)
-                self._classify_one(i)
+                unknown = self._with_next(unknown)
+            # sorted, once each (np.unique imports numpy.ma)
+            unknown = np.array(sorted(set(unknown.tolist())), np.intp)
+            got = classify(
+                self.buffer, self._value_offset[unknown], self._value_length[unknown], hint
+            )
+            self._offset[unknown] = got.offset
+            self._length[unknown] = got.length
+            self._shape[unknown] = got.shape
+            self._label[unknown] = got.label
+            self._kind[unknown] = got.kind  # last: a thread that sees a kind sees its fields
         return Located(
             self.buffer,
             self._kind[rows],
@@ -164,81 +166,3 @@ class RecordIndex:
         count = int(np.searchsorted(np.cumsum(lengths), _AHEAD_BYTES))
         ahead = np.arange(last + 1, last + 1 + count, dtype=np.intp)
         return np.concatenate([unknown, ahead[self._kind[ahead] == UNKNOWN]])
-
-    def _classify_raw(
-        self, rows: npt.NDArray[np.intp], shape: tuple[int, int, int]
-    ) -> npt.NDArray[np.intp]:
-        """Recognise the raw records of ``shape`` among ``rows``; return the others."""
-        header = raw_header(shape)
-        size = shape[0] * shape[1] * shape[2]
-        hl = len(header)
-        offs = self._value_offset[rows]
-        lens = self._value_length[rows]
-        rest = []
-        buffer = self.buffer
-        for length in sorted(set(lens.tolist())):
-            sel = lens == length
-            group = rows[sel]
-            if length < hl + size + 2 or length > hl + size + 14:
-                rest.append(group)
-                continue
-            cols = np.concatenate([np.arange(hl), np.arange(hl + size, length)])
-            block = buffer[offs[sel][:, np.newaxis] + cols]
-            good, labels = match_raw_layout(block, header, 0)
-            rest.append(group[~good])
-            group = group[good]
-            self._offset[group] = offs[sel][good] + hl
-            self._length[group] = size
-            self._shape[group] = shape
-            self._label[group] = labels[good]
-            self._kind[group] = RAW
-        return np.concatenate(rest) if rest else rows[:0]
-
-    def _classify_one(self, i: int) -> None:
-        """Classify record ``i`` with the Datum parser."""
-        start = int(self._value_offset[i])
-        view = self.buffer[start : start + int(self._value_length[i])].data
-        try:
-            p = parse_datum(view)
-        except BlobpipeError:
-            self._kind[i] = BAD
-            return
-        data = p.data
-        c, h, w = p.channels, p.height, p.width
-        label = p.label
-        if p.encoded:
-            if data is None or not len(data):
-                self._kind[i] = BAD
-                return
-            self._offset[i] = start + _position(data, view)
-            self._length[i] = len(data)
-            self._label[i] = label
-            self._kind[i] = ENCODED
-            return
-        count = c * h * w if c > 0 and h > 0 and w > 0 else 0
-        floats = p.float_data
-        if data is not None and len(data):
-            if not count or len(data) != count or (floats is not None and len(floats) != count):
-                self._kind[i] = BAD
-                return
-            self._offset[i] = start + _position(data, view)
-            self._length[i] = count
-            self._shape[i] = (c, h, w)
-            self._label[i] = label
-            self._kind[i] = RAW
-            return
-        if floats is None or not count or len(floats) != count:
-            self._kind[i] = BAD
-            return
-        self._offset[i] = start
-        self._length[i] = len(view)
-        self._shape[i] = (c, h, w)
-        self._label[i] = label
-        self._kind[i] = PARSED
-
-
-def _position(part: memoryview, whole: memoryview) -> int:
-    """Where the slice ``part`` of ``whole`` starts in it."""
-    a = np.frombuffer(part, np.uint8)
-    b = np.frombuffer(whole, np.uint8)
-    return int(a.__array_interface__["data"][0]) - int(b.__array_interface__["data"][0])

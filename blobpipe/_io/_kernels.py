@@ -16,10 +16,13 @@ then ``* scale`` rounded to float32 (``float32(x) * scale`` without a mean).
 How :func:`apply` runs: crop and mirror are views (slices, a negative stride),
 never gathers; conversion and mean subtraction are one ufunc call with
 ``dtype=float32`` writing the output once, and the scale a second call over the
-same row while it is still in cache. Rows that share their crop offset and are
-small are done as one block (one call for all of them, the mirrored rows
-flipped afterwards in place); large rows, or rows with offsets of their own,
-one row at a time.
+same row while it is still in cache. Rows that share their crop offset are done
+as one block: one call for all of them when the output is written in one pass;
+where it takes two (a mean then a scale, or the mirrored rows of a block
+flipped afterwards in place) in chunks of rows whose output fits in a core's
+L2 cache (:func:`block_rows`), so the second pass reads what the first just
+wrote. Rows with crop offsets of their own (TRAIN crops, sequences of rows)
+are done one row at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "Geometry",
     "KernelSpec",
     "apply",
+    "block_rows",
     "draw_geometry",
     "draw_word",
     "draw_words",
@@ -45,9 +49,12 @@ Layout = Literal["NCHW", "NHWC"]
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 _U64 = np.uint64
-# Rows whose output is at least this large are transformed one at a time, each
-# written once while it is in cache; smaller rows of one crop offset as a block.
+# Rows whose output is at least this large are gathered by the filler as views,
+# one per row, rather than copied into one block (prefers_block).
 _ROW_BYTES = 32 << 10
+# A block transformed in two passes goes in chunks of at most this much output
+# (a core's L2 cache holds it), so the second pass reads it from cache.
+_CHUNK_BYTES = 1 << 20
 
 
 def _splitmix64(x: int) -> int:
@@ -89,9 +96,19 @@ def draw_words(seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike) -> npt.
 
 
 def prefers_block(row_bytes: int) -> bool:
-    """Whether rows whose output takes ``row_bytes`` are best transformed as one
-    block (when they share a crop offset) rather than one at a time."""
+    """Whether rows whose output takes ``row_bytes`` and that do not lie at one
+    stride are best copied into one block (one gather) rather than taken as a
+    view per row."""
     return row_bytes < _ROW_BYTES
+
+
+def block_rows(n: int, row_bytes: int, two_passes: bool) -> int:
+    """How many rows of a block of ``n`` (one crop offset) one kernel call takes:
+    all of them when the output is written in one pass, else as many as fit
+    in :data:`_CHUNK_BYTES` (at least one)."""
+    if not two_passes:
+        return n
+    return max(1, min(n, _CHUNK_BYTES // max(row_bytes, 1)))
 
 
 class Geometry(NamedTuple):
@@ -180,27 +197,49 @@ def apply(
     n = len(geometry)
     if n == 0:
         return
-    block = not isinstance(src, (list, tuple))
-    if block and (n == 1 or prefers_block(out[0].size * out.dtype.itemsize)):
-        h0, w0 = int(geometry.h_off[0]), int(geometry.w_off[0])
-        same_offset = bool((geometry.h_off == h0).all() and (geometry.w_off == w0).all())
-        flips = geometry.mirror
-        any_flip = bool(flips.any())
-        all_flip = any_flip and bool(flips.all())
-        mean = spec.mean
-        flat_mean = mean is None or mean.shape[2] == 1  # no flip changes it
-        if same_offset and (not cropped or flat_mean or not any_flip or all_flip):
-            _apply_one(xp, src, out, h0, w0, all_flip, spec, cropped, batched=True)
-            if any_flip and not all_flip and not cropped:
-                # the transform is elementwise: flipping the output equals
-                # transforming the flipped input (pixels and mean alike)
-                axis = 3 if spec.layout == "NCHW" else 2
-                rows = xp.asarray(np.flatnonzero(flips))
-                out[rows] = xp.flip(out[rows], axis=axis)
-            return
+    if not isinstance(src, (list, tuple)) and _apply_block(xp, src, out, geometry, spec, cropped):
+        return
     for i in range(n):
         h, w, flip = geometry.row(i)
         _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
+
+
+def _apply_block(
+    xp: Any, src: Any, out: Any, geometry: Geometry, spec: KernelSpec, cropped: bool
+) -> bool:
+    """The rows of ``src`` as one block (in chunks, :func:`block_rows`) when they
+    share their crop offset; False (nothing done) when they are better done one
+    row at a time."""
+    n = len(geometry)
+    h0, w0 = int(geometry.h_off[0]), int(geometry.w_off[0])
+    if not ((geometry.h_off == h0).all() and (geometry.w_off == w0).all()):
+        return False
+    flips = geometry.mirror
+    any_flip = bool(flips.any())
+    all_flip = any_flip and bool(flips.all())
+    mean = spec.mean
+    flat_mean = mean is None or mean.shape[2] == 1  # no flip changes it
+    if cropped and not flat_mean and any_flip and not all_flip:
+        return False
+    mixed = any_flip and not all_flip and not cropped
+    two_passes = mixed or (mean is not None and spec.scale != 1 and out.dtype != np.uint8)
+    # a device runs the block as one call; the host in cache-sized chunks
+    step = block_rows(n, out[0].size * out.dtype.itemsize, two_passes and xp is np)
+    if step == 1 and n > 1:
+        return False  # a row per call: each its own flip, no second pass
+    axis = 3 if spec.layout == "NCHW" else 2
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        chunk = out[lo:hi]
+        _apply_one(xp, src[lo:hi], chunk, h0, w0, all_flip, spec, cropped, batched=True)
+        if mixed:
+            # the transform is elementwise: flipping the output equals
+            # transforming the flipped input (pixels and mean alike)
+            rows = np.flatnonzero(flips[lo:hi])
+            if len(rows):
+                at = xp.asarray(rows)
+                chunk[at] = xp.flip(chunk[at], axis=axis)
+    return True
 
 
 def _apply_one(

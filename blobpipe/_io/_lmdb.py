@@ -26,6 +26,8 @@ Closing
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 import weakref
@@ -45,8 +47,10 @@ from .._errors import (
     StateError,
 )
 from . import _lmdbenv as envs
-from ._datum import ParsedDatum, parse_datum
+from ._indexcache import IndexPlace
 from ._lmdbfile import Extents, current_txnid, extents_of
+from ._readahead import advise_ranges, evict_file
+from ._wire import ParsedDatum, parse_datum
 
 __all__ = ["LmdbReader", "ReadTransaction"]
 
@@ -73,22 +77,38 @@ class LmdbReader:
         path: the database directory (holding ``data.mdb``) or an LMDB data file.
         readahead: let the OS read ahead in the memory map; good for sequential scans
             of databases larger than RAM, bad for shuffled reads (default False).
+        index: where the persistent index of the database lives: "cache" (default:
+            ``$BLOBPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/blobpipe``, else
+            ``~/.cache/blobpipe``), "beside" (``data.mdb.blobpipe-index`` next to the
+            data file) or None (no index: every open walks the B-tree). The index is
+            written at the first open and used by later opens of the same snapshot
+            of the file (rebuilt after any write), so they need not read every
+            branch and leaf page; where it cannot be written, the open walks.
 
     Raises:
         DatabaseNotFoundError: ``path`` does not exist or is not an LMDB database.
         DataError: the database exists but cannot be opened.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readahead: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        readahead: bool = False,
+        index: IndexPlace = "cache",
+    ) -> None:
         self._path = os.fsdecode(os.fspath(path))
         self._readahead = bool(readahead)
+        if index not in ("cache", "beside", None):
+            raise ValueError(f"index must be 'cache', 'beside' or None, got {index!r}")
+        self._index: IndexPlace = index
         self._lock = threading.Lock()
         self._keys_lock = threading.Lock()
         self._state: str = _OPEN
         self._users = 0
-        self._keys: tuple[bytes, ...] | None = None
+        self._keys: Sequence[bytes] | None = None
         self._local = threading.local()
-        shared = envs.acquire(self._path, self._readahead)
+        shared = envs.acquire(self._path, self._readahead, index)
         self._shared = shared
         self._generation = shared.generation
         self._finalizer = weakref.finalize(self, envs.release, shared)
@@ -123,7 +143,7 @@ class LmdbReader:
             self._users = 0
             if self._state is _OPEN and reopen:
                 try:
-                    shared = envs.acquire_locked(self._path, self._readahead)
+                    shared = envs.acquire_locked(self._path, self._readahead, self._index)
                 except DataError:
                     self._state = _CLOSED
                     self._generation = envs.REGISTRY.generation
@@ -238,7 +258,7 @@ class LmdbReader:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickling sends the path: the receiving process opens its own reader.
         self._check_open()
-        return (_open_reader, (self._path, self._readahead))
+        return (_open_reader, (self._path, self._readahead, self._index))
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -252,7 +272,8 @@ class LmdbReader:
         return self._shared.entries
 
     def keys(self) -> Sequence[bytes]:
-        """All keys in byte order (Caffe's cursor order), read once and cached.
+        """All keys in byte order (Caffe's cursor order), read once and cached: a
+        sequence of ``bytes`` kept packed (one buffer; lookups by binary search).
 
         Raises:
             StateError: the reader is closed.
@@ -292,10 +313,11 @@ class LmdbReader:
         self._check_open()
         return self._shared.mapped
 
-    def _extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
-        """The mapped file and each value's place in it, in the order of ``keys`` (all
-        keys, as :meth:`keys` lists them); None when the file is not mapped or its
-        tree, read at open, does not hold exactly ``keys``.
+    def mapped_extents(self, keys: Sequence[bytes]) -> tuple[npt.NDArray[np.uint8], Extents] | None:
+        """For the record index (``_index.py``): the mapped file and each value's
+        place in it, in the order of ``keys`` (all keys, as :meth:`keys` lists them);
+        None when the file is not mapped or its tree, read at open, does not hold
+        exactly ``keys``.
 
         Raises:
             StateError: the reader is closed.
@@ -307,6 +329,48 @@ class LmdbReader:
             return None
         extents = extents_of(tree, keys)
         return None if extents is None else (file, extents)
+
+    def will_need(self, indices: npt.NDArray[np.int64], max_bytes: int) -> tuple[int, int]:
+        """Ask the OS to start reading the values of records ``indices`` (positions in
+        :meth:`keys`), in that order, while their sizes add up to at most ``max_bytes``
+        (at least one); returns how many records and bytes were requested. The reads
+        run in the background (``madvise(MADV_WILLNEED)``), so later reads of these
+        records find them in memory. Nothing is requested where the file is not mapped.
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        shared = self._shared
+        tree, mapped = shared.tree, shared.map
+        if tree is None or mapped is None or not len(indices):
+            return 0, 0
+        idx = np.asarray(indices, np.int64)
+        starts = tree.offsets[idx]
+        sizes = tree.lengths[idx].astype(np.int64)
+        total = np.cumsum(sizes)
+        count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
+        advise_ranges(mapped, starts[:count], starts[:count] + sizes[:count])
+        return count, int(total[count - 1])
+
+    def evict(self) -> None:
+        """Drop the database's pages from memory: from this process's map of the data
+        file (``madvise(MADV_DONTNEED)``), then from the OS page cache
+        (``posix_fadvise(POSIX_FADV_DONTNEED)``, which keeps pages other processes
+        map). Later reads come from the disk: for measuring cold reads, and for
+        handing memory back after a pass over a database larger than RAM. What is
+        read stays correct (the pages are read again).
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        shared = self._shared
+        drop = getattr(mmap, "MADV_DONTNEED", None)
+        if shared.map is not None and drop is not None:
+            with contextlib.suppress(OSError, ValueError):
+                shared.map.madvise(drop)
+        evict_file(shared.data_file)
 
     def __iter__(self) -> Iterator[bytes]:
         """Iterate over :meth:`keys`."""
@@ -497,8 +561,8 @@ class LmdbReader:
             self._exit(generation)
 
 
-def _open_reader(path: str, readahead: bool) -> LmdbReader:
-    return LmdbReader(path, readahead=readahead)
+def _open_reader(path: str, readahead: bool, index: IndexPlace = "cache") -> LmdbReader:
+    return LmdbReader(path, readahead=readahead, index=index)
 
 
 class ReadTransaction:

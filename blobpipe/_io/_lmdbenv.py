@@ -44,7 +44,9 @@ import lmdb
 import numpy as np
 
 from .._errors import DatabaseNotFoundError, DataError
-from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta, read_tree
+from ._indexcache import IndexPlace, tree_of
+from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta
+from ._readahead import will_need
 
 __all__ = ["REGISTRY", "SharedEnv", "acquire", "acquire_locked", "release"]
 
@@ -130,9 +132,10 @@ class SharedEnv:
                 mapped.close()
 
 
-def _map_file(path: str, file_id: _FileId) -> mmap.mmap | None:
-    """The data file mapped read-only (our own mapping of the pages LMDB maps); None
-    when it cannot be, or when ``path`` is no longer the file ``file_id``."""
+def _map_file(path: str, file_id: _FileId) -> tuple[mmap.mmap, os.stat_result] | None:
+    """The data file mapped read-only (our own mapping of the pages LMDB maps), and its
+    status when mapped; None when it cannot be, or when ``path`` is no longer the file
+    ``file_id``."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -140,13 +143,13 @@ def _map_file(path: str, file_id: _FileId) -> mmap.mmap | None:
                 return None
             # Default advice (not MADV_RANDOM, even without readahead): the kernel's
             # fault-around then maps several cached pages per page fault.
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), st
     except (OSError, ValueError, OverflowError):
         return None
 
 
 def _check_tree(
-    path: str, data_file: str, file_id: _FileId
+    path: str, data_file: str, file_id: _FileId, index: IndexPlace = "cache"
 ) -> tuple[mmap.mmap, Tree | None] | None:
     """Map the data file and check its B-tree before LMDB walks it (LMDB trusts its pages:
     a damaged one can abort the process or kill it with SIGBUS). Returns the map and the
@@ -155,12 +158,14 @@ def _check_tree(
     Raises:
         DataError: the tree is damaged, or holds something other than plain records.
     """
-    mapped = _map_file(data_file, file_id)
-    if mapped is None:
+    found = _map_file(data_file, file_id)
+    if found is None:
         return None
+    mapped, st = found
     message: str | None
     try:
-        tree = read_tree(np.frombuffer(mapped, np.uint8))
+        # from the persistent index of this snapshot, else walked with readahead hints
+        tree = tree_of(np.frombuffer(mapped, np.uint8), st, data_file, index, will_need(mapped))
     except (Damaged, Unsupported, NamedDatabases) as exc:
         message = _refusal(exc)
     except MemoryError:
@@ -295,7 +300,7 @@ def _check_size(data_file: str, size: int, path: str) -> None:
         )
 
 
-def acquire_locked(path: str, readahead: bool) -> SharedEnv:
+def acquire_locked(path: str, readahead: bool, index: IndexPlace = "cache") -> SharedEnv:
     """Return the shared environment for ``path`` with one more reference.
 
     The caller holds ``REGISTRY.lock``.
@@ -303,7 +308,7 @@ def acquire_locked(path: str, readahead: bool) -> SharedEnv:
     subdir, file_id, data_file = _locate(path)
     shared = REGISTRY.envs.get(file_id)
     if shared is None:
-        mapped = _check_tree(path, data_file, file_id)
+        mapped = _check_tree(path, data_file, file_id, index)
         try:
             env = lmdb.open(
                 path,
@@ -349,7 +354,7 @@ def _unmap(mapped: tuple[mmap.mmap, Tree | None] | None) -> None:
         mapped[0].close()
 
 
-def acquire(path: str, readahead: bool) -> SharedEnv:
+def acquire(path: str, readahead: bool, index: IndexPlace = "cache") -> SharedEnv:
     """The shared environment for ``path``, with one more reference (opened if needed).
 
     Raises:
@@ -358,7 +363,7 @@ def acquire(path: str, readahead: bool) -> SharedEnv:
             already opened in this process outside blobpipe.
     """
     with REGISTRY.lock:
-        return acquire_locked(path, readahead)
+        return acquire_locked(path, readahead, index)
 
 
 def release(shared: SharedEnv) -> None:

@@ -26,20 +26,24 @@ never LMDB's; overflow pages (the values) are not read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from ._keys import PackedKeys, narrow_ends
+
 __all__ = [
     "Damaged",
     "Extents",
+    "Meta",
     "NamedDatabases",
     "Tree",
     "Unsupported",
     "current_txnid",
     "extents_of",
+    "meta_of",
     "picked_meta",
     "read_tree",
     "value_extents",
@@ -86,6 +90,35 @@ def current_txnid(file: npt.NDArray[np.uint8]) -> int:
     return ids[picked_meta(*ids)]
 
 
+class Meta(NamedTuple):
+    """What the meta page LMDB picks says of the main database: the page size, the
+    transaction, the root page, the entry count and the last page."""
+
+    psize: int
+    txnid: int
+    root: int
+    entries: int
+    last_page: int
+
+
+def meta_of(file: npt.NDArray[np.uint8]) -> Meta | None:
+    """The picked meta page of ``file`` (unchecked beyond the magic, version and page
+    size: :func:`read_tree` checks the rest); None when it is no LMDB 0.9 data file."""
+    if file.size < 1024:
+        return None
+    psize = _u32(file, 40)
+    if psize < 512 or psize > 1 << 16 or psize & (psize - 1) or 2 * psize > file.size:
+        return None
+    for m in (0, psize):
+        if _u32(file, m + 16) != _MAGIC or _u32(file, m + 20) != _DATA_VERSION:
+            return None
+    ids = (_u64(file, 144), _u64(file, psize + 144))
+    m = psize * picked_meta(*ids)
+    return Meta(
+        psize, ids[m // psize], _u64(file, m + 128), _u64(file, m + 120), _u64(file, m + 136)
+    )
+
+
 class NamedDatabases(Exception):
     """The main database holds named sub-databases, not records (their names are
     the exception's ``args``)."""
@@ -94,12 +127,13 @@ class NamedDatabases(Exception):
 class Tree(NamedTuple):
     """The main database's tree as read and checked: per value, in key order, its file
     offset and length; the transaction read (``mm_txnid``); the keys, in order (what
-    LMDB's cursor lists: the reader's ``keys()``)."""
+    LMDB's cursor lists: the reader's ``keys()``), packed; the root page read."""
 
     offsets: I64
     lengths: npt.NDArray[np.uint32]
     txnid: int
-    keys: tuple[bytes, ...]
+    keys: PackedKeys
+    root: int
 
 
 class Damaged(Exception):
@@ -136,6 +170,19 @@ def _ragged(starts: I64, counts: I64, step: int) -> tuple[I64, I64]:
     first = np.cumsum(counts) - counts
     j = np.arange(total, dtype=np.int64) - first[owner]
     return starts[owner] + step * j, owner
+
+
+def _key_bytes(file: npt.NDArray[np.uint8], at: I64, size: I64) -> bytes:
+    """The keys at ``at`` of sizes ``size`` (at least one byte each), joined: gathered
+    as fixed-width rows of the file, then the bytes past each key's size dropped."""
+    width = int(size.max())
+    last = len(file) - width
+    if int(at.max()) <= last:
+        windows = np.lib.stride_tricks.as_strided(file, (last + 1, width), (1, 1), writeable=False)
+        rows = windows[at]
+    else:  # a key within ``width`` bytes of the file's end
+        rows = file[np.minimum(at[:, np.newaxis] + np.arange(width), len(file) - 1)]
+    return rows[np.arange(width) < size[:, np.newaxis]].tobytes()
 
 
 def _nodes(
@@ -242,9 +289,16 @@ def _check_separators(
         first_record = node_first[head]
 
 
-def read_tree(file: npt.NDArray[np.uint8]) -> Tree | None:
+Advise = Callable[[I64, int], None]
+
+
+def read_tree(file: npt.NDArray[np.uint8], advise: Advise | None = None) -> Tree | None:
     """The main database's tree of ``file`` (an LMDB data file), checked; None when the
     file is no LMDB 0.9 data file (no magic, another version: LMDB says so itself).
+
+    ``advise(pages, page_size)``, when given, is called with each level's page numbers
+    (sorted) before the level is read: the caller asks the OS to read them ahead
+    (many reads in flight on a cold file, instead of one page fault at a time).
 
     Raises:
         Damaged: the tree is inconsistent (names what, and the page).
@@ -253,7 +307,7 @@ def read_tree(file: npt.NDArray[np.uint8]) -> Tree | None:
         NamedDatabases: the main database holds named sub-databases, not records.
     """
     try:
-        return _walk(file)
+        return _walk(file, advise)
     except (IndexError, ValueError, OverflowError) as exc:  # a check missed: still refused
         raise Damaged(f"an inconsistent B-tree ({exc})") from None
 
@@ -278,12 +332,21 @@ def extents_of(tree: Tree, keys: Sequence[bytes]) -> Extents | None:
     n = len(keys)
     if n == 0 or len(tree.offsets) != n:
         return None
-    if keys is not tree.keys and tuple(keys) != tree.keys:
+    if keys is not tree.keys and PackedKeys.of(keys) != tree.keys:
         return None
     return Extents(tree.offsets, tree.lengths, tree.txnid)
 
 
-def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
+def _hint(advise: Advise | None, level: I64, psize: int, npages: int) -> None:
+    """Pass the in-range pages of ``level`` to ``advise`` (out-of-range ones are refused
+    when the level is read)."""
+    if advise is not None:
+        pages = np.sort(level[(level >= 2) & (level < npages)])
+        if len(pages):
+            advise(pages, psize)
+
+
+def _walk(file: npt.NDArray[np.uint8], advise: Advise | None) -> Tree | None:
     size = file.size
     if size < 1024:
         return None
@@ -319,7 +382,7 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
     n = _u64(file, main + 32)  # md_entries
     root = _u64(file, main + 40)
     if root == _P_INVALID and depth == 0 and n == 0:
-        return Tree(np.zeros(0, np.int64), np.zeros(0, np.uint32), txnid, ())
+        return Tree(np.zeros(0, np.int64), np.zeros(0, np.uint32), txnid, PackedKeys.of(()), root)
     if not 1 <= depth <= _MAX_DEPTH:
         raise Damaged(f"a tree depth of {depth} ({where})")
     if n == 0 or n > npages * psize // _NODESIZE:
@@ -329,6 +392,7 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
     level = np.array([root], np.int64)
     branches: list[tuple[I64, I64, I64, npt.NDArray[np.bool_]]] = []
     for _ in range(depth - 1):  # branch levels: children in key order
+        _hint(advise, level, psize, npages)
         nodes, _start, page, counts = _nodes(file, level, psize, npages, _P_BRANCH, npages)
         ksize = _u16(file, nodes + 6)
         first = np.zeros(len(nodes), np.bool_)  # node 0 of its page: no key
@@ -338,6 +402,7 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
         ok = _increasing(file, nodes + _NODESIZE, ksize)
         _fail(pair & ~ok, page[1:], "branch keys out of order")
         level = _u16(file, nodes) | (_u16(file, nodes + 2) << 16) | (_u16(file, nodes + 4) << 32)
+    _hint(advise, level, psize, npages)
     offsets = np.empty(n, np.int64)
     lengths = np.empty(n, np.uint32)  # LMDB stores a value's size in 32 bits
     keys_at = np.empty(n, np.int64)
@@ -398,13 +463,10 @@ def _walk(file: npt.NDArray[np.uint8]) -> Tree | None:
         keys_at[done : done + m] = key_at
         keys_size[done : done + m] = ksize
         leaf_counts.append(counts)
-        key_bytes.append(file[_ragged(key_at, ksize, 1)[0]].tobytes())
+        key_bytes.append(_key_bytes(file, key_at, ksize))
         done += m
     if done != n:
         raise Damaged(f"{done} records in the tree, {n} in the meta page ({where})")
     _check_separators(file, branches, np.concatenate(leaf_counts), keys_at, keys_size)
-    joined = b"".join(key_bytes)
-    ends = np.cumsum(keys_size).tolist()
-    starts = [0, *ends[:-1]]
-    keys = tuple([joined[a:b] for a, b in zip(starts, ends, strict=True)])
-    return Tree(offsets, lengths, txnid, keys)
+    keys = PackedKeys(b"".join(key_bytes), narrow_ends(np.cumsum(keys_size)))
+    return Tree(offsets, lengths, txnid, keys, root)

@@ -2,14 +2,28 @@
 
 The database's keys are numbered ``0..n-1`` in key (byte) order: a record's
 *global index*. Each epoch has a global order — key order (``order="key"``,
-Caffe), a permutation seeded by ``(seed, epoch)`` (``order="shuffle"``), or a
+Caffe), a permutation seeded by ``(seed, epoch)`` (``order="shuffle"``), a
 shuffle buffer of ``buffer_size`` records run over key order with the same seed
-(``order="buffer"``) — which is then sharded: ``shard_mode="strided"`` gives
-rank ``r`` the positions ``r, r + world, ...`` (PyTorch's DistributedSampler),
-``"contiguous"`` splits it into ``world`` runs whose lengths differ by at most
-one. Every rank computes the same global order, so shards are disjoint and
-together cover every record (``pad_shards``: every rank reads ``ceil(n /
-world)``, the order wrapping around, as DistributedSampler pads).
+(``order="buffer"``), or the quasi-random order (``order="quasi"``,
+:func:`quasi_order`: runs of consecutive records shuffled within windows of
+``buffer_size``, for databases larger than memory) — which is then sharded:
+``shard_mode="strided"`` gives rank ``r`` the positions ``r, r + world, ...``
+(PyTorch's DistributedSampler), ``"contiguous"`` splits it into ``world`` runs
+whose lengths differ by at most one. Every rank computes the same global order,
+so shards are disjoint and together cover every record (``pad_shards``: every
+rank reads ``ceil(n / world)``, the order wrapping around, as DistributedSampler
+pads).
+
+``shard_mode="node"`` (:func:`node_parts`, :func:`node_shard`) keeps each node's
+part of the records the same in every epoch, so a node's page cache holds only
+its part: the records are split once (seeded by ``seed`` alone) between the
+``world / ranks_per_node`` nodes, and each epoch orders a node's part (the
+epoch's order kind over the part, seeded by ``(seed, epoch, node)``) and splits
+it between the node's ranks, strided. Rank ``r`` is local rank
+``r % ranks_per_node`` of node ``r // ranks_per_node`` (torchrun numbers ranks
+so). Padding as above: with ``pad_shards`` every rank of every node reads
+``ceil(n / world)`` records (``"drop"``: ``floor(n / world)``), its node's order
+wrapping around.
 """
 
 from __future__ import annotations
@@ -23,10 +37,128 @@ import numpy.typing as npt
 
 from ._kernels import draw_words
 
-__all__ = ["EpochOrder", "Order", "ShardMode", "buffer_order", "shard_from"]
+__all__ = [
+    "EpochOrder",
+    "Order",
+    "ShardMode",
+    "buffer_order",
+    "node_parts",
+    "node_shard",
+    "quasi_order",
+    "ranks_per_node_from",
+    "shard_from",
+]
 
-Order = Literal["key", "shuffle", "buffer"]
-ShardMode = Literal["strided", "contiguous"]
+Order = Literal["key", "shuffle", "buffer", "quasi"]
+ShardMode = Literal["strided", "contiguous", "node"]
+
+# The quasi-random order's window holds this many runs of consecutive records.
+QUASI_RUNS = 32
+# Node parts are made of blocks of this many consecutive records (near in the file).
+NODE_BLOCK = 64
+
+
+def quasi_order(n: int, window: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """A permutation of ``0..n-1`` that reads at most ``window`` records' worth of the
+    file at a time: key order cut into runs of ``max(1, window // QUASI_RUNS)``
+    consecutive records, the runs permuted, and each ``QUASI_RUNS`` runs in a row of
+    that permutation (a window) shuffled together. (FFCV's quasi-random order does
+    the same with pages of its file.)"""
+    run = max(1, window // QUASI_RUNS)
+    runs = -(-n // run)
+    perm = rng.permutation(runs).astype(np.int64)
+    starts = perm * run
+    sizes = np.minimum(starts + run, n) - starts
+    # the records of the permuted runs, in that order
+    owner = np.repeat(np.arange(runs, dtype=np.int64), sizes)
+    first = np.cumsum(sizes) - sizes
+    records = starts[owner] + (np.arange(n, dtype=np.int64) - first[owner])
+    block = owner // QUASI_RUNS  # the window of each record
+    noise = rng.random(n)
+    out: npt.NDArray[np.int64] = records[np.lexsort((noise, block))]
+    return out
+
+
+def node_parts(n: int, nodes: int, seed: int) -> list[npt.NDArray[np.int64]]:
+    """Each node's records (global indices, sorted), the same in every epoch: blocks
+    of :data:`NODE_BLOCK` consecutive records permuted (seeded by ``seed``), their
+    records cut into ``nodes`` stretches whose lengths differ by at most one."""
+    rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, 0x6E6F6465])))
+    blocks = -(-n // NODE_BLOCK)
+    starts = rng.permutation(blocks).astype(np.int64) * NODE_BLOCK
+    sizes = np.minimum(starts + NODE_BLOCK, n) - starts
+    owner = np.repeat(np.arange(blocks, dtype=np.int64), sizes)
+    first = np.cumsum(sizes) - sizes
+    records = starts[owner] + (np.arange(n, dtype=np.int64) - first[owner])
+    base, extra = divmod(n, nodes)
+    parts = []
+    at = 0
+    for k in range(nodes):
+        size = base + (1 if k < extra else 0)
+        parts.append(np.sort(records[at : at + size]))
+        at += size
+    return parts
+
+
+def node_shard(
+    n: int, order: Order, buffer_size: int | None, seed: int, epoch: int, rank: int,
+    world: int, ranks_per_node: int, pad_shards: bool | Literal["drop"],
+) -> npt.NDArray[np.int64]:  # fmt: skip
+    """The global indices rank ``rank`` reads in ``epoch`` with ``shard_mode="node"``
+    (see the module docstring), in order."""
+    nodes = world // ranks_per_node
+    node, local = divmod(rank, ranks_per_node)
+    part = node_parts(n, nodes, seed)[node]
+    m = len(part)
+    rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, epoch, node])))
+    ordered = part[_global_order(m, order, buffer_size, rng)]
+    if pad_shards and world > 1:
+        per = n // world if pad_shards == "drop" else -(-n // world)
+        if m == 0:
+            return np.zeros(0, np.int64)
+        positions = (local + ranks_per_node * np.arange(per, dtype=np.int64)) % m
+        return ordered[positions]
+    return ordered[local::ranks_per_node]
+
+
+def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
+    """The ranks of one node: ``ranks_per_node``, else torchrun's ``LOCAL_WORLD_SIZE``.
+
+    Raises:
+        ValueError: neither given, not a positive divisor of ``world``.
+    """
+    if ranks_per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise ValueError(
+                "shard_mode='node' needs the ranks per node: pass ranks_per_node=..., or "
+                "run under torchrun (which sets LOCAL_WORLD_SIZE)"
+            )
+        try:
+            ranks_per_node = int(env)
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be an integer, got {env!r}") from None
+    if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node:
+        raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node must divide the world size {world} (every node runs as "
+            f"many ranks), got {ranks_per_node}"
+        )
+    return int(ranks_per_node)
+
+
+def _global_order(
+    n: int, order: Order, buffer_size: int | None, rng: np.random.Generator
+) -> npt.NDArray[np.int64]:
+    """One epoch's order of ``0..n-1`` of kind ``order``, drawn from ``rng``."""
+    if order == "key":
+        return np.arange(n, dtype=np.int64)
+    if order == "shuffle":
+        return rng.permutation(n).astype(np.int64)
+    if order == "quasi":
+        return quasi_order(n, cast(int, buffer_size), rng)
+    return buffer_order(n, cast(int, buffer_size), rng)
 
 
 def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int]:
@@ -111,8 +243,10 @@ class EpochOrder:
         shard: tuple[int, int],
         shard_mode: ShardMode,
         pad_shards: bool | Literal["drop"],
+        ranks_per_node: int = 1,
     ) -> None:
         self._n = n
+        self._ranks_per_node = ranks_per_node
         self._order: Order = order
         self._buffer_size = buffer_size
         self._seed = seed
@@ -121,11 +255,14 @@ class EpochOrder:
         self._pad_shards = pad_shards
         self._orders: dict[int, npt.NDArray[np.int64]] = {}
         self._words: dict[int, npt.NDArray[np.uint64]] = {}
-        self.records_per_epoch = len(self._shard_positions(n))
+        if shard_mode == "node":
+            self.records_per_epoch = len(self.order(0))
+        else:
+            self.records_per_epoch = len(self._shard_positions(n))
 
     def settings(self) -> dict[str, Any]:
         """What makes the order, as a resume state records it."""
-        return {
+        settings: dict[str, Any] = {
             "seed": self._seed,
             "order": self._order,
             "buffer_size": self._buffer_size,
@@ -133,6 +270,9 @@ class EpochOrder:
             # without shards the choice changes nothing (and resumes either way)
             "pad_shards": self._pad_shards if self._world > 1 else False,
         }
+        if self._shard_mode == "node":
+            settings["ranks_per_node"] = self._ranks_per_node
+        return settings
 
     def _shard_positions(self, n: int) -> npt.NDArray[np.int64]:
         """Positions of the epoch's global order that this shard visits, in order."""
@@ -158,15 +298,15 @@ class EpochOrder:
         if cached is not None:
             return cached
         n = self._n
-        if self._order == "key":
-            glob = np.arange(n, dtype=np.int64)
+        if self._shard_mode == "node":
+            order = node_shard(
+                n, self._order, self._buffer_size, self._seed, epoch, self._rank, self._world,
+                self._ranks_per_node, self._pad_shards,
+            )  # fmt: skip
         else:
             rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self._seed, epoch])))
-            if self._order == "shuffle":
-                glob = rng.permutation(n).astype(np.int64)
-            else:
-                glob = buffer_order(n, cast(int, self._buffer_size), rng)
-        order = np.ascontiguousarray(glob[self._shard_positions(n)])
+            glob = _global_order(n, self._order, self._buffer_size, rng)
+            order = np.ascontiguousarray(glob[self._shard_positions(n)])
         order.setflags(write=False)
         if len(self._orders) >= 2:
             self._orders.pop(min(self._orders))

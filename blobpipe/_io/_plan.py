@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,28 @@ class BatchPlan:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def decoded_first(self) -> tuple[np.ndarray, int] | None:
+        """Row 0's pixels (values) and label when :meth:`Batches.next_plan` had to
+        decode them to learn the batch's shape (the fill then uses them), else None."""
+        return self._first
+
+    def take(self, rows: Sequence[int], indices: Sequence[int]) -> BatchPlan:
+        """The plan of rows ``rows`` alone, with global indices ``indices`` instead (a
+        database's own, for the databases of one source); keeps row 0's decoded
+        pixels when it is among them, first."""
+        return dataclasses.replace(
+            self,
+            keys=tuple(self.keys[r] for r in rows),
+            indices=tuple(indices),
+            epochs=tuple(self.epochs[r] for r in rows),
+            positions=tuple(self.positions[r] for r in rows),
+            words=tuple(self.words[r] for r in rows),
+            valid=len(rows),
+            data_shape=(len(rows), *self.data_shape[1:]),
+            extra=(),
+            _first=self._first if rows[0] == 0 else None,
+        )
 
     @property
     def epoch(self) -> int:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Collection, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,15 +27,19 @@ import numpy as np
 
 from .._errors import DataError
 from ._concat import ConcatFiller
-from ._fill import BLOBPROTO, DATUM, Filler, RecordKind, RecordSource, detect_kind
+from ._fill import Filler, RecordSource, RowFiller, shape_fix
 from ._kernels import mix_words
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
+from ._records import BLOBPROTO, DATUM, RecordKind, record_kind
 from ._transform import Phase, Transform
 
 __all__ = ["Part", "Record", "Source", "SourceArg", "Sources", "check_shared", "open_sources"]
 
 Record = Literal["auto", "datum", "blobproto"]
+# records read at open, besides the first, to tell a database's kind
+_SAMPLE = 8
+_NAMES = {DATUM: "Datum", BLOBPROTO: "BlobProto"}
 SourceArg = str | os.PathLike[str] | RecordSource
 Sources = SourceArg | list[SourceArg] | tuple[SourceArg, ...]
 
@@ -58,7 +63,7 @@ class Source:
     name: str
     parts: list[Part]
     keys: Any = ()
-    filler: Any = None
+    filler: Any = None  # a RowFiller once open_sources made it
     salt: int = 0
 
     @property
@@ -75,12 +80,6 @@ class Source:
         w = np.fromiter(words, np.uint64, len(words))
         out: tuple[int, ...] = tuple(mix_words(w, self.salt).tolist())
         return out
-
-    def refill(self, transform: Transform, phase: Phase) -> None:
-        """Fill with ``transform`` instead (before the first plan)."""
-        old = self.filler
-        self.filler = _make_filler(self, transform, phase, old.kind, old._blob_dtype)
-        old.close()
 
     def close(self) -> None:
         """Close the filler, and the readers this source opened."""
@@ -102,11 +101,13 @@ def open_sources(
     share_random: bool | Collection[str],
     readahead: bool,
     phase: Phase,
+    split: Callable[[Transform, RecordKind], Transform | None] | None = None,
 ) -> tuple[Source, ...]:
     """Open every source into ``opened`` (the primary first; appended as they open,
     so the caller closes what opened if this raises), tell each one's record kind,
-    check that their keys agree, and give each its filler. Returns the sources
-    that share their crops and flips.
+    check that their keys agree, and give each its filler (the primary's with the
+    transform ``split`` returns for its transform and kind, when it returns one).
+    Returns the sources that share their crops and flips.
 
     Raises:
         ValueError, TypeError: bad names, transforms, record kinds or sharing.
@@ -166,7 +167,11 @@ def open_sources(
                     f"{kind}s; databases read as one must hold one kind",
                     path=part.path,
                 )
+        if split is not None and src is primary:  # a Loader's host half of its transform
+            t = split(t, kinds[0]) or t
         src.filler = _make_filler(src, t, phase, kinds[0], blob_dtype)
+        if len(src.parts) > 1:
+            _check_part_shapes(src)
         if src is not primary:
             src.salt = group_salt if src.name in shared else _salt(src.name)
     sharing = [s for s in opened if s.name in shared]
@@ -250,7 +255,7 @@ def _salt(name: str) -> int:
 
 def _make_filler(
     src: Source, transform: Transform, phase: Phase, kind: RecordKind, blob_dtype: Any
-) -> Filler | ConcatFiller:
+) -> RowFiller:
     """The filler of ``src``: one database's, or one per database joined."""
     fillers = [
         Filler(p.reader, p.keys, transform, phase, p.path, kind, blob_dtype) for p in src.parts
@@ -272,11 +277,59 @@ def _record_kind(record: Any, src: Part) -> RecordKind:
         return BLOBPROTO
     if record != "auto":
         raise ValueError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
-    if not len(src.keys):
+    keys = src.keys
+    n = len(keys)
+    if not n:
         return DATUM  # empty: refused with its own message
-    # neither kind: read as Datums, whose checked path names what is wrong with it
-    kind = detect_kind(src.reader.get(src.keys[0]))
-    return DATUM if kind is None else kind
+    first = record_kind(src.reader.get(keys[0]))
+    # the kind most records have, told from a few spread over the database: a first
+    # record of the other kind is the one named
+    picks = sorted({(n - 1) * i // _SAMPLE for i in range(1, _SAMPLE + 1)} - {0})
+    seen = {i: record_kind(src.reader.get(keys[i])) for i in picks}
+    counts: Counter[RecordKind] = Counter(k for k in seen.values() if k is not None)
+    majority = counts.most_common(1)[0][0] if counts else None
+    if first is None:  # neither: read as the others are, whose path names record 0
+        return DATUM if majority is None else majority
+    if majority is not None and majority != first and counts[majority] > len(picks) // 2:
+        other = next(keys[i] for i, k in seen.items() if k == majority)
+        raise DataError(
+            f"record {keys[0]!r} is a caffe.{_NAMES[first]} but the database's other "
+            f"records are {_NAMES[majority]}s (e.g. {other!r}): a database must hold one "
+            "kind of record; remove it, or rebuild the database",
+            path=src.path,
+            key=keys[0],
+        )
+    return first
+
+
+def _check_part_shapes(src: Source) -> None:
+    """The databases of ``src`` make rows of one shape, as far as their first records
+    tell (a batch's rows share a shape).
+
+    Raises:
+        DataError: naming both records (key and database) and the fix.
+    """
+    filler = src.filler
+    seen: tuple[bytes, object, tuple[int, ...], tuple[int, ...]] | None = None
+    start = 0
+    for part in src.parts:
+        if len(part.keys):
+            key = part.keys[0]
+            shape, _ = filler.first(start)
+            out, _ = filler.output(shape, key)
+            if seen is None:
+                seen = (key, part.path, shape, out)
+            elif out != seen[3]:
+                key0, path0, shape0, _ = seen
+                raise DataError(
+                    f"the databases of source {src.name!r} are read as one, but record "
+                    f"{key0!r} of {path0} has shape {shape0} and record {key!r} of "
+                    f"{part.path} has shape {shape}: the rows of a batch share one shape; "
+                    + shape_fix(shape0, shape, filler.kind == DATUM),
+                    path=part.path,
+                    key=key,
+                )
+        start += len(part.keys)
 
 
 def _check_same_keys(a: Source, b: Source) -> None:

@@ -3,8 +3,10 @@ device transform, and the events that say when the slot's buffers are free again
 
 With the device transform, the host does Caffe's crop and mirror only, into
 uint8 (the staging transform); the batch crosses to the device as uint8 (4×
-less traffic than float32) and the transform kernel (``_io/_kernels.py``, the
-host's own, with ``xp`` the device's array module) does the rest there.
+less traffic than float32) and :func:`finish_on_device` does the rest there:
+Caffe's arithmetic of ``_io/_kernels.py`` (the same ufuncs, so the same bits),
+over the whole batch in a constant number of launches (the mean's per-row crops
+gathered in one indexing kernel), never one launch per row.
 
 Invariants (the stream discipline, docs/design.md):
 
@@ -24,14 +26,42 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import COMPLETED, Backend, Event, Stream
+from .._backends import COMPLETED, Backend, Event, Stream, all_of
 from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
-from .._io._kernels import Geometry, KernelSpec, apply
+from .._io._kernels import Geometry, KernelSpec
 from .._io._transform import Transform
 from ._ring import Slot
 
-__all__ = ["DeviceWork", "wants_device_transform"]
+__all__ = ["DeviceWork", "finish_on_device", "wants_device_transform"]
+
+
+def finish_on_device(xp: Any, u8: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> None:
+    """``(u8 - mean) * scale`` into ``out`` for a batch the host cropped and flipped.
+
+    ``u8`` is ``(N, C, h, w)``; ``out`` float32 ``(N, C, h, w)`` or ``(N, h, w, C)``
+    (``spec.layout``); a ``(C, H, W)`` mean is cut at each row's crop offset and
+    flipped with its row, all rows in one gather. Elementwise the same operations as
+    the host kernel (subtract in float32, then multiply by the float32 scale).
+    """
+    h, w = u8.shape[2], u8.shape[3]
+    dst = out if spec.layout == "NCHW" else out.transpose(0, 3, 1, 2)
+    mean = spec.mean
+    if mean is not None and mean.shape[1] != 1:
+        across = np.arange(w, dtype=np.intp)
+        rows = geometry.h_off[:, None] + np.arange(h, dtype=np.intp)
+        cols = geometry.w_off[:, None] + np.where(geometry.mirror[:, None], across[::-1], across)
+        r, c = xp.asarray(rows), xp.asarray(cols)
+        mean = mean[:, r[:, :, None], c[:, None, :]].transpose(1, 0, 2, 3)  # (N, C, h, w)
+    scale = spec.scale
+    if mean is not None:
+        xp.subtract(u8, mean, out=dst, dtype=np.float32)
+        if scale != 1:
+            xp.multiply(dst, scale, out=dst)
+    elif scale != 1:
+        xp.multiply(u8, scale, out=dst, dtype=np.float32)
+    else:
+        dst[...] = u8
 
 
 def wants_device_transform(
@@ -88,9 +118,9 @@ class DeviceWork:
 
     def warm_up(self) -> None:
         """Run the device transform on a dummy batch in the calling thread (the
-        loader's open), as a block and row by row, with a mean column when the
-        transform has a mean: CuPy compiles those kernels here, once, rather than
-        in every filler thread at its first batch."""
+        loader's open), with a mean of the transform's kind (a full mean is
+        gathered, a column broadcast): CuPy compiles those kernels here, once,
+        rather than in every filler thread at its first batch."""
         if not self.on_device:
             return
         backend = self._backend
@@ -104,12 +134,14 @@ class DeviceWork:
             out = xp.empty(
                 (2, c, side, side) if t.layout == "NCHW" else (2, side, side, c), np.float32
             )
-            mean = xp.zeros((c, 1, 1), np.float32) if (t.mean_file or t.mean_value) else None
+            mean = None
+            if t.mean_file:
+                mean = xp.zeros((c, side, side), np.float32)
+            elif t.mean_value:
+                mean = xp.zeros((c, 1, 1), np.float32)
             spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
             zeros = np.zeros(2, np.intp)
-            geometry = Geometry(zeros, zeros, np.array([False, True]))
-            for rows in (src, (src[0], src[1])):  # the whole block at once; row by row
-                apply(xp, rows, out, geometry, spec, cropped=True)
+            finish_on_device(xp, src, out, Geometry(zeros, zeros, np.array([False, True])), spec)
         stream.synchronize()
 
     def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
@@ -156,14 +188,23 @@ class DeviceWork:
                 # ... and once anything is queued, the slot's event covers it.
                 slot.event = backend.record_event(stream, timing=True)
 
-    def release(self, stream: Stream | None) -> Event:
+    def release(self, stream: Stream | None, slot: Slot | None = None) -> Event:
         """An event on the consumer's stream (``stream``, else its current one) that
         completes after the work it queued so far: the consumer's work on the batch
-        it lets go now. The slot's next device work waits for it."""
+        it lets go now. With ``slot``, also after the work queued so far on the
+        streams DLPack consumers named when they took the batch's device memory
+        (``__dlpack__(stream=...)``). The slot's next device work waits for it."""
         backend = self._backend
         if not backend.has_device:
             return COMPLETED
-        return backend.record_event(stream or backend.current_stream())
+        own = stream or backend.current_stream()
+        events = [backend.record_event(own)]
+        if slot is not None:
+            for blob in slot.device_blobs():
+                for other in blob.data.take_release_streams():
+                    if not other.same(own):
+                        events.append(backend.record_event(other))
+        return all_of(events)
 
     def elapsed(self, slot: Slot) -> float:
         """Seconds the slot's last device work took (0 without timing events)."""
@@ -189,8 +230,8 @@ class DeviceWork:
         )
         spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
 
-        def kernel() -> None:  # the host's kernel, over the device's arrays
-            apply(xp, u8, out, geometry, spec, cropped=True)
+        def kernel() -> None:  # the host's arithmetic, over the device's arrays
+            finish_on_device(xp, u8, out, geometry, spec)
 
         backend.launch(kernel, slot.stream)
 

@@ -122,7 +122,7 @@ class Loader:
         *,
         device: str | Backend = "auto",
         prefetch: int = 4,
-        order: Literal["key", "shuffle", "buffer"] | None = None,
+        order: Literal["key", "shuffle", "buffer", "quasi"] | None = None,
         shuffle: bool = False,
         workers: int | None = None,
         device_transform: bool | None = None,
@@ -142,24 +142,22 @@ class Loader:
             raise ValueError(f"shuffle=True contradicts order={order!r}")
         self._backend = get_backend(device)
         self._stream = None if stream is None else self._backend.as_stream(stream)
-        self._batches = Batches(source, batch_size, order=order, **options)
-        try:
-            self._transform = self._batches.transform
-            datums = self._batches.record_kind() == "datum"
-            if device_transform and not datums:
+
+        def split(transform: Transform, kind: str) -> Transform | None:
+            """The device/host split, decided once the record kind is known."""
+            if device_transform and kind != "datum":
                 raise ValueError(
                     "device_transform=True needs Datum records; this database holds "
                     "BlobProtos (float values: there is no uint8 transfer to save)"
                 )
-            on_device = datums and wants_device_transform(
-                device_transform, self._backend, self._transform, device
+            on_device = kind == "datum" and wants_device_transform(
+                device_transform, self._backend, transform, device
             )
-            self._device = DeviceWork(self._backend, self._transform, on_device)
-            if on_device:
-                self._batches._use_transform(self._device.host_transform())
-        except BaseException:
-            self._batches.close()
-            raise
+            self._transform = transform
+            self._device = DeviceWork(self._backend, transform, on_device)
+            return self._device.host_transform() if on_device else None
+
+        self._batches = Batches(source, batch_size, order=order, split_transform=split, **options)
         # The producer plans ahead of the consumer: resume after the last
         # *delivered* batch, never from the producer's cursor.
         self._resume_state: dict[str, Any] = self._batches.state_dict()
@@ -407,6 +405,7 @@ class Loader:
         While batches are small (``_wide`` clear), only filler 0 fills, with the
         consumer's help: more threads would spend the time on the GIL.
         """
+        self._backend.bind_thread()  # works for this device only: no switch, no other context
         while self._lifecycle.state is State.OPEN:
             if k and not self._wide.is_set():
                 self._wide.wait()  # set again by a large batch, or by close
@@ -481,13 +480,13 @@ class Loader:
             return
         slot, batch = current
         batch._recycle()
-        slot.released = self._device.release(self._stream)
+        slot.released = self._device.release(self._stream, slot)
         self._ring.put(slot)
 
     def _detach_current(self, batch: Batch) -> None:
         if self._current is not None and self._current[1] is batch:
             slot, _ = self._current
-            slot.forget()
+            slot.forget(self._stream)
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         self._lifecycle.check_iterable()

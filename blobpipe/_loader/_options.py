@@ -27,7 +27,7 @@ class BatchesOptions(TypedDict, total=False):
     buffer_size: int | None
     seed: int
     shard: tuple[int, int] | Literal["auto"] | None
-    shard_mode: Literal["strided", "contiguous"]
+    shard_mode: Literal["strided", "contiguous", "node"]
     pad_shards: bool | Literal["drop"]
     mode: Literal["wrap", "epoch"]
     last: Literal["keep", "drop", "pad"]
@@ -40,6 +40,7 @@ class BatchesOptions(TypedDict, total=False):
     blob_dtype: Literal["float32", "float64"]
     share_random: bool | Collection[str]
     max_batch_bytes: int
+    ranks_per_node: int | None
 
 
 def check_options(options: Mapping[str, object], owner: str) -> None:

@@ -12,7 +12,10 @@ Invariants:
   buffers are written again only after ``released`` (an event recorded on the
   consumer's stream when it let the batch go), which the slot's stream waits
   for: the consumer's queued work on the batch runs first.
-* A slot's buffers are released only after both events completed.
+* A slot's buffers are released only after both events completed; a buffer a
+  slot lets go of while the loader runs (a batch of another shape or dtype) goes
+  back to the pool ordered after ``released`` too, so no other slot or blob
+  reuses it while the consumer's work may still read it.
 """
 
 from __future__ import annotations
@@ -30,13 +33,24 @@ from .._io._batches import BatchPlan
 __all__ = ["Ring", "Slot"]
 
 
-def _fit(blob: Blob | None, shape: tuple[int, ...], dtype: np.dtype[Any], backend: Backend) -> Blob:
-    """``blob`` reshaped to ``shape`` (within capacity: no allocation), or a new Blob."""
+def _fit(
+    blob: Blob | None,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    backend: Backend,
+    released: Event,
+) -> Blob:
+    """``blob`` reshaped to ``shape`` (within capacity: no allocation), or a new Blob;
+    memory let go of returns to the pool only after ``released``."""
     if blob is not None and blob.dtype == dtype:
         if blob.shape != shape:
+            count = int(np.prod(shape, dtype=np.int64))
+            if count > blob.capacity:  # the reshape lets the old memories go
+                blob.release_after(event=released)
             blob.reshape(shape)
         return blob
     if blob is not None:
+        blob.release_after(event=released)
         blob.close()
     return Blob(shape, dtype, backend=backend)
 
@@ -69,35 +83,53 @@ class Slot:
         the other sources' arrays by name.
         """
         backend = self.backend
-        self.host = _fit(self.host, plan.data_shape, plan.dtype, backend)
-        self.label = _fit(self.label, (len(plan),), plan.label_dtype, backend)
+        released = self.released
+        self.host = _fit(self.host, plan.data_shape, plan.dtype, backend, released)
+        self.label = _fit(self.label, (len(plan),), plan.label_dtype, backend, released)
         params = None
         if out_shape is not None:
-            self.staged = _fit(self.staged, plan.data_shape, plan.dtype, backend)
-            self.out = _fit(self.out, out_shape, np.dtype(np.float32), backend)
+            self.staged = _fit(self.staged, plan.data_shape, plan.dtype, backend, released)
+            self.out = _fit(self.out, out_shape, np.dtype(np.float32), backend, released)
             if self.params.shape[0] < len(plan):
                 self.params = np.zeros((len(plan), 3), np.int32)
             params = self.params[: len(plan)]
         extra = {}
         for name, part in plan.extra:
             blob = self.extra[name] = _fit(
-                self.extra.get(name), part.data_shape, part.dtype, backend
+                self.extra.get(name), part.data_shape, part.dtype, backend, released
             )
             extra[name] = blob._overwrite_cpu_data()
         # every row and label is written by the fill: no zero fill, no copy back
         return self.host._overwrite_cpu_data(), self.label._overwrite_cpu_data(), params, extra
 
-    def forget(self) -> None:
-        """Drop the blobs (a detached batch now owns their memory)."""
+    def forget(self, stream: Stream | None = None) -> None:
+        """Drop the blobs (a detached batch now owns their memory). ``stream``: the
+        consumer's named stream; the detached batch's memory returns to the pool
+        only after the work queued on it by then (and on the closer's current
+        stream)."""
+        if stream is not None:
+            for blob in self.blobs():
+                blob.release_after(stream=stream)
         self.host = self.label = self.staged = self.out = None
         self.extra = {}
+
+    def blobs(self) -> list[Blob]:
+        """The slot's blobs (None left out)."""
+        return [
+            b
+            for b in (self.host, self.label, self.staged, self.out, *self.extra.values())
+            if b is not None
+        ]
+
+    def device_blobs(self) -> list[Blob]:
+        """The blobs whose device memory the consumer sees (data and labels)."""
+        return [b for b in (self.out, self.host, self.label, *self.extra.values()) if b is not None]
 
     def close(self) -> None:
         self.event.synchronize()
         self.released.synchronize()
-        for blob in (self.host, self.label, self.staged, self.out, *self.extra.values()):
-            if blob is not None:
-                blob.close()
+        for blob in self.blobs():
+            blob.close()
         self.forget()
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import DataError
-from .._io._datum import encode_encoded_datum, encode_raw_datum
+from .._io._encode import encode_encoded_datum, encode_raw_datum
 from .._io._image import DEFAULT_MAX_PIXELS
 from .._io._imagehead import image_size
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter

@@ -11,8 +11,9 @@ from typing import Any
 
 from .._codec import blobproto_array
 from .._errors import DataError, ProtoError
-from .._io._datum import ParsedDatum, decode_datum, parse_datum
-from .._io._fill import BLOBPROTO, detect_kind
+from .._io._datum import decode_datum
+from .._io._records import BLOBPROTO, record_kind
+from .._io._wire import ParsedDatum, parse_datum
 from ._output import open_database, read_marker
 from ._progress import Progress
 
@@ -119,7 +120,7 @@ def inspect_db(
                 scanned += 1
                 bar.advance()
                 try:
-                    if detect_kind(value) == BLOBPROTO:
+                    if record_kind(value) == BLOBPROTO:
                         try:
                             blob = blobproto_array(value, f"record {key!r}")
                         except ProtoError as exc:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from .._codec import blobproto_bytes
 from .._errors import ShapeError
-from .._io._datum import encode_encoded_datum, encode_float_datum, encode_raw_datum
+from .._io._encode import encode_encoded_datum, encode_float_datum, encode_raw_datum
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import check_output, partial_path, promote, remove_partial
 

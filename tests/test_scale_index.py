@@ -1,0 +1,265 @@
+"""The persistent index of an LMDB (``_io/_indexcache.py``) and the packed keys.
+
+The index is used only for the exact snapshot it was built from (a commit, a
+replaced file, a damaged or cut index: rebuilt), is shared by processes opening the
+database at once (one walks, the others read what it wrote), and a process killed
+while writing it leaves no index that is trusted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import blobpipe
+from blobpipe import LmdbReader
+from blobpipe._io import _indexcache
+from blobpipe._io._keys import PackedKeys
+from tests._helpers import key, open_lmdb, raw_db, write_lmdb
+
+
+def data_file(db: Path) -> str:
+    return str(db / "data.mdb")
+
+
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the B-tree walks of this process (each call appends 1)."""
+    calls: list[int] = []
+    real = _indexcache.read_tree
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_indexcache, "read_tree", counted)
+    return calls
+
+
+def read_all(db: Path, **kwargs: Any) -> tuple[list[bytes], list[bytes]]:
+    with LmdbReader(db, **kwargs) as r:
+        keys = list(r.keys())
+        return keys, [r.get(k) for k in keys]
+
+
+def test_the_second_open_reads_the_index_not_the_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = raw_db(tmp_path / "db", 300)
+    calls = walks(monkeypatch)
+    first = read_all(db)
+    assert calls == [1]
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None and os.path.exists(path)
+    assert path.startswith(os.environ["BLOBPIPE_CACHE_DIR"])
+    assert read_all(db) == first
+    assert calls == [1]  # no walk: the index of this snapshot was read
+
+
+def test_the_index_is_rebuilt_after_any_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = raw_db(tmp_path / "db", 50)
+    calls = walks(monkeypatch)
+    read_all(db)
+    with open_lmdb(db) as env, env.begin(write=True) as txn:  # a commit that adds a key
+        txn.put(key(50), blobpipe.encode_raw_datum(np.zeros((3, 10, 12), np.uint8), 7))
+    keys, _ = read_all(db)
+    assert len(calls) == 2 and keys[-1] == key(50) and len(keys) == 51
+    with open_lmdb(db) as env, env.begin(write=True) as txn:  # one that only replaces a value
+        txn.put(key(3), b"x" * 40)
+    keys, values = read_all(db)
+    assert len(calls) == 3 and values[3] == b"x" * 40
+    read_all(db)
+    assert len(calls) == 3
+
+
+def test_an_index_of_another_snapshot_or_damaged_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = raw_db(tmp_path / "a", 40)
+    b = write_lmdb(tmp_path / "b", ((key(i), b"v" * (i + 1)) for i in range(40)))
+    calls = walks(monkeypatch)
+    read_all(a)
+    read_all(b)
+    pa = _indexcache.index_path(data_file(a), "cache")
+    pb = _indexcache.index_path(data_file(b), "cache")
+    assert pa is not None and pb is not None
+    expected = read_all(b)
+    assert len(calls) == 2
+    os.replace(pa, pb)  # a's index where b's belongs: another file, another snapshot
+    assert read_all(b) == expected
+    assert len(calls) == 3
+    good = Path(pb).read_bytes()
+    mid = 112 + 40 * 8 + 4  # in the second value length (after the header and offsets)
+    for damage in (
+        good[: len(good) // 2],  # cut short
+        good[:mid] + bytes([good[mid] ^ 1]) + good[mid + 1 :],  # a flipped bit: the checksum
+        good[:-8] + b"BADMAGIC",  # another footer
+    ):
+        Path(pb).write_bytes(damage)
+        before = len(calls)
+        assert read_all(b) == expected
+        assert len(calls) == before + 1  # walked again, and stored a good one
+        assert Path(pb).read_bytes() == good
+
+
+def test_a_damaged_database_is_refused_with_an_index_present(tmp_path: Path) -> None:
+    db = raw_db(tmp_path / "db", 200)
+    read_all(db)
+    raw = bytearray(Path(data_file(db)).read_bytes())
+    psize = int.from_bytes(raw[40:44], "little")
+    with LmdbReader(db, index=None) as r:
+        assert len(r) == 200
+    # the root page's header names another page number
+    meta = 0 if int.from_bytes(raw[144:152], "little") >= int.from_bytes(
+        raw[psize + 144 : psize + 152], "little"
+    ) else psize  # fmt: skip
+    root = int.from_bytes(raw[meta + 128 : meta + 136], "little")
+    raw[root * psize] ^= 0xFF
+    time.sleep(0.01)
+    Path(data_file(db)).write_bytes(bytes(raw))
+    with pytest.raises(blobpipe.DataError, match="damaged"):
+        LmdbReader(db)
+
+
+@pytest.mark.parametrize("place", ["beside", None])
+def test_index_places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, place: Any) -> None:
+    db = raw_db(tmp_path / "db", 30)
+    calls = walks(monkeypatch)
+    expected = read_all(db, index=place)
+    assert read_all(db, index=place) == expected
+    beside = Path(data_file(db) + ".blobpipe-index")
+    if place == "beside":
+        assert beside.exists() and calls == [1]
+    else:
+        assert not beside.exists() and calls == [1, 1]
+        assert _indexcache.load(
+            str(_indexcache.index_path(data_file(db), "cache")), _snapshot(db)
+        ) is None  # fmt: skip
+    with pytest.raises(ValueError, match="index must be"):
+        LmdbReader(db, index="near")  # type: ignore[arg-type]
+
+
+def _snapshot(db: Path) -> _indexcache.Snapshot:
+    raw = np.fromfile(data_file(db), np.uint8)
+    meta = _indexcache.meta_of(raw)
+    assert meta is not None
+    return _indexcache.snapshot_of(os.stat(data_file(db)), meta)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLOBPIPE_CACHE_DIR", "/somewhere/own")
+    assert _indexcache.cache_dir() == "/somewhere/own"
+    monkeypatch.delenv("BLOBPIPE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert _indexcache.cache_dir() == "/xdg/blobpipe"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as XDG says
+    monkeypatch.setenv("HOME", "/home/u")
+    assert _indexcache.cache_dir() == "/home/u/.cache/blobpipe"
+
+
+def test_an_unwritable_cache_still_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = raw_db(tmp_path / "db", 20)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("BLOBPIPE_CACHE_DIR", str(blocker / "cache"))
+    calls = walks(monkeypatch)
+    assert len(read_all(db)[0]) == 20
+    assert len(read_all(db)[0]) == 20
+    assert calls == [1, 1]
+
+
+def _child_open(db: Path, marks: Path, expected: list[bytes]) -> int:
+    """Open ``db`` in this (forked) process; leave a mark file per walk."""
+    real = _indexcache.read_tree
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        (marks / f"walk-{os.getpid()}").touch()
+        time.sleep(0.2)  # the others reach the lock meanwhile
+        return real(*args, **kwargs)
+
+    _indexcache.read_tree = slow  # type: ignore[assignment]
+    with LmdbReader(db) as r:
+        return 0 if list(r.keys()) == expected else 3
+
+
+def fork(fn: Any) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def test_concurrent_opens_share_one_index(tmp_path: Path) -> None:
+    db = raw_db(tmp_path / "db", 400)
+    with LmdbReader(db, index=None) as r:
+        expected = list(r.keys())
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    pids = [fork(lambda: _child_open(db, marks, expected)) for _ in range(6)]
+    codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+    assert codes == [0] * 6
+    assert len(list(marks.iterdir())) == 1  # one walked; five waited and read its index
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None
+    tree = _indexcache.load(path, _snapshot(db))
+    assert tree is not None and list(tree.keys) == expected
+
+
+def test_killed_while_writing_leaves_no_trusted_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = raw_db(tmp_path / "db", 300)
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None
+
+    def killed_at_fsync() -> int:
+        os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+        LmdbReader(db)
+        return 0
+
+    pid = fork(killed_at_fsync)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert code == -signal.SIGKILL
+    assert not os.path.exists(path)  # only a temporary file, never renamed
+    leftovers = [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".tmp")]
+    assert leftovers
+    calls = walks(monkeypatch)
+    expected = read_all(db)
+    assert calls == [1] and os.path.exists(path)
+    assert read_all(db) == expected and calls == [1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.binary(min_size=1, max_size=12), max_size=40), st.binary(max_size=12))
+def test_packed_keys_behave_as_the_tuple(keys: set[bytes], probe: bytes) -> None:
+    ordered = tuple(sorted(keys))
+    packed = PackedKeys.of(ordered)
+    assert len(packed) == len(ordered)
+    assert tuple(packed) == ordered and packed == ordered
+    assert [packed[i] for i in range(-len(ordered), len(ordered))] == list(ordered * 2)
+    assert packed[1:5] == ordered[1:5]
+    assert (probe in packed) == (probe in ordered)
+    if probe in ordered:
+        assert packed.index(probe) == ordered.index(probe)
+    else:
+        with pytest.raises(ValueError, match="not among"):
+            packed.index(probe)
+    with pytest.raises(IndexError):
+        packed[len(ordered)]
+    assert PackedKeys.of(ordered) == packed
