@@ -355,3 +355,26 @@ def test_a_fork_child_takes_the_index_lock_once_the_parent_lets_it_go(tmp_path: 
     done = run_script(_LOCK_ACROSS_FORK, str(tmp_path))
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == "child exited 0", done.stdout
+
+
+_FINALIZER_UNDER_THE_REGISTRY = """
+    import gc, sys
+    import blobpipe
+    from blobpipe._io import _lmdbenv
+
+    reader = blobpipe.LmdbReader(sys.argv[1])
+    reader.cycle = reader  # collected only by the garbage collector, at any allocation
+    del reader
+    with _lmdbenv.REGISTRY.lock:  # as an open walking a tree holds it
+        gc.collect()  # the reader's finalizer releases its environment here
+    print(len(_lmdbenv.REGISTRY.envs))
+"""
+
+
+def test_a_reader_collected_while_the_registry_is_held_does_not_deadlock() -> None:
+    """The garbage collector may finalize a reader (releasing its environment) in a
+    thread that holds the registry's lock, e.g. in the middle of an open."""
+    db = str(Path(__file__).parent / "data" / "caffe" / "lmdb" / "raw_color")
+    done = run_script(_FINALIZER_UNDER_THE_REGISTRY, db, timeout=10)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "0", done.stdout
