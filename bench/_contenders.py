@@ -144,6 +144,7 @@ class Recipe:
     scale: float = 1.0
     dtype: Literal["float32", "uint8"] = "float32"
     encoded: bool = False
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
 
     @property
     def deterministic(self) -> bool:
@@ -158,10 +159,12 @@ class Recipe:
             mean_file=self.mean_file,
             mean_value=self.mean_value,
             dtype=self.dtype,
+            layout=self.layout,
         )
 
     def out_shape(self, channels: int, height: int, width: int) -> tuple[int, int, int]:
-        return (channels, self.crop, self.crop) if self.crop else (channels, height, width)
+        h, w = (self.crop, self.crop) if self.crop else (height, width)
+        return (h, w, channels) if self.layout == "NHWC" else (channels, h, w)
 
     def to_doc(self) -> dict[str, Any]:
         doc = dataclasses.asdict(self)
@@ -293,7 +296,9 @@ class _Records:
                 mean.close()
             self.mean = arr.reshape(arr.shape[-3:])
         self.mean_col = (
-            np.asarray(recipe.mean_value, np.float32).reshape(-1, 1, 1)
+            np.asarray(recipe.mean_value, np.float32).reshape(
+                -1 if recipe.layout == "NHWC" else (-1, 1, 1)
+            )
             if recipe.mean_value
             else None
         )
@@ -333,6 +338,10 @@ class _Records:
             chw = chw[..., ::-1]
             if mean is not None:
                 mean = mean[..., ::-1]
+        if self.recipe.layout == "NHWC":
+            chw = chw.transpose(1, 2, 0)
+            if mean is not None:
+                mean = mean.transpose(1, 2, 0)
         if mean is not None:
             np.subtract(chw, mean, out=row)
         else:
@@ -421,6 +430,7 @@ class PlainLoop(Contender):
         r = self.recipe
         data, labels, mean = self.data, self.labels, self.records.mean
         crop, train, mirror, encoded = r.crop, r.phase == "train", r.mirror, r.encoded
+        hwc = r.layout == "NHWC"
         from_string, frombuffer, subtract = Datum.FromString, np.frombuffer, np.subtract
         for i, u in enumerate(draws):
             d = from_string(next(values))
@@ -443,6 +453,10 @@ class PlainLoop(Contender):
                 chw = chw[..., ::-1]
                 if m is not None:
                     m = m[..., ::-1]
+            if hwc:
+                chw = chw.transpose(1, 2, 0)
+                if m is not None:
+                    m = m.transpose(1, 2, 0)
             if m is None:
                 data[i] = chw
             else:
@@ -608,7 +622,7 @@ class AsyncHost:
         self._stack.close()
 
 
-def _make_loader(db: Path, recipe: Recipe) -> blobpipe.Loader:
+def _make_loader(db: Path, recipe: Recipe, workers: int = WORKERS) -> blobpipe.Loader:
     return blobpipe.Loader(
         db,
         batch_size=recipe.batch,
@@ -616,7 +630,7 @@ def _make_loader(db: Path, recipe: Recipe) -> blobpipe.Loader:
         transform=recipe.transform(),
         phase=recipe.phase,
         order="shuffle" if recipe.shuffle else "key",
-        workers=WORKERS,
+        workers=workers,
         mode="epoch",
     )
 
@@ -752,19 +766,23 @@ class LoaderBlocking(Contender):
     key = "blocking"
     label = f"Loader, blocking for ({WORKERS} workers)"
 
-    def __init__(self, files: Files, recipe: Recipe) -> None:
+    def __init__(self, files: Files, recipe: Recipe, workers: int = WORKERS) -> None:
         self.files = files
         self.recipe = recipe
+        self.workers = workers
         self.loader: blobpipe.Loader | None = None
+        if workers != WORKERS:
+            self.key = f"blocking{workers}"
+            self.label = f"Loader, blocking for ({workers} worker{'s' if workers > 1 else ''})"
 
     def first_here(self, keep: bool = False) -> Sample:
         t0 = time.perf_counter()
-        with _make_loader(self.files.first, self.recipe) as loader:
+        with _make_loader(self.files.first, self.recipe, self.workers) as loader:
             images, batch = _consume(loader, keep)
         return Sample(images, time.perf_counter() - t0, batch)
 
     def start(self) -> None:
-        self.loader = _make_loader(self.files.loader, self.recipe)
+        self.loader = _make_loader(self.files.loader, self.recipe, self.workers)
         self.loader.__enter__()
         _consume(self.loader, False)
 
@@ -852,8 +870,9 @@ def make(
     host: AsyncHost | None = None,
 ) -> Contender:
     """The plain loop ("plain"), the torch recipe ("torch"), the Loader ("async",
-    "blocking") or Batches by hand ("batches") for a workload whose output rows are
-    ``out_shape``; its first epochs run in a fresh process."""
+    "blocking"; "blocking1": one worker) or Batches by hand ("batches") for a
+    workload whose output rows are ``out_shape``; its first epochs run in a fresh
+    process."""
     contender: Contender
     if key == "plain":
         contender = PlainLoop(files, recipe, out_shape)
@@ -864,6 +883,8 @@ def make(
         contender = LoaderAsync(files, recipe, host)
     elif key == "blocking":
         contender = LoaderBlocking(files, recipe)
+    elif key == "blocking1":
+        contender = LoaderBlocking(files, recipe, workers=1)
     elif key == "batches":
         contender = BatchesLoop(files, recipe)
     else:

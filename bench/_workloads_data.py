@@ -62,11 +62,12 @@ class DbSpec:
     """One generated database.
 
     ``shape`` is the raw records' ``(C, H, W)``; JPEG records have 3 channels and
-    sides drawn independently per image from ``sides`` (inclusive).
+    sides drawn independently per image from ``sides`` (inclusive), or (``fixed``)
+    every image ``shape``; PNG records are 3-channel images of ``shape``.
     """
 
     name: str  # e.g. "imagenet_raw"
-    kind: Literal["raw", "jpeg"]
+    kind: Literal["raw", "jpeg", "png"]
     count: int
     pool: int  # distinct base images, cycled over the records
     keys: Literal["index", "imagenet"]  # "%08d", or convert_imageset's "%08d_<file>"
@@ -75,14 +76,16 @@ class DbSpec:
     quality: int = 90
     mean_file: bool = False
     labels: int = 1000
+    fixed: bool = False
 
     @property
     def key(self) -> str:
-        dims = (
-            "x".join(map(str, self.shape))
-            if self.kind == "raw"
-            else (f"{self.sides[0]}-{self.sides[1]}q{self.quality}")
-        )
+        if self.kind == "raw" or self.kind == "png":
+            dims = "x".join(map(str, self.shape))
+        elif self.fixed:
+            dims = "x".join(map(str, self.shape)) + f"q{self.quality}"
+        else:
+            dims = f"{self.sides[0]}-{self.sides[1]}q{self.quality}"
         return f"{self.name}_{self.count}_{dims}_p{self.pool}_v{FORMAT}"
 
 
@@ -168,12 +171,20 @@ def _pool(spec: DbSpec, rng: np.random.Generator) -> list[np.ndarray] | list[byt
     import cv2
 
     canvas = _canvas(rng)
-    if spec.kind == "jpeg":
+    if spec.kind in ("jpeg", "png"):
         files = []
         for _ in range(spec.pool):
-            h, w = (int(v) for v in rng.integers(spec.sides[0], spec.sides[1] + 1, 2))
-            img = _window(rng, canvas, h, w)
-            ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, spec.quality])
+            if spec.kind == "png" or spec.fixed:  # small images: a wider scene, resized
+                h, w = spec.shape[1:]
+                zoom = min(4.0, (canvas.shape[0] - 1) / max(h, w))
+            else:
+                h, w = (int(v) for v in rng.integers(spec.sides[0], spec.sides[1] + 1, 2))
+                zoom = 1.0
+            img = _window(rng, canvas, h, w, zoom)
+            if spec.kind == "png":
+                ok, enc = cv2.imencode(".png", img)
+            else:
+                ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, spec.quality])
             assert ok
             files.append(enc.tobytes())
         return files
@@ -229,7 +240,7 @@ def _write(spec: DbSpec, folder: Path) -> dict[str, float]:
         env.close()
     uses = np.bincount(np.arange(spec.count) % spec.pool, minlength=spec.pool)
     payload = [len(p) if isinstance(p, bytes) else p.nbytes for p in pool]
-    if spec.kind == "jpeg":
+    if spec.kind != "raw":
         import cv2
 
         shapes = [cv2.imdecode(np.frombuffer(p, np.uint8), cv2.IMREAD_COLOR).shape for p in pool]

@@ -82,8 +82,11 @@ class _Owned:
         blocks = [b for b in (self.cpu, self.gpu) if b is not None]
         self.cpu = self.gpu = None
         streams = self.take_streams()
-        if blocks and streams:
-            events.extend(self.backend.record_event(s) for s in streams)
+        for stream in streams if blocks else ():
+            try:
+                events.append(self.backend.record_event(stream))
+            except RuntimeError:  # at interpreter exit: nothing will reuse the blocks
+                break
         event = all_of(events) if events else None
         for block in blocks:
             # the pool adds the releasing caller's current stream

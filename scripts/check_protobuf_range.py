@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+
 def pins() -> list[str]:
     """``protobuf==OLDEST`` from pyproject's dependency, then one range per newer major."""
     match = re.search(r'"protobuf>=([^,"]+),<8"', (ROOT / "pyproject.toml").read_text())
@@ -57,7 +58,9 @@ def resolve(pin: str, extra: list[str]) -> tuple[bool, str]:
             errors = [x for x in done.stderr.splitlines() if x.startswith("ERROR")]
             return False, " | ".join(errors[-2:]) or f"pip exited {done.returncode}"
         installs = json.loads(report.read_text())["install"]
-    versions = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in installs}
+    versions = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"] for item in installs
+    }
     if "blobpipe" not in versions:
         return False, "pip's report does not install blobpipe"
     protobuf = versions.get("protobuf")

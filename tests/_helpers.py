@@ -10,11 +10,14 @@ Also the waits tests use instead of sleeping: :func:`wait_until` a condition hol
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 
 import anyio
@@ -24,6 +27,22 @@ import numpy as np
 
 import blobpipe
 from blobpipe.testing import EmulatedBackend
+
+
+def epochs(b: blobpipe.Batches, n: int) -> list[list[blobpipe.ArrayBatch]]:
+    """``n`` epochs of ``b`` (``mode="epoch"``), each a list of its batches."""
+    return [list(islice(iter(b), 10_000)) for _ in range(n)]
+
+
+def run_script(code: str, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (from the repository root), so that a signal
+    shows as a negative return code and a hang as a timeout, not as a dead test run."""
+    root = Path(__file__).parent.parent
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=timeout, check=False, cwd=root,
+    )  # fmt: skip
+
 
 # -- LMDBs -------------------------------------------------------------------------------------
 

@@ -63,6 +63,40 @@ def any_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     backend.synchronize()
 
 
+def make_backend(name: str) -> Backend:
+    """A fresh backend (fresh pools, so their counters belong to the test)."""
+    if name == "host":
+        return HostBackend()
+    if name == "emulated":
+        return EmulatedBackend(delay=0.001)
+    return cupy_backend_or_skip()
+
+
+# -- LMDBs shared by test modules -----------------------------------------------------------------
+
+# Caffe's reference batches (tests/data/caffe/ref): case name → (database, Transform kwargs).
+REF_CASES = {
+    "raw_color_b8": ("raw_color", {}),
+    "raw_color_b8_meanfile_scale": (
+        "raw_color",
+        {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
+    ),
+    "raw_color_b8_meanvalue_crop24": (
+        "raw_color",
+        {"crop_size": 24, "mean_value": (104, 117, 123)},
+    ),
+    "encoded_jpg_b8": ("encoded_jpg", {}),
+}
+
+
+@pytest.fixture
+def db30(tmp_path: Path) -> Path:
+    """30 raw 3x10x12 records; record i has label i."""
+    from tests._helpers import raw_db
+
+    return raw_db(tmp_path / "db30", 30)
+
+
 def to_numpy(array: object) -> object:
     """A host copy of a numpy or cupy array."""
     get = getattr(array, "get", None)

@@ -417,3 +417,15 @@ def test_cuda_means_cupys_current_device(fake_cupy: Any) -> None:
     t.join()
     assert got == [(1, 1)]
     assert get_backend("cuda").device_id == 0  # this thread's current device
+
+
+def test_a_child_torch_marks_as_forked_after_cuda_refuses_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA initialised by torch alone before the fork: torch marks the child (its
+    ``_is_in_bad_fork``), and ``"auto"`` there is the same clear error."""
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(_is_in_bad_fork=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    with pytest.raises(BackendUnavailableError, match="forked after CUDA was initialised"):
+        get_backend("auto")
+    assert isinstance(get_backend("cpu"), HostBackend)

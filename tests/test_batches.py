@@ -19,20 +19,9 @@ from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
 from tests._helpers import image, raw_db, write_lmdb
+from tests.conftest import REF_CASES
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
-REF_CASES = {
-    "raw_color_b8": ("raw_color", {}),
-    "raw_color_b8_meanfile_scale": (
-        "raw_color",
-        {"scale": 0.017, "mean_file": CAFFE / "raw_color_mean.binaryproto"},
-    ),
-    "raw_color_b8_meanvalue_crop24": (
-        "raw_color",
-        {"crop_size": 24, "mean_value": (104, 117, 123)},
-    ),
-    "encoded_jpg_b8": ("encoded_jpg", {}),
-}
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -100,6 +100,37 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
     assert checked.returncode == (1 if "MISS" in checked.stdout else 0), checked.stderr[-4000:]
 
 
+@pytest.mark.timeout(120)
+def test_bench_sweep_quick(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    png = tmp_path / "sweep.png"
+    proc = run_quick(
+        "bench_sweep.py", tmp_path, "--json", str(out), "--plot", str(png), "--markdown"
+    )
+    text = proc.stdout
+    assert "| point | record B | plain later img/s | async first | async later |" in text
+    assert "points PASS" in text
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_sweep" and doc["quick"] and doc["rounds"] == 1
+    kinds = {p["kind"] for p in doc["points"]}
+    assert kinds == {"raw", "jpeg"}
+    for point in doc["points"]:
+        assert f"| {point['name']} |" in text
+        # the plain loop computes what Caffe (blobpipe.Transform) computes
+        assert point["plain_vs_transform_max_abs_diff"] == pytest.approx(0, abs=1e-3)
+        assert point["result"] in ("PASS", "MISS")
+        for key in ("plain", "async", "blocking", "blocking1"):
+            for kind in ("first", "later"):
+                sample = point["contenders"][key][kind]
+                assert len(sample["img_s"]) == 1 and sample["img_s"][0] > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot: matplotlib is not installed" in text
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _has_cupy() -> bool:
     import importlib.util
 

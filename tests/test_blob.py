@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -926,8 +929,27 @@ def test_repr(host: HostBackend) -> None:
 
 
 def test_default_backend_is_resolved_lazily() -> None:
-    blob = Blob((2,), backend="cpu")
-    assert blob.backend.name == "host"
+    """``import blobpipe`` resolves no backend: a bad BLOBPIPE_DEVICE fails only when a
+    Blob without a backend is made, and a good one is what that Blob gets."""
+    code = (
+        "import blobpipe\n"
+        "try:\n"
+        "    blobpipe.Blob((2,))\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = {**os.environ, "BLOBPIPE_DEVICE": "bogus"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: unknown device 'bogus'" in out.stdout
+    env["BLOBPIPE_DEVICE"] = "cpu"
+    code = "import blobpipe\nprint(blobpipe.Blob((2,)).backend.name)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "host", out.stderr
 
 
 # -- DLPack ---------------------------------------------------------------------------------------

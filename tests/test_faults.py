@@ -12,9 +12,6 @@ exception, or a batch that differs from what LMDB's cursor reads.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 from collections import Counter
 from pathlib import Path
@@ -24,7 +21,7 @@ import pytest
 
 import blobpipe
 from tests._faults import Flip, run_flips
-from tests._helpers import lmdb_stat, write_lmdb
+from tests._helpers import lmdb_stat, run_script, write_lmdb
 
 FLIPS = {"meta": 60, "branch": 120, "leaf": 140, "value": 80}  # 400 in all
 
@@ -123,16 +120,6 @@ def test_byte_flips_give_lmdbs_data_or_a_clean_error(tmp_path: Path) -> None:
     same = sum(n for (_, v), n in tally.items() if v == "same data")
     assert same >= len(planned) // 3, summary  # the flips did not all break the database
     print(summary)
-
-
-def run_script(code: str, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter (from the repository root), so that a signal
-    shows as a negative return code and a hang as a timeout, not as a dead test run."""
-    root = Path(__file__).parent.parent
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=timeout, check=False, cwd=root,
-    )  # fmt: skip
 
 
 _CUT_IN_PLACE = """

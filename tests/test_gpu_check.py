@@ -69,3 +69,18 @@ def test_a_step_past_the_budget_is_cut_and_recorded(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] is False and list(summary["steps"]) == ["quick", "slow", "late"]
 
+
+def test_the_preflight_imports_nothing_heavy() -> None:
+    """The preflight looks packages up without importing them: that is what keeps the
+    failure without a GPU at a fraction of a second (no NumPy, CuPy, torch, OpenCV)."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('g', {str(SCRIPTS / 'gpu_check.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m.preflight()\n"
+        "print(sorted(n for n in ('numpy', 'cupy', 'torch', 'cv2', 'lmdb') if n in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=25, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

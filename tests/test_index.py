@@ -26,6 +26,7 @@ from blobpipe._io._records import ENCODED, PARSED, RAW
 from blobpipe._io._transform import Transform
 from tests._helpers import (
     encoded_db,
+    epochs,
     float_db,
     image,
     in_forked_child,
@@ -36,7 +37,7 @@ from tests._helpers import (
     raw_db,
     write_lmdb,
 )
-from tests.test_batches import REF_CASES
+from tests.conftest import REF_CASES
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -135,13 +136,6 @@ def test_extents_refuse_what_they_do_not_understand(tmp_path: Path) -> None:
 
 
 # -- batches from the index equal the checked path --------------------------------------------
-
-
-def epochs(b: Batches, n: int) -> list[list[ArrayBatch]]:
-    out = []
-    for _ in range(n):
-        out.append(list(islice(iter(b), 10_000)))
-    return out
 
 
 def indexed_equals_checked(path: Path, batch_size: int, n: int, **kwargs: Any) -> Any:

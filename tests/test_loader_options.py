@@ -12,8 +12,8 @@ from blobpipe._loader._lifecycle import Lifecycle, State
 from blobpipe._loader._options import BatchesOptions
 from tests._helpers import raw_db
 
-# The Loader's keywords and defaults (pad_shards: equal shards by default since
-# distributed training hung without them, issue 12).
+# The Loader's keywords and defaults (pad_shards: equal shards by default, since
+# unequal ones leave distributed training waiting on the longer shards).
 LOADER_SIGNATURE = {
     "source": inspect.Parameter.empty,
     "batch_size": 64,

@@ -505,8 +505,12 @@ def test_lockstep_sources_of_several_databases(tmp_path: Path) -> None:
             path, (label_map(base + i, (10, 12)) for i in range(n)), record="blobproto"
         )
         labels.append(path)
+    seen = []
     with Batches({"data": dbs, "label": labels}, 4, order="shuffle", mode="epoch") as b:
         for x in b:
             for r, i in enumerate(x.indices):
                 image_i = int(want[i][1])
+                np.testing.assert_array_equal(x.data[r], want[i][0])
                 np.testing.assert_array_equal(x["label"][r], label_map(image_i, (10, 12)))
+                seen.append(i)
+    assert sorted(seen) == list(range(9))  # every record of both databases, once

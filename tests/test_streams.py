@@ -23,9 +23,8 @@ import blobpipe
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
 from blobpipe.testing import EmulatedArray
-from tests._helpers import queue_late, raw_db
-from tests.conftest import CAFFE, cupy_backend_or_skip, to_numpy
-from tests.test_loader import make_backend
+from tests._helpers import queue_late
+from tests.conftest import CAFFE, cupy_backend_or_skip, make_backend, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
@@ -40,13 +39,7 @@ DEVICES = [
 ]
 
 
-@pytest.fixture
-def db30(tmp_path: Path) -> Path:
-    """30 raw 3x10x12 records; record i has label i."""
-    return raw_db(tmp_path / "db30", 30)
-
-
-# -- Blob operations after the caller's stream (issue 11, finding 1) -------------------------
+# -- Blob operations after the caller's stream -------------------------
 
 
 def _blob(backend: Backend, value: float) -> Blob:
@@ -94,11 +87,13 @@ def test_copy_from_after_the_callers_write(device_backend: Backend) -> None:
 
 
 def test_callers_later_work_sees_the_update(device_backend: Backend) -> None:
-    """The caller's work queued after update() runs after it (reads the new data)."""
+    """update() runs after the caller's queued work (it reads the diff that work
+    writes) and the caller's work queued after it reads the new data."""
     blob = _blob(device_backend, 3)
-    blob.mutable_cpu_diff()[:] = 1
-    blob.mutable_gpu_diff()
+    blob.mutable_cpu_diff()[:] = 7
+    diff = blob.mutable_gpu_diff()
     data = blob.mutable_gpu_data()
+    _fill_late(device_backend, diff, 1)  # the caller's backward pass, still queued
     blob.update()
     seen = device_backend.xp.zeros(256, np.float32)
     queue_late(device_backend, lambda: device_backend.xp.copyto(seen, data), LATE)
@@ -114,7 +109,7 @@ def test_host_read_after_the_callers_write(device_backend: Backend) -> None:
     assert to_numpy(blob.cpu_data()).tolist() == [4] * 256
 
 
-# -- ring slots reused after the consumer's stream (finding 2) --------------------------------
+# -- ring slots reused after the consumer's stream --------------------------------
 
 
 def _expected(db: Path, n: int, **options: Any) -> list[np.ndarray]:
@@ -188,7 +183,7 @@ def test_blocking_consumer_on_a_side_stream(
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
 
 
-# -- copy_time is the copy alone (finding 5) --------------------------------------------------
+# -- copy_time is the copy alone --------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -213,7 +208,7 @@ async def test_copy_time_excludes_the_consumers_work(
     assert stats.copy_time < LATE, stats.copy_time
 
 
-# -- refills overwrite without copying the stale batch back (finding 4) ---------------------------
+# -- refills overwrite without copying the stale batch back ---------------------------
 
 
 @pytest.mark.anyio
@@ -245,7 +240,7 @@ def test_a_foreign_stream_is_a_type_error(db30: Path) -> None:
         Loader(db30, 4, device=EmulatedBackend(), stream=3)
 
 
-# -- a second device (finding 3) -----------------------------------------------------------------
+# -- a second device -----------------------------------------------------------------
 
 
 def second_device(name: str) -> Backend:
@@ -311,7 +306,7 @@ def test_the_emulated_devices_refuse_each_others_memory() -> None:
         event.synchronize()
 
 
-# -- kernels compiled at open (finding 7) ---------------------------------------------------------
+# -- kernels compiled at open ---------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -598,7 +593,9 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     """A consumer that takes each batch with ``from_dlpack`` on its side stream
     (CuPy and torch pass their current stream to ``__dlpack__``) and reads it late
     there, without ``Loader(stream=)`` and asking for the next batch off that
-    stream: the slot is refilled only after that read."""
+    stream: the slot is refilled only after that read. (The emulated ``xp`` passes
+    its stream object; CUDA's integer handles, 1 and 2 included, are mapped by
+    ``CupyBackend.dlpack_stream``, checked on the CuPy stand-in and under ``-m gpu``.)"""
     backend = make_backend(device)
     side = backend.create_stream()
     xp = backend.xp
@@ -703,3 +700,14 @@ def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragm
                 pass
     fillers = {k: v for k, v in seen.items() if k.startswith("blobpipe-filler-")}
     assert fillers and set(fillers.values()) == {last}, seen
+
+
+def test_the_emulated_dlpack_stream_values() -> None:
+    backend = EmulatedBackend()
+    side = backend.create_stream()
+    assert backend.dlpack_stream(-1) is None
+    assert backend.dlpack_stream(None) is backend.null_stream()
+    assert backend.dlpack_stream(1) is backend.null_stream()
+    assert backend.dlpack_stream(side) is side
+    with pytest.raises(TypeError, match="the emulated device takes its own streams"):
+        backend.dlpack_stream("side")

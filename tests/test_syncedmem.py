@@ -292,8 +292,10 @@ def test_mutable_cpu_waits_before_overwriting_host_bytes_being_read() -> None:
     backend = EmulatedBackend(delay=0.2)
     mem = SyncedMemory(8, backend)
     mem.mutable_cpu_data()[:] = 3
-    mem.start_gpu_push()
-    mem.mutable_cpu_data()[:] = 4  # must not race the in-flight copy
+    event = mem.start_gpu_push()
+    host = mem.mutable_cpu_data()
+    assert event.query()  # the copy had landed before the bytes were handed out to write
+    host[:] = 4  # so this cannot race the in-flight copy
     assert mem.gpu_data().tolist() == [4] * 8  # re-pushed after the write
     mem.close()
 

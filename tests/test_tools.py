@@ -194,7 +194,7 @@ _NOT_UTF8 = """
 def test_a_list_file_name_that_is_not_utf8_is_read_as_caffe_reads_it(tmp_path: Path) -> None:
     """The file's bytes are read by their bytes path and decoded from memory (OpenCV's
     imread cannot take such a name: it crashed the process)."""
-    from tests.test_faults import run_script
+    from tests._helpers import run_script
 
     done = run_script(_NOT_UTF8, str(tmp_path))
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

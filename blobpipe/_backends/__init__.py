@@ -13,6 +13,7 @@ instead of making a backend (or falling back to the host unnoticed).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from .._errors import BackendUnavailableError
@@ -122,14 +123,26 @@ def set_cuda_devices(devices: CudaDevices) -> CudaDevices:
     return previous
 
 
-def _cuda_backend(device_id: int) -> Backend:
+def _in_bad_fork() -> bool:
+    """Whether this process is a child forked after CUDA was initialised: by blobpipe
+    (a CUDA backend existed at the fork), or by torch (which marks such children)."""
     if _forked_after_cuda:
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda._is_in_bad_fork())
+    except Exception:  # another torch, or none usable: blobpipe's own flag decides
+        return False
+
+
+def _cuda_backend(device_id: int) -> Backend:
+    if _in_bad_fork():
         raise BackendUnavailableError(_FORK_ERROR)
     return _cuda.make(device_id)
 
 
 def _current_cuda() -> str:
-    if _forked_after_cuda:
+    if _in_bad_fork():
         raise BackendUnavailableError(_FORK_ERROR)
     return f"cuda:{_cuda.current()}"
 
@@ -174,7 +187,7 @@ def get_backend(device: str | Backend | None = None) -> Backend:
     if name == "cpu":
         backend = HostBackend()
     elif name == "auto":
-        if _forked_after_cuda:
+        if _in_bad_fork():
             raise BackendUnavailableError(_FORK_ERROR)
         try:
             return get_backend(_current_cuda())

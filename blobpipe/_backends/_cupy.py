@@ -63,14 +63,19 @@ class _Handle:
 
 
 class _CupyStream(Stream):
-    def __init__(self, stream: Any, cp: Any) -> None:
+    """A CuPy stream of the backend's device (``device``: its ``cupy.cuda.Device``)."""
+
+    def __init__(self, stream: Any, cp: Any, device: Any) -> None:
         self.raw = stream
         self._cp = cp
+        self._device = device
 
     def synchronize(self) -> None:
-        # a blocking-sync event: the waiting thread sleeps (cudaStreamSynchronize spins)
-        event = self._cp.cuda.Event(block=True, disable_timing=True)
-        event.record(self.raw)
+        # on a blocking-sync event, made on the stream's device: the waiting thread
+        # sleeps (cudaStreamSynchronize spins or yields, as the device's flags say)
+        with self._device:
+            event = self._cp.cuda.Event(block=True, disable_timing=True)
+            event.record(self.raw)
         event.synchronize()
 
     def idle(self) -> bool:
@@ -173,13 +178,15 @@ class CupyBackend(Backend):
 
     def create_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.Stream(non_blocking=True), self._cp)
+            return _CupyStream(self._cp.cuda.Stream(non_blocking=True), self._cp, self._device)
 
     def default_stream(self) -> Stream:
         with self._lock:
             if self._default is None:
                 with self._device:
-                    self._default = _CupyStream(self._cp.cuda.Stream(non_blocking=True), self._cp)
+                    self._default = _CupyStream(
+                        self._cp.cuda.Stream(non_blocking=True), self._cp, self._device
+                    )
             return self._default
 
     def _record(self, stream: Stream, timing: bool = False) -> Event:
@@ -191,7 +198,7 @@ class CupyBackend(Backend):
 
     def current_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.get_current_stream(), self._cp)
+            return _CupyStream(self._cp.cuda.get_current_stream(), self._cp, self._device)
 
     def bind_thread(self) -> None:
         if getattr(self._bound, "yes", False):
@@ -260,10 +267,10 @@ class CupyBackend(Backend):
             return stream
         base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
         if isinstance(stream, (cp.cuda.Stream, base)):
-            return _CupyStream(stream, cp)
+            return _CupyStream(stream, cp, self._device)
         handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
         if isinstance(handle, int) and not isinstance(handle, bool):
-            return _CupyStream(self._external(handle), cp)
+            return _CupyStream(self._external(handle), cp, self._device)
         raise TypeError(
             f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
             f"(an int), got {type(stream).__name__}"

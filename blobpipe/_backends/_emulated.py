@@ -363,10 +363,12 @@ class EmulatedBackend(Backend):
             )
 
     def dlpack_stream(self, stream: object) -> Stream | None:
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            # -1: no ordering; CUDA's handles (1 legacy, 2 per-thread default, a
+            # cudaStream_t) have no emulated stream: the null stream stands in
+            return None if stream == -1 else self.null_stream()
         if stream is None:
             return self.null_stream()  # DLPack: None means the legacy default stream
-        if isinstance(stream, int) and not isinstance(stream, bool) and stream == -1:
-            return None
         return self.as_stream(stream)
 
     def create_stream(self) -> Stream:

@@ -69,8 +69,9 @@ class Loader:
             ``{"data": images, "label": label_maps}`` (see
             :class:`~blobpipe.Batches`).
         batch_size: records per batch.
-        device: "auto" (CUDA when CuPy sees a GPU, else the host), "cpu",
-            "cuda", "cuda:N", or a Backend (e.g. the emulated device in tests).
+        device: "auto" (the current CUDA device when CuPy sees a GPU, else the
+            host), "cpu", "cuda" (the calling thread's current CUDA device, as
+            torch's), "cuda:N", or a Backend (e.g. the emulated device in tests).
         prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT; default 4).
         order: "key" (Caffe), "shuffle" or "buffer" (with ``buffer_size``).
         shuffle: shorthand for ``order="shuffle"`` when true.

@@ -1,0 +1,469 @@
+"""The Loader against the plain loop over a grid of record shapes, kinds and recipes.
+
+Run: ``python bench/bench_sweep.py [--quick] [--rounds N] [--points SUBSTR,...]
+[--json OUT] [--plot OUT.png] [--data-dir DIR] [--markdown] [--check]``
+
+The workload benchmark (``bench_workloads.py``) measures five workloads; this one
+measures the space around them, with the same harness (its contenders, its
+interleaved rounds, its first epochs in a fresh process, its idle wait between
+passes): raw Datums from 1×28×28 to 3×512×512 (square and not), JPEG and PNG
+records, TEST and TRAIN recipes (scale only; crop; crop + mirror + mean file; mean
+values), NCHW and NHWC, uint8 pass-through. Each point is one database and one
+recipe; the databases (``bench/_data/sweep_*``, git-ignored) hold about 24 MB of
+pixels each (at least 6 batches), so an epoch takes tens of milliseconds and the
+whole sweep a few minutes.
+
+Contenders per point: the plain one-thread loop (the baseline), the Loader with 2
+workers in its ``async for`` and blocking forms, and the blocking form with 1
+worker; each as a first epoch (a fresh process) and as later epochs (a pipeline
+kept open). A point's contenders are opened, measured over all its rounds (every
+round runs every pass once, in an order rotated each round) and closed before the
+next point, so memory stays bounded; ratios are medians over rounds of the ratio
+to the plain loop of the same round.
+
+Targets at every point: the Loader's later epochs ≥ 1.5× the plain loop, first
+epochs ≥ 1.2× (and never below 1.0×); ``async for`` ≥ 0.95× the blocking form
+(first and later); where the batch work dominates (one worker takes ≥ 1 ms a
+batch in later epochs), 2 workers ≥ 1.6× one. ``--check`` exits 1 on a miss.
+
+The table lists each point's record bytes (the stored value), the plain loop's
+later img/s, and the ratios; ``--plot`` (default ``bench/_data/sweep.png`` when
+matplotlib is installed: ``pip install -e '.[bench]'``) draws the later- and
+first-epoch ratios of the blocking form against record bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _contenders as cs
+import bench_workloads as bw
+from _workloads_data import DATA_DIR, DbSpec, prepare, warm_page_cache
+
+LATER_TARGET = 1.5
+FIRST_TARGET = 1.2
+FIRST_FLOOR = 1.0
+ASYNC_TARGET = 0.95
+SCALING_TARGET = 1.6
+# one worker's later-epoch time per batch from which the batch work dominates
+WORK_DOMINATES_S = 1e-3
+PIXEL_BUDGET = 24 << 20  # pixel bytes per sweep database
+KEYS = ("plain", "async", "blocking", "blocking1")
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    kind: str  # raw, jpeg, png
+    shape: tuple[int, int, int]
+    recipe: cs.Recipe
+
+
+def _batch(shape: tuple[int, int, int]) -> int:
+    pixels = shape[0] * shape[1] * shape[2]
+    return 64 if pixels <= 3 * 128 * 128 else (32 if pixels <= 3 * 256 * 256 else 16)
+
+
+def grid(quick: bool) -> list[Point]:
+    """The sweep's points (a handful of small ones with ``quick``)."""
+    mv = (104.0, 117.0, 123.0)
+    s = 0.00390625
+    table: list[tuple[str, tuple[int, int, int], dict[str, Any]]] = [
+        ("raw", (1, 28, 28), {"phase": "test", "scale": s}),
+        ("raw", (1, 28, 28), {"phase": "train", "crop": 24, "mirror": True, "mean_value": (33.0,)}),
+        ("raw", (3, 32, 32), {"phase": "test", "scale": s}),
+        ("raw", (3, 32, 32), {"phase": "train", "mirror": True, "mean_file": True}),
+        ("raw", (3, 64, 64), {"phase": "test", "scale": s}),
+        ("raw", (3, 64, 64), {"phase": "test", "scale": s, "layout": "NHWC"}),
+        ("raw", (3, 64, 64), {"phase": "train", "crop": 56, "mirror": True, "mean_file": True}),
+        ("raw", (3, 64, 64), {"phase": "test", "dtype": "uint8"}),
+        ("raw", (3, 96, 96), {"phase": "test", "scale": s}),
+        ("raw", (3, 96, 96), {"phase": "train", "crop": 80, "mirror": True, "mean_file": True}),
+        ("raw", (3, 96, 96), {"phase": "test", "mean_value": mv, "scale": s}),
+        ("raw", (3, 128, 128), {"phase": "test", "scale": s}),
+        ("raw", (3, 128, 128), {"phase": "train", "crop": 112, "mirror": True, "mean_file": True}),
+        ("raw", (3, 128, 128), {"phase": "train", "crop": 112, "mean_value": mv, "layout": "NHWC"}),
+        ("raw", (3, 224, 224), {"phase": "test", "scale": s}),
+        ("raw", (3, 224, 224), {"phase": "test", "mean_value": mv, "layout": "NHWC"}),
+        ("raw", (3, 256, 256), {"phase": "test", "scale": s}),
+        ("raw", (3, 256, 256), {"phase": "train", "crop": 227, "mirror": True, "mean_file": True}),
+        ("raw", (3, 256, 256), {"phase": "test", "crop": 227, "mean_file": True}),
+        ("raw", (3, 256, 256), {"phase": "test", "dtype": "uint8"}),
+        ("raw", (3, 375, 500), {"phase": "test", "scale": s}),
+        ("raw", (3, 375, 500), {"phase": "train", "crop": 227, "mirror": True, "mean_value": mv}),
+        ("raw", (3, 512, 512), {"phase": "test", "scale": s}),
+        ("raw", (3, 512, 512), {"phase": "train", "crop": 448, "mirror": True, "mean_value": mv}),
+        ("raw", (3, 512, 512), {"phase": "test", "dtype": "uint8"}),
+        ("jpeg", (3, 64, 64), {"phase": "test", "scale": s}),
+        ("jpeg", (3, 96, 96), {"phase": "train", "crop": 80, "mirror": True, "mean_value": mv}),
+        ("jpeg", (3, 256, 256), {"phase": "test", "crop": 224, "scale": s}),
+        ("jpeg", (3, 256, 256), {"phase": "train", "crop": 227, "mirror": True, "mean_value": mv}),
+        ("jpeg", (3, 375, 500), {"phase": "train", "crop": 227, "mirror": True, "mean_value": mv}),
+        ("jpeg", (3, 375, 500), {"phase": "test", "crop": 227, "mean_value": mv, "layout": "NHWC"}),
+        ("jpeg", (3, 512, 512), {"phase": "train", "crop": 448, "mirror": True, "mean_value": mv}),
+        ("png", (3, 64, 64), {"phase": "test", "scale": s}),
+        ("png", (3, 256, 256), {"phase": "train", "crop": 227, "mirror": True, "mean_value": mv}),
+    ]
+    if quick:
+        table = [table[i] for i in (6, 25)]
+    points = []
+    for kind, shape, kw in table:
+        if quick:  # small records, few of them
+            c, h, w = shape
+            shape = (c, min(h, 64), min(w, 64))
+            if kw.get("crop"):
+                kw = {**kw, "crop": min(kw["crop"], shape[1] - 8)}
+        kw = {"mean_file": None, **kw}
+        wants_mean = bool(kw["mean_file"])
+        recipe = cs.Recipe(batch=_batch(shape), encoded=kind != "raw", **{**kw, "mean_file": None})
+        name = _name(kind, shape, recipe, wants_mean)
+        points.append(Point(name, kind, shape, recipe if not wants_mean else _mark(recipe)))
+    return points
+
+
+_MEAN_FILE_WANTED = Path("<mean file>")
+
+
+def _mark(recipe: cs.Recipe) -> cs.Recipe:
+    """A recipe that wants its database's mean file (filled in once it is prepared)."""
+    return dataclasses.replace(recipe, mean_file=_MEAN_FILE_WANTED)
+
+
+def _name(kind: str, shape: tuple[int, int, int], r: cs.Recipe, mean_file: bool) -> str:
+    steps = [r.phase.upper()]
+    if r.crop:
+        steps.append(f"crop {r.crop}")
+    if r.mirror:
+        steps.append("mirror")
+    if mean_file:
+        steps.append("mean file")
+    if r.mean_value:
+        steps.append("mean values")
+    if r.scale != 1.0:
+        steps.append("scale")
+    if r.dtype == "uint8":
+        steps.append("uint8")
+    if r.layout == "NHWC":
+        steps.append("NHWC")
+    return f"{kind} {'×'.join(map(str, shape))} " + ", ".join(steps)
+
+
+def db_spec(point: Point, quick: bool) -> DbSpec:
+    c, h, w = point.shape
+    per = c * h * w
+    batch = point.recipe.batch
+    count = max(6 * batch, min(20_000, PIXEL_BUDGET // per))
+    if point.kind != "raw":
+        count = max(6 * batch, min(count, 2048))  # decoding is the cost: fewer records
+    if quick:
+        count = 4 * batch
+    count -= count % batch  # whole batches: first and later epochs alike
+    return DbSpec(
+        name=f"sweep_{point.kind}",
+        kind=point.kind,  # type: ignore[arg-type]
+        count=count,
+        pool=16 if quick else 64,
+        keys="index",
+        shape=point.shape,
+        quality=90,
+        mean_file=point.kind == "raw",
+        fixed=point.kind == "jpeg",
+    )
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def build(point: Point, prepared: Any, host: cs.AsyncHost) -> bw.Run:
+    recipe = point.recipe
+    if recipe.mean_file is not None:
+        recipe = dataclasses.replace(recipe, mean_file=prepared.mean_file)
+    files = cs.Files(loader=prepared.path, first=prepared.first, plain=prepared.copy)
+    out = recipe.out_shape(*point.shape)
+    rows = [bw.Row(cs.make(key, files, recipe, out, host)) for key in KEYS]
+    for row in rows[1:3]:
+        row.checks = [
+            bw.Check("first", "plain", FIRST_TARGET),
+            bw.Check("later", "plain", LATER_TARGET),
+        ]
+    rows[1].checks += [
+        bw.Check("first", "blocking", ASYNC_TARGET),
+        bw.Check("later", "blocking", ASYNC_TARGET),
+    ]
+    workload = bw.Workload(point.name, point.name, prepared.spec, recipe)
+    plain = rows[0].contender
+    assert isinstance(plain, cs.PlainLoop)
+    error = cs.check_against_transform(recipe, files.plain, lambda v, d: list(plain.rows_of(v, d)))
+    return bw.Run(workload, prepared, recipe, rows, plain_error=error)
+
+
+# per point name and contender: the CPU seconds per image of each later-epoch pass
+CPU: dict[str, dict[str, list[float]]] = {}
+
+
+def measure_point(run: bw.Run, rounds: int) -> None:
+    """Open the point's kept-open contenders, run its rounds, close them. Each
+    later-epoch pass also records the process's CPU time per image (all threads;
+    the Loader's passes run two epochs, the plain loop's one; the idle wait after a
+    pass, when a Loader refills its ring, is counted too): a figure that the load
+    of other processes on the machine changes much less than wall-clock rates."""
+    cpu = CPU.setdefault(run.workload.name, {row.contender.key: [] for row in run.rows})
+    try:
+        for row in run.rows:
+            row.contender.start()
+            bw.settle()
+        items = [(row, kind) for row in run.rows for kind in ("first", "later")]
+        for rnd in range(rounds):
+            shift = (rnd * 3) % len(items)
+            for row, kind in items[shift:] + items[:shift]:
+                c0 = time.process_time()
+                bw.run_pass(run, row, kind, keep=rnd == 0)
+                if kind == "later":
+                    epochs = 1 if row.contender.key == "plain" else 2
+                    spent = time.process_time() - c0
+                    cpu[row.contender.key].append(spent / (epochs * run.prepared.count))
+    finally:
+        for row in run.rows:
+            row.contender.close()
+        cs.close_shared_envs()
+
+
+def evaluate(run: bw.Run) -> None:
+    """The harness's checks, plus: first epochs never below the plain loop, and 2 workers
+    against 1 where the batch work dominates."""
+    one = run.row("blocking1").median("later")
+    dominated = one is not None and run.recipe.batch / one >= WORK_DOMINATES_S
+    if dominated:
+        run.row("blocking").checks.append(bw.Check("later", "blocking1", SCALING_TARGET))
+    bw.compare_first_batches(run)
+    bw.evaluate(run)
+    for key in ("async", "blocking"):
+        row = run.row(key)
+        worst = min(
+            (
+                a / b
+                for a, b in zip(row.rates["first"], run.row("plain").rates["first"], strict=True)
+            ),
+            default=None,
+        )
+        if worst is not None and worst < FIRST_FLOOR:
+            row.problems.append(f"a first epoch at {worst:.3f}× < {FIRST_FLOOR:.2f}×")
+
+
+def _r(run: bw.Run, key: str, kind: str, against: str = "plain") -> float | None:
+    return run.ratio(run.row(key), kind, against)
+
+
+HEADER = (
+    "point",
+    "record B",
+    "plain later img/s",
+    "async first",
+    "async later",
+    "blocking first",
+    "blocking later",
+    "1 worker later",
+    "2 / 1 workers",
+    "async / blocking later",
+    "CPU/img: plain / Loader",
+    "result",
+)
+
+
+def cpu_ratio(run: bw.Run, key: str = "blocking") -> float | None:
+    """The plain loop's CPU time per image over the Loader's (2 workers, all its
+    threads), later epochs, medians."""
+    cpu = CPU.get(run.workload.name, {})
+    if not cpu.get("plain") or not cpu.get(key):
+        return None
+    return statistics.median(cpu["plain"]) / statistics.median(cpu[key])
+
+
+def table(runs: list[bw.Run]) -> list[tuple[str, ...]]:
+    f = bw._fmt_ratio
+    lines: list[tuple[str, ...]] = []
+    for run in runs:
+        problems = [f"{k}: {p}" for k in ("async", "blocking") for p in run.row(k).problems]
+        problems += [f"plain: {p}" for p in run.row("plain").problems]
+        one = run.row("blocking1").median("later")
+        dominated = one is not None and run.recipe.batch / one >= WORK_DOMINATES_S
+        scaling = f(_r(run, "blocking", "later", "blocking1"))
+        lines.append(
+            (
+                run.workload.name,
+                f"{run.prepared.value_bytes:,.0f}",
+                bw._fmt_rate(run.row("plain").median("later")),
+                f(_r(run, "async", "first")),
+                f(_r(run, "async", "later")),
+                f(_r(run, "blocking", "first")),
+                f(_r(run, "blocking", "later")),
+                f(_r(run, "blocking1", "later")),
+                scaling if dominated else f"({scaling})",
+                f(_r(run, "async", "later", "blocking")),
+                f(cpu_ratio(run)),
+                "MISS: " + "; ".join(problems) if problems else "PASS",
+            )
+        )
+    return lines
+
+
+def plot(runs: list[bw.Run], path: Path) -> str:
+    """The ratio of the blocking Loader to the plain loop against record bytes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    markers = {"raw": "o", "jpeg": "s", "png": "^"}
+    for kind, marker in markers.items():
+        sel = [r for r in runs if r.prepared.spec.kind == kind]
+        if not sel:
+            continue
+        x = [r.prepared.value_bytes for r in sel]
+        later = [_r(r, "blocking", "later") or 0.0 for r in sel]
+        first = [_r(r, "blocking", "first") or 0.0 for r in sel]
+        ax.scatter(x, later, marker=marker, color="tab:blue", label=f"{kind}, later epochs")
+        ax.scatter(
+            x, first, marker=marker, facecolors="none", edgecolors="tab:orange",
+            label=f"{kind}, first epoch",
+        )  # fmt: skip
+    ax.axhline(LATER_TARGET, color="tab:blue", ls="--", lw=0.8)
+    ax.axhline(FIRST_TARGET, color="tab:orange", ls="--", lw=0.8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("record bytes (stored value)")
+    ax.set_ylabel("Loader (blocking, 2 workers) / plain loop")
+    ax.set_title("blobpipe sweep: the Loader against the plain loop")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two small points, one round")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds per point (default 2, quick 1)")
+    ap.add_argument("--points", metavar="SUBSTR,...", help="only points whose name contains one")
+    ap.add_argument("--json", type=Path, metavar="OUT", help="write every sample to OUT")
+    ap.add_argument("--plot", type=Path, metavar="OUT", help="the PNG plot (default under data)")
+    ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    points = grid(args.quick)
+    if args.points:
+        wanted = [t.strip() for t in args.points.split(",")]
+        points = [p for p in points if any(t in p.name for t in wanted)]
+    root = DATA_DIR if args.data_dir is None else args.data_dir
+
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    headroom = bw.parallel_headroom()
+    prepared = {}
+    for p in points:
+        spec = db_spec(p, args.quick)
+        if spec not in prepared:
+            prepared[spec] = prepare(spec, root)
+    t_data = time.perf_counter() - t0
+    host = cs.AsyncHost()
+    runs = []
+    try:
+        for p in points:
+            pre = prepared[db_spec(p, args.quick)]
+            warm_page_cache(pre)
+            run = build(p, pre, host)
+            measure_point(run, args.rounds)
+            evaluate(run)
+            runs.append(run)
+            print(
+                f"[{time.perf_counter() - t0:6.1f} s] {len(runs)}/{len(points)} {p.name}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        host.close()
+    elapsed = time.perf_counter() - t0
+    print(
+        f"blobpipe sweep{' (--quick)' if args.quick else ''}: {len(runs)} points, "
+        f'{args.rounds} interleaved round(s) each, medians; Loader device="cpu", '
+        'mode="epoch"'
+    )
+    print(
+        f"machine: {os.cpu_count()} CPU cores, load average {load0:.2f} at start, parallel "
+        f"headroom {headroom:.2f}× (2.00× = two idle cores); time: data {t_data:.1f} s, "
+        f"total {elapsed:.1f} s"
+    )
+    print(
+        "ratios to the plain loop of the same round; '2 / 1 workers' in parentheses where "
+        f"one worker takes < {WORK_DOMINATES_S * 1e3:g} ms a batch (not checked); 'CPU/img': "
+        "the plain loop's CPU time per image over the blocking Loader's (all threads, later "
+        "epochs), which other processes' load changes far less than the wall-clock ratios\n"
+    )
+    lines = table(runs)
+    print(bw.render(HEADER, lines, args.markdown, set(range(1, 11))))
+    missed = [line[0] for line in lines if line[-1] != "PASS"]
+    print(f"\n{len(lines) - len(missed)} of {len(lines)} points PASS, {len(missed)} MISS")
+    plot_path = args.plot or (root / ("sweep_quick.png" if args.quick else "sweep.png"))
+    print(plot(runs, plot_path))
+    if args.json is not None:
+        doc = {
+            "benchmark": "bench_sweep",
+            "quick": args.quick,
+            "rounds": args.rounds,
+            "loadavg_start": load0,
+            "parallel_headroom": headroom,
+            "seconds": elapsed,
+            "points": [
+                {
+                    "name": run.workload.name,
+                    "kind": run.prepared.spec.kind,
+                    "shape": list(run.prepared.spec.shape),
+                    "records": run.prepared.count,
+                    "record_bytes": run.prepared.value_bytes,
+                    "recipe": run.recipe.to_doc(),
+                    "plain_vs_transform_max_abs_diff": run.plain_error,
+                    "contenders": {
+                        row.contender.key: {
+                            kind: {
+                                "img_s": row.rates[kind],
+                                "ratio": run.ratio(row, kind),
+                            }
+                            for kind in ("first", "later")
+                        }
+                        for row in run.rows
+                    },
+                    "cpu_s_per_image_later": CPU.get(run.workload.name),
+                    "problems": {row.contender.key: row.problems for row in run.rows},
+                    "result": "PASS" if line[-1] == "PASS" else "MISS",
+                }
+                for run, line in zip(runs, lines, strict=True)
+            ],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
