@@ -239,8 +239,7 @@ def blobproto_array(data: bytes | bytearray | memoryview, label: str = "the reco
     fields = "num/channels/height/width" if legacy else "shape"
     if len(shape) > MAX_BLOB_AXES:
         raise ProtoError(
-            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most "
-            f"{MAX_BLOB_AXES}"
+            f"{label} is a BlobProto of {len(shape)} axes; a Caffe blob has at most {MAX_BLOB_AXES}"
         )
     if any(d < 0 for d in shape):
         raise ProtoError(f"{label} is a BlobProto with a negative dimension in {fields}: {shape}")

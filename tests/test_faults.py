@@ -296,3 +296,72 @@ def test_a_mean_file_is_read_by_its_size(tmp_path: Path) -> None:
     cut.write_bytes(mean.read_bytes()[:-100])
     with pytest.raises(blobpipe.ProtoError, match=r"cut\.binaryproto"):
         blobpipe.load_mean_file(cut)
+
+
+_LOCK_ACROSS_FORK = """
+    import os, sys, threading, time
+    from blobpipe._io import _indexcache
+
+    path = os.path.join(sys.argv[1], "index")
+    held, release = threading.Event(), threading.Event()
+
+    def build() -> None:  # a thread building the index, holding its lock, at the fork
+        with _indexcache._locked(path):
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=build)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        with _indexcache._locked(path) as locked:  # waits for the parent, not for itself
+            os._exit(0 if locked else 3)
+    time.sleep(0.3)
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print("child exited", os.waitstatus_to_exitcode(status))
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("child hung")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_child_takes_the_index_lock_once_the_parent_lets_it_go(tmp_path: Path) -> None:
+    """A thread holds the index's build lock when the process forks: the child's open
+    waits for the parent to let it go, then proceeds (a lock the child inherited
+    would wait for itself forever)."""
+    done = run_script(_LOCK_ACROSS_FORK, str(tmp_path))
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "child exited 0", done.stdout
+
+
+_FINALIZER_UNDER_THE_REGISTRY = """
+    import gc, sys
+    import blobpipe
+    from blobpipe._io import _lmdbenv
+
+    reader = blobpipe.LmdbReader(sys.argv[1])
+    reader.cycle = reader  # collected only by the garbage collector, at any allocation
+    del reader
+    with _lmdbenv.REGISTRY.lock:  # as an open walking a tree holds it
+        gc.collect()  # the reader's finalizer releases its environment here
+    print(len(_lmdbenv.REGISTRY.envs))
+"""
+
+
+def test_a_reader_collected_while_the_registry_is_held_does_not_deadlock() -> None:
+    """The garbage collector may finalize a reader (releasing its environment) in a
+    thread that holds the registry's lock, e.g. in the middle of an open."""
+    db = str(Path(__file__).parent / "data" / "caffe" / "lmdb" / "raw_color")
+    done = run_script(_FINALIZER_UNDER_THE_REGISTRY, db, timeout=10)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "0", done.stdout

@@ -248,6 +248,7 @@ _HUGE_AFTER_OPENCV = """
 """
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM (Linux)")
 def test_huge_images_are_refused_when_opencv_was_imported_first() -> None:
     """OpenCV imported before blobpipe (so its own pixel limit is its default of 2^30):
     an image of any format announcing 30000×30000 (a 29-byte GIF announcing
@@ -258,4 +259,4 @@ def test_huge_images_are_refused_when_opencv_was_imported_first() -> None:
     lines = done.stdout.splitlines()
     assert [line for line in lines[:-1] if not line.endswith(" refused")] == []
     rss = int(lines[-1].split()[1])
-    assert rss < 400, lines[-1]
+    assert rss < 250, lines[-1]  # a decoded 12000×12000 GIF alone is 412 MiB

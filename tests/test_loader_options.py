@@ -39,6 +39,7 @@ LOADER_SIGNATURE = {
     "record": "auto",
     "blob_dtype": "float32",
     "share_random": False,
+    "max_batch_bytes": 4 << 30,
     "ranks_per_node": None,
 }
 

@@ -71,6 +71,8 @@ Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 
 _STATE_VERSION = 1
+#: Largest batch (the data array of one batch, each source's) Batches plans by default.
+DEFAULT_MAX_BATCH_BYTES = 4 << 30
 _MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
 
 
@@ -194,6 +196,9 @@ class Batches:
         label_dtype: "float32" (Caffe's DataLayer output) or "int64" (the exact
             int32 labels, as class indices: ``CrossEntropyLoss`` takes them).
         state: a :meth:`state_dict` to resume from.
+        max_batch_bytes: the largest data array one batch may need (each source's;
+            default 4 GiB): a batch the records would make larger is a DataError
+            naming the record, before anything is allocated.
 
     Raises:
         ArgumentError: a bad argument (batch size, order, mode, last, shard...);
@@ -235,9 +240,19 @@ class Batches:
         share_random: bool | Collection[str] = False,
         split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
         ranks_per_node: int | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ) -> None:
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if (
+            isinstance(max_batch_bytes, bool)
+            or int(max_batch_bytes) != max_batch_bytes
+            or max_batch_bytes < 1
+        ):
+            raise ArgumentError(
+                f"max_batch_bytes must be a positive integer, got {max_batch_bytes!r}"
+            )
+        self._max_batch_bytes = int(max_batch_bytes)
         self._phase = _check_phase(phase)
         if order not in ("key", "shuffle", "buffer", "quasi"):
             raise ArgumentError(
@@ -279,6 +294,17 @@ class Batches:
 
         self._closed = False
         self._sources: list[Source] = []
+        # what a pickled copy reopens with (its shard and node size as resolved here)
+        self._reopen: dict[str, Any] = {
+            "source": source, "batch_size": batch_size, "transform": transform,
+            "phase": phase, "order": order, "buffer_size": buffer_size, "seed": seed,
+            "shard": (self._rank, self._world), "shard_mode": shard_mode,
+            "pad_shards": pad_shards, "mode": mode, "last": last, "readahead": readahead,
+            "label_dtype": label_dtype, "record": record, "blob_dtype": blob_dtype,
+            "share_random": share_random, "max_batch_bytes": max_batch_bytes,
+            "split_transform": split_transform,
+            "ranks_per_node": per_node if shard_mode == "node" else ranks_per_node,
+        }  # fmt: skip
         try:
             self._sharing = open_sources(
                 self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
@@ -591,6 +617,7 @@ class Batches:
                 if len(self._out_shapes) < 64:
                     self._out_shapes[cache_key] = out
             out_shape, dtype = out
+            self._check_batch_bytes(len(indices), out_shape, dtype, keys[0], record_shape, src)
             plans.append(
                 BatchPlan(
                     keys=keys,
@@ -613,6 +640,27 @@ class Batches:
             return plans[0]
         check_shared(plans, self._sharing)
         return dataclasses.replace(plans[0], extra=tuple((p.name, p) for p in plans[1:]))
+
+    def _check_batch_bytes(
+        self, rows: int, out_shape: tuple[int, ...], dtype: Any, key: bytes,
+        record_shape: tuple[int, ...], src: Any,
+    ) -> None:  # fmt: skip
+        """Refuse a batch larger than ``max_batch_bytes`` before it is allocated: each
+        record is bounded (pixels, values), but a batch of them multiplies the bound.
+
+        Raises:
+            DataError: names the record whose shape the batch takes, and the path.
+        """
+        need = rows * math.prod(out_shape) * np.dtype(dtype).itemsize
+        if need > self._max_batch_bytes:
+            raise DataError(
+                f"a batch of {rows} rows of shape {out_shape} ({np.dtype(dtype)}) needs "
+                f"{need / 2**30:.1f} GiB, more than max_batch_bytes={self._max_batch_bytes}: "
+                f"this record is {record_shape}; if that is meant, pass a larger "
+                "max_batch_bytes to Batches or Loader (or crop, or a smaller batch_size)",
+                path=src.path,
+                key=key,
+            )
 
     def fill(
         self,
@@ -728,6 +776,21 @@ class Batches:
         if self._closed:
             raise StateError("these Batches are closed")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (for a spawned worker process, say) as how to open them again: the
+        same sources and options, resumed at this position (:meth:`state_dict`).
+        The copy opens its own readers in the process that unpickles it.
+
+        Raises:
+            StateError: these Batches are closed.
+        """
+        if self._closed:
+            raise StateError(
+                "these Batches are closed; pickle Batches that are open (the copy reopens "
+                "the databases)"
+            )
+        return (_reopened, (self._reopen, self.state_dict()))
+
     def close(self) -> None:
         """Close the reader if these Batches opened it. Idempotent."""
         if not self._closed:
@@ -740,3 +803,8 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
+    """Batches opened again from pickled options, at ``state``."""
+    return Batches(**options, state=state)

@@ -28,8 +28,8 @@ Writing, and many processes
     Written to a temporary file in the same directory, flushed with ``fsync`` and
     renamed into place, so a reader sees a whole index or none (a process killed
     mid-write leaves a temporary file, never a trusted partial index). Processes
-    opening one database at once (the ranks of a job) take an exclusive ``flock``
-    on ``<index>.lock`` before building: one walks and writes, the others wait and
+    opening one database at once (the ranks of a job) take an exclusive POSIX lock
+    (``lockf``) on ``<index>.lock`` before building: one walks and writes, the others wait and
     then read what it wrote. Where the cache cannot be written the open still
     works, walking the tree each time.
 """
@@ -233,7 +233,7 @@ def _fsync_dir(folder: str) -> None:
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on ``<path>.lock`` (waiting for another process that
+    """Hold an exclusive POSIX lock (``lockf``) on ``<path>.lock`` (waiting for another process that
     holds it); yields False where the lock file cannot be made (nothing is then
     stored: without the lock another process may be writing)."""
     try:
@@ -243,7 +243,12 @@ def _locked(path: str) -> Iterator[bool]:
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        # A POSIX record lock, not flock: it belongs to the process, so a fork child
+        # does not inherit it (with flock, a child forked while a parent thread held
+        # the lock would share it through the inherited descriptor, which no thread
+        # of the child ever closes, and wait for itself forever). Threads of one
+        # process never contend here: they build under the registry's lock.
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         yield True
     finally:
         os.close(fd)  # releases the lock

@@ -212,7 +212,11 @@ class _Registry:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: the garbage collector may finalize a reader (whose finalizer
+        # releases its environment) in a thread that holds the lock, at any
+        # allocation inside an open. A release there never touches the entry being
+        # opened: that one is either not yet in ``envs`` or already referenced.
+        self.lock = threading.RLock()
         self.envs: dict[_FileId, SharedEnv] = {}
         self.generation = 0
 
@@ -224,7 +228,7 @@ def _after_fork_in_child() -> None:
     """In a fork child: a new lock (a parent thread may have held the old one) and a
     new generation whose entries adopt the parent's environments. Takes no lock and
     calls nothing in LMDB: the parent's other threads may hold either."""
-    REGISTRY.lock = threading.Lock()
+    REGISTRY.lock = threading.RLock()
     REGISTRY.generation += 1
     REGISTRY.envs = {
         file_id: shared.adopted(REGISTRY.generation) for file_id, shared in REGISTRY.envs.items()

@@ -34,7 +34,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -146,6 +146,21 @@ class Transform:
         self._mean_cache: dict[tuple[int, int, int], npt.NDArray[np.float32]] = {}
         self._spec_cache: dict[tuple[int, int, int], KernelSpec] = {}
         self._fixed: dict[tuple[int, int, int], Geometry] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its mean (the values read at construction, not the file
+        again) and without its caches or lock (remade in the new process)."""
+        state = self.__dict__.copy()
+        for name in ("_lock", "_mean_cache", "_spec_cache", "_fixed"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mean_cache = {}
+        self._spec_cache = {}
+        self._fixed = {}
         self._lock = threading.Lock()
 
     # -- construction from Caffe's parameters -------------------------------------------

@@ -40,6 +40,7 @@ class BatchesOptions(TypedDict, total=False):
     )
     blob_dtype: Literal["float32", "float64"]
     share_random: bool | Collection[str]
+    max_batch_bytes: int
     ranks_per_node: int | None
 
 
