@@ -136,6 +136,9 @@ class Loader:
         backend = get_backend(device)
         self._stream = None if stream is None else backend.as_stream(stream)
 
+        # the split refers to no Loader (the Batches keep it): a dropped Loader is collectable
+        decided: list[tuple[Transform, DeviceWork]] = []
+
         def split(transform: Transform, kind: str) -> Transform | None:
             """The device/host split, decided once the record kind is known."""
             if device_transform and kind != "datum":
@@ -146,14 +149,15 @@ class Loader:
             on_device = kind == "datum" and wants_device_transform(
                 device_transform, backend, transform, device
             )
-            self._transform = transform
-            self._device = DeviceWork(backend, transform, on_device)
-            return self._device.host_transform() if on_device else None
+            work = DeviceWork(backend, transform, on_device)
+            decided.append((transform, work))
+            return work.host_transform() if on_device else None
 
         batches = Batches(source, batch_size, order=order, split_transform=split, **options)
+        self._transform, work = decided[-1]
         self._batches = batches
         self._backend = backend
-        work = self._device
+        self._device = work
         self._prefetch = int(prefetch)
         self._workers = int(workers)
         self._pipe = Pipeline(batches, backend, work, self._stream, self._prefetch, self._workers)
