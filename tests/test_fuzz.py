@@ -123,8 +123,8 @@ def test_a_batch_larger_than_max_batch_bytes_is_refused_before_it_is_allocated(
     db = tmp_path / "db"
     blobpipe.write_lmdb(db, [(png, i) for i in range(3)])
     match = r"64 rows of shape \(3, 4096, 4096\) \(float32\) needs 12.0 GiB.*max_batch_bytes"
-    with pytest.raises(DataError, match=match) as info:
-        blobpipe.Batches(db, 64).next_plan()
+    with pytest.raises(DataError, match=match) as info, blobpipe.Batches(db, 64) as batches:
+        batches.next_plan()
     _check_bad_record_error(info.value, db)
     with pytest.raises(DataError, match=match), blobpipe.Loader(db, 64, device="cpu") as loader:
         next(iter(loader))
