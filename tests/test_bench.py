@@ -31,6 +31,7 @@ WORKLOAD_ROWS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_workloads_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
@@ -100,6 +101,7 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
     assert checked.returncode == (1 if "MISS" in checked.stdout else 0), checked.stderr[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_sweep_quick(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
