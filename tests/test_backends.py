@@ -168,7 +168,7 @@ def test_a_forked_child_makes_its_backends_anew() -> None:
         set_default_backend(old)
 
 
-# -- "cuda" and "auto" mean the calling thread's current device (issue 20, finding 4) -------------
+# -- "cuda" and "auto" mean the calling thread's current device ----------------------------
 
 
 def test_cuda_and_auto_resolve_to_the_threads_current_device() -> None:
@@ -208,7 +208,7 @@ def test_cuda_on_a_missing_device_is_unavailable() -> None:
         assert isinstance(result[0], HostBackend)
 
 
-# -- worker threads never switch to a device they do not use (finding 5) --------------------------
+# -- worker threads never switch to a device they do not use ------------------------------------
 
 
 def test_filler_threads_touch_only_the_loaders_device(tmp_path: Path) -> None:
@@ -245,7 +245,7 @@ def test_bind_thread_makes_the_device_current_for_good() -> None:
     assert out == [(1, {1})]
 
 
-# -- fork (finding 7) -----------------------------------------------------------------------------
+# -- fork after CUDA -----------------------------------------------------------------------------
 
 
 def test_a_child_forked_after_cuda_refuses_cuda_and_auto() -> None:
@@ -278,7 +278,7 @@ def test_a_child_forked_before_cuda_may_use_it() -> None:
         assert in_forked_child(child) == 0
 
 
-# -- the CuPy backend's logic, on a NumPy stand-in for CuPy (issue 20, findings 2-6, 8) ------------
+# -- the CuPy backend's logic, on a NumPy stand-in for CuPy --------------------------------------
 
 
 @pytest.fixture(params=[14, 13], ids=["cupy14", "cupy13"])

@@ -136,6 +136,16 @@ _CUT_IN_PLACE = """
     blobpipe.write_lmdb(str(root / "small"), records(10))
     smaller = (root / "small" / "data.mdb").read_bytes()
 
+    def _wait_until_idle(loader):
+        # The fillers run ahead into the next epoch; a cut that lands inside one of
+        # their reads (past its size check) is the one window no check can close, so
+        # the test cuts once they are idle: the ring is full, decode time stands still.
+        import time
+        last = -1.0
+        while (now := loader.statistics().decode_time) != last:
+            last = now
+            time.sleep(0.3)
+
     def cut() -> None:  # what cp does to the file it copies over
         with open(root / "big" / "data.mdb", "r+b") as f:
             f.truncate(0)
@@ -158,6 +168,8 @@ _CUT_IN_PLACE = """
                 for n, _ in enumerate(it):  # cut in the middle of the epoch, or after it
                     if how == "batches-mid" and n == 3:
                         cut()
+                if how == "loader":  # cut while no filler is inside a read (see below)
+                    _wait_until_idle(it)
                 if how != "batches-mid":
                     cut()
                 for _ in it:

@@ -263,3 +263,8 @@ def test_packed_keys_behave_as_the_tuple(keys: set[bytes], probe: bytes) -> None
     with pytest.raises(IndexError):
         packed[len(ordered)]
     assert PackedKeys.of(ordered) == packed
+    picks = [i % len(ordered) for i in range(0, 7 * len(ordered), 3)] if ordered else []
+    mapped = PackedKeys(np.frombuffer(bytes(packed.buffer), np.uint8), packed.ends)
+    for each in (packed, mapped):  # the joined keys as bytes, and as a mapped array
+        if picks:
+            assert each.take(picks) == tuple(ordered[i] for i in picks)

@@ -433,7 +433,7 @@ def test_torch_consumer_on_a_side_stream_sees_no_torn_batch(
     assert not torn, f"{len(torn)} of {n} batches torn, the first: {torn[:5]}"
 
 
-# -- memory reuse ordered by the consumer's stream (issue 20) ------------------------------------
+# -- memory reuse ordered by the consumer's stream --------------------------------------------
 
 
 def _read_late_on(backend: Backend, stream: Any, src: Any) -> Any:
@@ -544,7 +544,7 @@ def test_a_growing_slot_lets_its_old_buffers_go_after_the_release() -> None:
         other.close()
 
 
-# -- device exports hold their memory (issue 20, finding 2, and its "done when") -------------------
+# -- device exports hold their memory -------------------------------------------------------
 
 
 @pytest.mark.parametrize("device_transform", [None, False])
@@ -584,7 +584,7 @@ def test_a_device_export_holds_the_memory_until_it_goes() -> None:
     assert pool.statistics().used_bytes == used - 4096
 
 
-# -- the stream a DLPack consumer names (issue 20, finding 6) --------------------------------------
+# -- the stream a DLPack consumer names ---------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -626,7 +626,7 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
 def test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values(
     db30: Path,
 ) -> None:  # pragma: no cover - GPU machines
-    """Finding 2 on CUDA: ``cupy.from_dlpack`` of a detached batch keeps its values
+    """On CUDA: ``cupy.from_dlpack`` of a detached batch keeps its values
     after the batch is closed and four more batches are detached."""
     backend = cupy_backend_or_skip()
     t = Transform(scale=0.5)
@@ -644,7 +644,7 @@ def test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values(
 
 @pytest.mark.gpu
 def test_a_raw_stream_handle_warns_nothing(db30: Path) -> None:  # pragma: no cover - GPU
-    """Finding 3 on CUDA: ``Loader(stream=<cudaStream_t int>)`` under warnings-as-errors."""
+    """On CUDA: ``Loader(stream=<cudaStream_t int>)`` under warnings-as-errors."""
     import warnings
 
     backend = cupy_backend_or_skip()
@@ -658,7 +658,7 @@ def test_a_raw_stream_handle_warns_nothing(db30: Path) -> None:  # pragma: no co
 
 @pytest.mark.gpu
 def test_cuda_is_the_threads_current_device() -> None:  # pragma: no cover - GPU machines
-    """Finding 4 on CUDA: ``"cuda"`` after ``cupy.cuda.Device(n).use()`` in a thread
+    """On CUDA: ``"cuda"`` after ``cupy.cuda.Device(n).use()`` in a thread
     (n: the last device; 0 on a one-GPU machine)."""
     import threading
 
@@ -678,7 +678,7 @@ def test_cuda_is_the_threads_current_device() -> None:  # pragma: no cover - GPU
 
 @pytest.mark.gpu
 def test_filler_threads_stay_on_the_loaders_device(db30: Path) -> None:  # pragma: no cover
-    """Finding 5 on CUDA: every filler thread's current device is the loader's
+    """On CUDA: every filler thread's current device is the loader's
     after its work (the last device; on one GPU this cannot show a switch to 0)."""
     import threading
 

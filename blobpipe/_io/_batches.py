@@ -57,6 +57,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from ._fill import RecordSource
+from ._keys import PackedKeys
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
 from ._plan import BatchPlan
@@ -605,7 +606,13 @@ class Batches:
             indices, epochs = tuple(indices_list), tuple(epochs_list)
             positions, words = tuple(positions_list), tuple(words_list)
         all_keys = self._keys
-        keys = itemgetter(*indices)(all_keys) if len(indices) > 1 else (all_keys[indices[0]],)
+        keys = (
+            all_keys.take(indices)
+            if isinstance(all_keys, PackedKeys)
+            else itemgetter(*indices)(all_keys)
+            if len(indices) > 1
+            else (all_keys[indices[0]],)
+        )
         plans = []
         for k, src in enumerate(self._sources):
             filler = src.filler

@@ -88,6 +88,18 @@ class PackedKeys(Sequence[bytes]):
             raise IndexError(f"key index {i} out of range for {n} keys")
         return bytes(self._view[self._start(j) : int(self._ends[j])])
 
+    def take(self, indices: Sequence[int]) -> tuple[bytes, ...]:
+        """The keys at positions ``indices`` (each in range), in that order."""
+        idx = np.asarray(indices, np.int64)
+        ends = self._ends
+        stops = ends[idx].tolist()
+        starts = np.where(idx > 0, ends[idx - 1], 0).tolist()
+        buf = self._buffer
+        if isinstance(buf, bytes):
+            return tuple([buf[a:b] for a, b in zip(starts, stops, strict=True)])
+        view = self._view
+        return tuple([bytes(view[a:b]) for a, b in zip(starts, stops, strict=True)])
+
     def __iter__(self) -> Iterator[bytes]:
         view = self._view
         start = 0

@@ -50,7 +50,7 @@ from .._errors import (
 from . import _lmdbenv as envs
 from ._indexcache import IndexPlace
 from ._lmdbfile import Extents, current_txnid, extents_of
-from ._readahead import advise_ranges, evict_file
+from ._readahead import AHEAD_JOIN_GAP, advise_ranges, evict_file
 from ._wire import ParsedDatum, parse_datum
 
 __all__ = ["LmdbReader", "ReadTransaction"]
@@ -351,7 +351,7 @@ class LmdbReader:
         sizes = tree.lengths[idx].astype(np.int64)
         total = np.cumsum(sizes)
         count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
-        advise_ranges(mapped, starts[:count], starts[:count] + sizes[:count])
+        advise_ranges(mapped, starts[:count], starts[:count] + sizes[:count], AHEAD_JOIN_GAP)
         return count, int(total[count - 1])
 
     def evict(self) -> None:

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 __all__ = [
     "AHEAD_BYTES",
+    "AHEAD_JOIN_GAP",
     "AHEAD_RECORDS",
     "ReadAhead",
     "Requester",
@@ -42,13 +43,20 @@ _PAGE = mmap.PAGESIZE
 # and records (the page cache must hold them until their batch reads them).
 AHEAD_BYTES = 64 << 20
 AHEAD_RECORDS = 4096
+# Values requested ahead that lie this close are requested as one range (one call for
+# many small records in nearby leaf pages; the few pages between cost nothing to read).
+AHEAD_JOIN_GAP = 64 << 10
 
 
 def advise_ranges(
-    mapped: mmap.mmap, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]
+    mapped: mmap.mmap,
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+    gap: int = 0,
 ) -> None:
     """``MADV_WILLNEED`` over the byte ranges ``[starts[i], stops[i])`` of ``mapped``
-    (sorted by start or not; touching ranges are joined into one call)."""
+    (sorted by start or not; ranges that touch, or lie at most ``gap`` bytes apart,
+    are joined into one call)."""
     if _WILLNEED is None or not len(starts):
         return
     order = np.argsort(starts, kind="stable")
@@ -58,7 +66,7 @@ def advise_ranges(
     # the furthest end so far
     reach = np.maximum.accumulate(b)
     new = np.ones(len(a), np.bool_)
-    new[1:] = a[1:] > reach[:-1]
+    new[1:] = a[1:] > reach[:-1] + gap
     first = np.flatnonzero(new)
     last = np.append(first[1:], len(a)) - 1
     size = len(mapped)
@@ -143,10 +151,17 @@ class ReadAhead:
         chunks = self._chunks
         while chunks and chunks[0][1] <= stop:
             chunks.popleft()
+        start = max(self._done, first)
+        # requests go out in large chunks: a new one only once less than half of the
+        # record window ahead is requested (the batch itself always is), so a batch
+        # of small records costs no call at all most of the time
+        if start > first and start - stop >= AHEAD_RECORDS // 2:
+            return
         # bytes requested and not yet planned (a chunk planned in part: its share)
         pending = sum(b * (e - max(a, stop)) // (e - a) for a, e, b in chunks)
         budget = AHEAD_BYTES - pending
-        start = max(self._done, first)
+        if start > first and pending >= AHEAD_BYTES // 2:
+            return
         window = order[start : stop + AHEAD_RECORDS]
         if budget <= 0 or not len(window):
             return
