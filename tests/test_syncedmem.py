@@ -416,7 +416,7 @@ def test_overwrite_cpu_waits_for_a_push_reading_the_bytes() -> None:
     mem.close()
 
 
-# -- device errors, zero fill and device checks -----------------------------------------------------
+# -- device errors, zero fill and device checks ----------------------------------------------------
 
 
 def test_first_device_touch_does_not_wait_for_the_callers_queued_work() -> None:
