@@ -31,12 +31,21 @@ WORKLOAD_ROWS = (
 )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_bench_workloads_quick(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def workloads_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One ``bench_workloads.py --quick`` run (its LMDB cache kept for the tests after
+    it): the directory and what it printed."""
+    tmp_path = tmp_path_factory.mktemp("workloads")
     out = tmp_path / "result.json"
     proc = run_quick("bench_workloads.py", tmp_path, "--json", str(out), "--markdown")
-    text = proc.stdout
+    return tmp_path, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_workloads_quick(workloads_quick: tuple[Path, str]) -> None:
+    tmp_path, text = workloads_quick
+    out = tmp_path / "result.json"
     assert (
         "| workload | contender | first epoch img/s | ratio | later epochs img/s | ratio "
         "| target | result |"
@@ -88,13 +97,24 @@ def test_bench_workloads_quick(tmp_path: Path) -> None:
     assert targets["W5", "blocking"] == {("later", "memcpy"): 0.25}
     assert doc["summary"]["rows_checked"] >= 12
 
-    # a second run reuses the cached LMDBs; a subset; the plain-text table
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_workloads_again_reuses_the_cache(workloads_quick: tuple[Path, str]) -> None:
+    """A second run reuses the cached LMDBs; a subset; the plain-text table."""
+    tmp_path, _ = workloads_quick
     again = run_quick("bench_workloads.py", tmp_path, "--workloads", "W1")
     assert "(cached" in again.stdout and "(written" not in again.stdout
     assert "W1 MNIST" in again.stdout and "W2 CIFAR-10" not in again.stdout
     header = again.stdout.splitlines()
     assert any(line.startswith("workload") and "first epoch img/s" in line for line in header)
-    # --check: the exit status says whether a row missed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_workloads_check_exit_status(workloads_quick: tuple[Path, str]) -> None:
+    """``--check``: the exit status says whether a row missed."""
+    tmp_path, _ = workloads_quick
     cmd = [sys.executable, str(BENCH / "bench_workloads.py"), "--quick", "--check"]
     cmd += ["--data-dir", str(tmp_path / "data"), "--workloads", "W5"]
     checked = subprocess.run(cmd, capture_output=True, text=True, timeout=80, check=False)
