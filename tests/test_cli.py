@@ -331,12 +331,23 @@ def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     assert not partial.exists()
 
 
+# After its sixth image the conversion waits (a Ctrl-C interrupts the wait), so the
+# signal always lands mid-conversion, however slowly the machine runs the test.
+_STALLED_CONVERT = _SLOW_CONVERT.replace(
+    "    time.sleep(0.05)\n",
+    "    slow.n = getattr(slow, 'n', 0) + 1\n    time.sleep(0.05 if slow.n <= 6 else 120)\n",
+)
+
+
 def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "db"
     argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CONVERT, *argv], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", _STALLED_CONVERT, *argv],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -344,6 +355,7 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
         if marker is not None and marker["next_index"] >= 4:
             break
         time.sleep(0.01)
+    assert proc.poll() is None, "the conversion ended before the signal"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
