@@ -287,6 +287,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def stalled_convert(after: int) -> str:
+    """The slow conversion, waiting after its ``after``-th image (a Ctrl-C or a kill
+    ends the wait), so a signal lands mid-conversion however slowly the machine runs."""
+    return _SLOW_CONVERT.replace(
+        "    time.sleep(0.05)\n",
+        "    slow.n = getattr(slow, 'n', 0) + 1\n"
+        f"    time.sleep(0.05 if slow.n <= {after} else 120)\n",
+    )
+
+
 def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -294,7 +304,7 @@ def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     partial = tmp_path / "db.partial"
     argv = ["convert-imageset", "-q", "--commit-every", "3", *RAW_FLAGS, ROOT, LIST, str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, *argv], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", stalled_convert(15), *argv], env=env)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -331,12 +341,6 @@ def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     assert not partial.exists()
 
 
-# After its sixth image the conversion waits (a Ctrl-C interrupts the wait), so the
-# signal always lands mid-conversion, however slowly the machine runs the test.
-_STALLED_CONVERT = _SLOW_CONVERT.replace(
-    "    time.sleep(0.05)\n",
-    "    slow.n = getattr(slow, 'n', 0) + 1\n    time.sleep(0.05 if slow.n <= 6 else 120)\n",
-)
 
 
 def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
@@ -344,7 +348,7 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _STALLED_CONVERT, *argv],
+        [sys.executable, "-c", stalled_convert(6), *argv],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
