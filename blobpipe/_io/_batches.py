@@ -63,6 +63,7 @@ from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_fro
 from ._plan import BatchPlan
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
+from ._resume import check_state, make_state
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
@@ -71,10 +72,8 @@ __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 Mode = Literal["wrap", "epoch"]
 Last = Literal["keep", "drop", "pad"]
 
-_STATE_VERSION = 1
 #: Largest batch (the data array of one batch, each source's) Batches plans by default.
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
-_MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
 
 
 @dataclass(frozen=True, eq=False)
@@ -442,15 +441,7 @@ class Batches:
 
     def _state(self, epoch: int, pos: int) -> dict[str, Any]:
         key = self._keys[int(self.epoch_order(epoch)[pos])]
-        return {
-            "version": _STATE_VERSION,
-            "epoch": epoch,
-            "position": pos,
-            # a str: JSON takes it (bytes that are not UTF-8 round-trip as surrogates)
-            "key": bytes(key).decode("utf-8", "surrogateescape"),
-            **self._settings,
-            "shard": [self._rank, self._world],
-        }
+        return make_state(epoch, pos, key, self._settings, (self._rank, self._world))
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: the next record to plan, and how the order is made.
@@ -476,49 +467,14 @@ class Batches:
             DataError: the database changed (other record count, or another key at
                 the saved position).
         """
-        try:
-            version = state["version"]
-            epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
-            if isinstance(key, str):
-                key = key.encode("utf-8", "surrogateescape")
-            saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
-            saved_shard = tuple(state["shard"])
-            pad = state.get("pad_shards", False)
-            saved["pad_shards"] = pad if saved_shard[1] > 1 else False
-            n = int(state["num_records"])
-        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
-            raise ArgumentError(f"malformed resume state {state!r}: {exc!r}") from exc
-        if version != _STATE_VERSION:
-            raise ArgumentError(f"unsupported resume state version {version!r}")
-        if saved_shard != (self._rank, self._world):
-            raise ArgumentError(
-                f"the state was saved for shard {saved_shard} but this one is shard "
-                f"{(self._rank, self._world)}"
-            )
-        mine = self._epochs.settings()
-        for name, value in saved.items():
-            if mine[name] != value:
-                raise ArgumentError(
-                    f"the state was saved with {name}={value!r}, but {name}={mine[name]!r} "
-                    "was given; resume with the options the state was saved with"
-                )
-        if n != self._n:
-            raise DataError(
-                f"the dataset changed: the state was saved with {n} records, the database "
-                f"now has {self._n}",
-                path=self._path,
-            )
-        if not 0 <= epoch <= _MAX_EPOCH:
-            raise ArgumentError(
-                f"the state's epoch {epoch} is out of range: epochs count from 0 to "
-                f"2**62 (the random draws take the epoch as a 64-bit integer); pass a "
-                "state saved by state_dict()"
-            )
-        if not 0 <= pos < self._shard_len:
-            raise ArgumentError(
-                f"the state's epoch {epoch} / position {pos} is out of range "
-                f"(this shard has {self._shard_len} records per epoch)"
-            )
+        epoch, pos, key = check_state(
+            state,
+            shard=(self._rank, self._world),
+            settings=self._epochs.settings(),
+            num_records=self._n,
+            shard_len=self._shard_len,
+            path=self._path,
+        )
         actual = bytes(self._keys[int(self.epoch_order(epoch)[pos])])
         if actual != key:
             raise DataError(
