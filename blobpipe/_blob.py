@@ -105,41 +105,51 @@ class Blob:
         self._closed = False
         self._closed_message: str | None = None
         self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
-        self._export_readonly = False  # a loader batch's: see __dlpack__
+        self._readonly_export = False
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
             self, self._holder.release
         )
 
-    def _alias(self, *, finalize: bool = True, readonly_export: bool = False) -> Blob:
-        """A new Blob of the same shape sharing this blob's data *and* diff memories.
+    def view(self, *, readonly_export: bool = False, finalizer: bool = True) -> Blob:
+        """A new Blob of the same shape and dtype sharing this blob's data *and* diff
+        memories (as ``ndarray.view()`` shares an array's memory).
 
-        Allocates nothing (each memory's reference count goes up); closing the
-        alias releases only its references. Used to hand out loader batches.
-        ``finalize=False`` skips the garbage-collection safety net: the caller
-        closes the alias itself, or calls :meth:`_keep` before handing it over.
-        ``readonly_export``: host-side DLPack exports are read-only where the
-        consumer's protocol can say so (see :meth:`__dlpack__`).
+        Allocates nothing: each memory's reference count goes up, so the memories
+        stay alive while either blob uses them, and closing one releases only its
+        own references. A reshape beyond the capacity gives the reshaped blob new
+        memories and ends the sharing for it alone.
+
+        ``readonly_export`` sets the view's :attr:`readonly_export`.
+        ``finalizer=False`` leaves out the garbage-collection safety net (its
+        cost counts on a loader's per-batch path): the caller must close the
+        view, or call :meth:`add_finalizer` before handing it to code that may
+        drop it open; a view dropped open without a finalizer never releases its
+        references, so the memories never return to the pool.
+
+        Raises StateError when this blob is closed.
         """
-        self._check_open()
+        self.check_open()
         data, diff = self._holder.data, self._holder.diff
         assert data is not None and diff is not None
-        alias = Blob.__new__(Blob)
-        alias._dtype = self._dtype
-        alias._itemsize = self._itemsize
-        alias._shape = self._shape
-        alias._count = self._count
-        alias._shaped = self._shaped
-        alias._backend = self._backend
-        alias._holder = MemoryPair(data.acquire(), diff.acquire())
-        alias._closed = False
-        alias._closed_message = None
-        alias._typed = {}
-        alias._export_readonly = readonly_export
-        alias._finalizer = weakref.finalize(alias, alias._holder.release) if finalize else None
-        return alias
+        view = Blob.__new__(Blob)
+        view._dtype = self._dtype
+        view._itemsize = self._itemsize
+        view._shape = self._shape
+        view._count = self._count
+        view._shaped = self._shaped
+        view._backend = self._backend
+        view._holder = MemoryPair(data.acquire(), diff.acquire())
+        view._closed = False
+        view._closed_message = None
+        view._typed = {}
+        view._readonly_export = readonly_export
+        view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
+        return view
 
-    def _keep(self) -> None:
-        """Give an alias made with ``finalize=False`` the usual safety net."""
+    def add_finalizer(self) -> None:
+        """Give a view made with ``finalizer=False`` the safety net every other Blob
+        has: a finalizer releasing its references when it is garbage-collected
+        unclosed. Nothing when the blob has one already or is closed."""
         if self._finalizer is None and not self._closed:
             self._finalizer = weakref.finalize(self, self._holder.release)
 
@@ -147,11 +157,15 @@ class Blob:
         return SharedMemory(SyncedMemory(nbytes, self._backend))
 
     # -- lifetime -----------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
         """Let go of data and diff; memories no other blob shares return to the pool.
 
-        Idempotent. Afterwards every array accessor raises StateError.
+        Idempotent. Afterwards every array accessor raises StateError, whose
+        message is ``reason`` when one was given (the latest one, if several
+        calls gave one), else says the blob was closed.
         """
+        if reason is not None:
+            self._closed_message = reason
         if self._closed:
             return
         self._closed = True
@@ -170,7 +184,7 @@ class Blob:
         one sharing them lets go) after the work queued on ``stream`` up to that
         moment, and after ``event``: device work still reading them (a consumer's
         kernels on its own stream) runs before any reuse."""
-        self._check_open()
+        self.check_open()
         for ref in (self._holder.data, self._holder.diff):
             if ref is not None:
                 if stream is not None:
@@ -194,15 +208,9 @@ class Blob:
         shape = self._shape if self._shaped else "unshaped"
         return f"<Blob {self._dtype} {shape} on {self._backend.name}{state}>"
 
-    def _retire(self, message: str) -> None:
-        """Close, and make every later access raise StateError with ``message``.
-
-        Used for blobs handed out by a loader whose buffers were recycled.
-        """
-        self.close()
-        self._closed_message = message
-
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise StateError when the blob is closed (with the ``reason`` given to
+        :meth:`close`, if any); nothing otherwise. Changes nothing."""
         if self._closed:
             raise StateError(
                 self._closed_message
@@ -210,7 +218,7 @@ class Blob:
             )
 
     def _mem(self, which: str) -> SyncedMemory:
-        self._check_open()
+        self.check_open()
         ref = self._holder.data if which == "data" else self._holder.diff
         assert ref is not None  # only None after close
         return ref.mem
@@ -261,7 +269,7 @@ class Blob:
         Raises ShapeError (more than 32 axes, a negative dimension, an
         unaddressable size), TypeError (not ints), StateError (closed).
         """
-        self._check_open()
+        self.check_open()
         if len(shape) == 4:
             dims: Any = shape
         elif len(shape) == 1:
@@ -366,18 +374,13 @@ class Blob:
                 f"{what}: this Blob has no shape yet (Caffe's default Blob); call reshape() first"
             )
 
-    def _overwrite_cpu_data(self) -> np.ndarray[Any, Any]:
-        """:meth:`mutable_cpu_data` for a caller that overwrites all of it: no zero
-        fill on first use, no copy back from the device (see SyncedMemory)."""
-        return self._host("data", True, overwrite=True)
-
     def _host(self, which: str, mutable: bool, overwrite: bool = False) -> np.ndarray[Any, Any]:
         mem = self._mem(which)
         self._check_shaped(f"cpu_{which}")
         if overwrite:
-            raw = mem._overwrite_cpu()
+            raw = mem.overwrite_cpu_data()
         else:
-            raw = mem.mutable_cpu_data() if mutable else mem._host_bytes()
+            raw = mem.mutable_cpu_data() if mutable else mem.host_bytes()
         # The typed view of a buffer is made once per (buffer, shape); callers get
         # a fresh view of it, so nothing they do to theirs reaches the next caller.
         cached = self._typed.get(which)
@@ -394,7 +397,7 @@ class Blob:
 
     def _device(self, which: str, mutable: bool) -> Any:
         mem = self._mem(which)
-        self._backend._require_device(f"gpu_{which}")
+        self._backend.require_device(f"gpu_{which}")
         self._check_shaped(f"gpu_{which}")
         raw = mem.mutable_gpu_data() if mutable else mem.gpu_data()
         return self._backend.device_view(raw, self._dtype, self._shape, readonly=not mutable)
@@ -422,6 +425,17 @@ class Blob:
     def mutable_cpu_data(self) -> np.ndarray[Any, Any]:
         """The data on the host, writable; the head moves to the CPU."""
         return self._host("data", True)
+
+    def overwrite_cpu_data(self) -> np.ndarray[Any, Any]:
+        """:meth:`mutable_cpu_data` for a caller that writes every element before
+        anyone reads one (a loader filling a batch slot): the data on the host,
+        writable, the head moved to the CPU without the zero fill of a first use
+        and without the copy back from the device. Until written, the elements
+        hold whatever the buffer held.
+
+        Raises StateError when closed or unshaped.
+        """
+        return self._host("data", True, overwrite=True)
 
     def cpu_diff(self) -> np.ndarray[Any, Any]:
         """The diff on the host, read-only (see :meth:`cpu_data`)."""
@@ -467,7 +481,7 @@ class Blob:
 
         Raises ShapeError for a wrong dtype, size or layout.
         """
-        self._check_open()
+        self.check_open()
         self._check_shaped("set_cpu_data")
         self._check_borrowed(array, "set_cpu_data", np.ndarray)
         self._fit_memories()
@@ -479,8 +493,8 @@ class Blob:
         Raises BackendUnavailableError on the host backend, ShapeError for a
         wrong dtype, size or layout.
         """
-        self._check_open()
-        self._backend._require_device("set_gpu_data")
+        self.check_open()
+        self._backend.require_device("set_gpu_data")
         self._check_shaped("set_gpu_data")
         self._check_borrowed(array, "set_gpu_data", None)
         self._fit_memories()
@@ -535,6 +549,18 @@ class Blob:
         return array.copy() if copy else array
 
     # -- DLPack -----------------------------------------------------------------------
+    @property
+    def readonly_export(self) -> bool:
+        """Whether host-side DLPack exports are read-only to consumers that can be
+        told (see :meth:`__dlpack__`): True for a Loader batch's Blobs, whose
+        buffers are the loader's, until the batch is detached; False otherwise.
+        Setting it changes what later exports give, nothing already exported."""
+        return self._readonly_export
+
+    @readonly_export.setter
+    def readonly_export(self, value: bool) -> None:
+        self._readonly_export = bool(value)
+
     def __dlpack__(self, **kwargs: Any) -> Any:
         """Export the data through DLPack, on the side of the head, without a copy.
 
@@ -553,7 +579,8 @@ class Blob:
         memory's reuse: a loader refills the batch's buffers, and the pool hands
         them out again, only after the work the consumer queued on it by then.
 
-        A Loader's batches are the loader's buffers: their host-side exports are
+        A Loader's batches are the loader's buffers (:attr:`readonly_export`):
+        their host-side exports are
         read-only (DLPack 1.0's flag, the head left where it is) to consumers
         that ask for DLPack 1.0 or later (NumPy's ``from_dlpack`` gives a
         read-only array; torch takes the memory, as it has no read-only
@@ -570,7 +597,7 @@ class Blob:
             assert self._holder.data is not None
             held = self._holder.data.keep_alive(view, device=True)
             return held.__dlpack__(**kwargs)
-        if self._export_readonly and self._wants_versioned(kwargs):
+        if self._readonly_export and self._wants_versioned(kwargs):
             array = self.cpu_data()
         else:
             array = self.mutable_cpu_data()
@@ -601,7 +628,7 @@ class Blob:
         return self._at("diff", n, c, h, w)
 
     def _at(self, which: str, n: int | Sequence[int], c: int, h: int, w: int) -> Any:
-        self._check_open()
+        self.check_open()
         off = self.offset(n, c, h, w)
         if off >= self._count:  # only when an omitted trailing axis has size 0
             raise BlobIndexError(
@@ -612,7 +639,7 @@ class Blob:
     # -- math -------------------------------------------------------------------------
     def _check_math(self, what: str) -> None:
         self._check_float(f"{what}() is not implemented for {self._dtype} blobs (NOT_IMPLEMENTED)")
-        self._check_open()
+        self.check_open()
 
     def _check_float(self, why: str) -> None:
         if self._dtype not in FLOAT_DTYPES:
@@ -718,8 +745,8 @@ class Blob:
     def _check_compatible(self, other: Blob, what: str) -> None:
         if not isinstance(other, Blob):
             raise TypeError(f"{what} expects a Blob, got {type(other).__name__}")
-        self._check_open()
-        other._check_open()
+        self.check_open()
+        other.check_open()
         if other._dtype != self._dtype:
             raise ShapeError(
                 f"{what}: dtype mismatch, this blob is {self._dtype}, the other {other._dtype}"
@@ -815,7 +842,7 @@ class Blob:
         the shape's, ShapeError for a shape mismatch without ``reshape``,
         UnsupportedOperationError for integer blobs.
         """
-        self._check_open()
+        self.check_open()
         self._check_float(_NO_INTEGERS.format(what="from_proto", dtype=self._dtype))
         shape, data, diff = proto_arrays(
             proto,
@@ -841,7 +868,7 @@ class Blob:
         Raises UnsupportedOperationError for integer blobs (BlobProto has no
         integer fields), StateError when closed.
         """
-        self._check_open()
+        self.check_open()
         self._check_float(_NO_INTEGERS.format(what="to_proto", dtype=self._dtype))
         data = self.cpu_data() if self._count else None
         diff = self.cpu_diff() if self._count and write_diff else None

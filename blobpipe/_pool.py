@@ -23,12 +23,13 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from ._backends import Backend, Event, Stream, all_of
-from ._errors import PoolMemoryError
+from ._errors import PoolMemoryError, StateError
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "Block", "MemoryPool", "PoolStatistics", "get_pool", "size_class"]
 
@@ -126,6 +127,9 @@ class MemoryPool:
     ``cache_limit`` caps the bytes kept cached for reuse (default 512 MiB; 0
     means no cap): beyond it, freed blocks go back to the system.
     :meth:`free_all_blocks` returns every cached block at once.
+
+    A pool keeps its backend alive, except the shared pools of :func:`get_pool`,
+    which live as long as their backend and so hold it weakly.
     """
 
     def __init__(
@@ -137,7 +141,8 @@ class MemoryPool:
     ) -> None:
         if kind not in ("host", "device"):
             raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
-        self.backend = backend
+        self._backend: Backend | None = backend  # None: held weakly alone
+        self._backend_ref = weakref.ref(backend)
         self.kind = kind
         self._lock = threading.Lock()
         self._free: dict[int, list[Any]] = defaultdict(list)
@@ -156,7 +161,22 @@ class MemoryPool:
         self.set_cache_limit(cache_limit)
 
     def __repr__(self) -> str:
-        return f"<MemoryPool {self.kind} of {self.backend!r}>"
+        return f"<MemoryPool {self.kind} of {self._backend_ref()!r}>"
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the buffers come from.
+
+        Raises:
+            StateError: a shared pool (:func:`get_pool`) whose backend is gone.
+        """
+        backend = self._backend_ref()
+        if backend is None:
+            raise StateError(
+                f"the backend of this {self.kind} pool is gone: a shared pool (get_pool) "
+                "lives as long as its backend; keep the backend while you use its pool"
+            )
+        return backend
 
     # -- configuration ---------------------------------------------------------
     def set_limit(self, limit: int) -> None:
@@ -206,7 +226,7 @@ class MemoryPool:
             if cap == 0:
                 self._hits += 1
                 if self._empty is None:
-                    self._empty = self._backend_alloc(0)
+                    self._empty = self._backend_alloc(0, self.backend)
                 return Block(self, self._empty, 0, 0)
         buf = self._allocate(cap, nbytes)
         with self._lock:
@@ -215,10 +235,10 @@ class MemoryPool:
             self._requested += nbytes  # _used was reserved by _allocate
         return Block(self, buf, nbytes, cap)
 
-    def _backend_alloc(self, nbytes: int) -> Any:
+    def _backend_alloc(self, nbytes: int, backend: Backend) -> Any:
         if self.kind == "host":
-            return self.backend.alloc_host(nbytes)
-        return self.backend.alloc_device(nbytes)
+            return backend.alloc_host(nbytes)
+        return backend.alloc_device(nbytes)
 
     def _reserve(self, cap: int) -> bool:
         """Count ``cap`` bytes as in use if the limit allows (atomically)."""
@@ -229,6 +249,7 @@ class MemoryPool:
             return True
 
     def _allocate(self, cap: int, nbytes: int) -> Any:
+        backend = self.backend  # a shared pool's may be gone: before anything is reserved
         for attempt in range(2):
             if not self._reserve(cap):
                 if attempt == 0:
@@ -243,7 +264,7 @@ class MemoryPool:
                     "set_limit(), or close blobs and batches you no longer need."
                 )
             try:
-                return self._backend_alloc(cap)
+                return self._backend_alloc(cap, backend)
             except MemoryError as exc:
                 with self._lock:
                     self._used -= cap  # give the reservation back
@@ -251,10 +272,10 @@ class MemoryPool:
                 if attempt == 0:
                     # one memory budget: blobpipe's cache and the array library's
                     self.free_all_blocks(wait=True)
-                    self.backend.release_cached(self.kind)
+                    backend.release_cached(self.kind)
                     continue
                 raise PoolMemoryError(
-                    f"out of {self.kind} memory on {self.backend!r}: cannot allocate "
+                    f"out of {self.kind} memory on {backend!r}: cannot allocate "
                     f"{_fmt(cap)} for a request of {_fmt(nbytes)} even after freeing the "
                     f"pool's cache and the array library's ({_fmt(used)} still in use): {exc}"
                 ) from exc
@@ -277,7 +298,8 @@ class MemoryPool:
         if buf is None:
             raise ValueError(f"{block!r} was already freed")
         cap = block.capacity
-        if cap and self.backend.has_device:
+        backend = self._backend_ref()
+        if cap and backend is not None and backend.has_device:
             event = all_of([e for e in (event, self._release_event(stream)) if e is not None])
         block.buffer = None
         with self._lock:
@@ -378,23 +400,26 @@ class MemoryPool:
             )
 
 
+# each backend's shared pools by kind, for as long as the backend lives (they hold it
+# weakly: a value holding its key would keep it alive for ever)
+_registry: weakref.WeakKeyDictionary[Backend, dict[str, MemoryPool]] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
 def get_pool(backend: Backend, kind: str) -> MemoryPool:
     """The pool of ``kind`` ("host" or "device") shared by everything on ``backend``.
 
-    The pools live on the backend object itself (an attribute the backend layer
-    never reads), so they go away with it.
+    The pools live as long as the backend (a registry keyed weakly by the backend),
+    and do not keep it alive themselves.
     """
     if kind not in ("host", "device"):
         raise ValueError(f"pool kind must be 'host' or 'device', got {kind!r}")
     with _registry_lock:
-        pools: dict[str, MemoryPool] | None = getattr(backend, "_blobpipe_pools", None)
+        pools = _registry.get(backend)
         if pools is None:
-            pools = {}
-            backend._blobpipe_pools = pools  # type: ignore[attr-defined]
+            pools = _registry[backend] = {}
         pool = pools.get(kind)
         if pool is None:
             pool = pools[kind] = MemoryPool(backend, kind)
+            pool._backend = None  # the registry keeps it as long as the backend lives
         return pool

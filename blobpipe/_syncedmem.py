@@ -220,7 +220,7 @@ class SyncedMemory:
         self._cpu = block.view()
 
     def _alloc_gpu(self) -> None:
-        self._backend._require_device("gpu_data")
+        self._backend.require_device("gpu_data")
         block = self._pool("device").malloc(self._size)
         self._owned.gpu = block
         self._gpu = block.view()
@@ -251,7 +251,7 @@ class SyncedMemory:
 
     def _to_gpu(self) -> None:
         self._check_open()
-        self._backend._require_device("gpu_data")
+        self._backend.require_device("gpu_data")
         self._settle()
         if self._head is Head.UNINITIALIZED:
             if self._gpu is None:
@@ -274,9 +274,21 @@ class SyncedMemory:
         view.flags.writeable = False
         return view
 
-    def _host_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """:meth:`cpu_data`'s bytes as the writable buffer itself, for callers
-        (Blob) that hand out read-only views of it."""
+    def host_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """:meth:`cpu_data` without the read-only view: the host buffer itself, for a
+        caller that only reads it or hands out read-only views of it (Blob's
+        ``cpu_data``, which caches its typed view per buffer).
+
+        The head moves as with :meth:`cpu_data`: an uninitialised memory is
+        zero-filled (HEAD_AT_CPU), a head at the GPU is copied back (SYNCED),
+        HEAD_AT_CPU and SYNCED stay. The same array object
+        comes back on every call until the host buffer changes
+        (:meth:`set_cpu_data`, :meth:`close`). The caller must not write to it:
+        the device copy would not see the change.
+
+        Raises:
+            StateError: the memory is closed.
+        """
         self._to_cpu()
         return self._cpu  # type: ignore[no-any-return]
 
@@ -286,11 +298,18 @@ class SyncedMemory:
         self._head = Head.HEAD_AT_CPU
         return self._cpu  # type: ignore[no-any-return]
 
-    def _overwrite_cpu(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """:meth:`mutable_cpu_data` for a caller that overwrites every byte (a
-        loader refilling a batch slot): the head moves to the CPU without the
-        zero fill of a first use or the copy back from the device, after any
-        pending copy has finished."""
+    def overwrite_cpu_data(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """:meth:`mutable_cpu_data` for a caller that writes every byte before anyone
+        reads one (a loader refilling a batch slot): the host buffer itself.
+
+        After any pending async copy has finished, the head moves to HEAD_AT_CPU
+        without the zero fill of a first use and without the copy back from the
+        device: until the caller has written them, the bytes are whatever the
+        buffer held (a reused pool block's old bytes, stale host bytes).
+
+        Raises:
+            StateError: the memory is closed.
+        """
         self._check_open()
         self._settle()
         if self._cpu is None:
@@ -333,7 +352,7 @@ class SyncedMemory:
         backend's device (host memory, another GPU).
         """
         self._check_open()
-        self._backend._require_device("set_gpu_data")
+        self._backend.require_device("set_gpu_data")
         self._backend.check_device_array(buf, "set_gpu_data")
         self._settle()
         flat = _as_bytes(buf, self._size, "gpu")
@@ -368,7 +387,7 @@ class SyncedMemory:
         first. Await :meth:`async_gpu_push` instead to wait without blocking.
         """
         self._check_open()
-        self._backend._require_device("async_gpu_push")
+        self._backend.require_device("async_gpu_push")
         self._settle()
         if self._head is not Head.HEAD_AT_CPU:
             raise StateError(
@@ -386,7 +405,7 @@ class SyncedMemory:
     def start_cpu_pull(self, stream: Stream | None = None) -> Event:
         """Issue the GPU→CPU copy on ``stream`` and return its event (head must be HEAD_AT_GPU)."""
         self._check_open()
-        self._backend._require_device("async_cpu_pull")
+        self._backend.require_device("async_cpu_pull")
         self._settle()
         if self._head is not Head.HEAD_AT_GPU:
             raise StateError(

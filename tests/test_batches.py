@@ -219,11 +219,61 @@ def test_wrap_around_mid_batch_like_caffe(db10: Path) -> None:
     with Batches(db10, 4) as b:
         got = take(b, 4)
     assert labels(got) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1], [2, 3, 4, 5]]
-    assert [g.plan.epochs for g in got[2:]] == [(0, 0, 1, 1), (1, 1, 1, 1)]
+    assert [g.plan.epochs.tolist() for g in got[2:]] == [[0, 0, 1, 1], [1, 1, 1, 1]]
     assert [g.epoch for g in got] == [0, 0, 0, 1]
     assert all(g.valid == 4 for g in got)
     with pytest.raises(TypeError, match="endless"):
         len(b)
+
+
+def test_a_plans_rows_are_read_only_arrays(db10: Path) -> None:
+    """A plan's indices, epochs and positions are read-only int64 arrays, its words a
+    read-only uint64 array (``draw(seed, epoch, index)`` each), its keys a tuple of
+    bytes; a batch's indices stay a tuple of ints. ``take`` keeps those types."""
+    with Batches(db10, 4, transform=Transform(mirror=True), seed=3) as b:
+        b.next_plan()
+        b.next_plan()
+        plan = b.next_plan()  # the last 2 records of epoch 0, the first 2 of epoch 1
+        assert plan is not None
+        batch = b.make_batch(plan)
+    for name, dtype in [("indices", np.int64), ("epochs", np.int64),
+                        ("positions", np.int64), ("words", np.uint64)]:  # fmt: skip
+        a = getattr(plan, name)
+        assert isinstance(a, np.ndarray) and a.dtype == dtype, name
+        assert not a.flags.writeable, name
+    assert plan.indices.tolist() == [8, 9, 0, 1]
+    assert plan.epochs.tolist() == [0, 0, 1, 1] and plan.epoch == 0
+    assert plan.positions.tolist() == [8, 9, 0, 1]
+    drawn = [Transform.draw(3, e, i) for e, i in [(0, 8), (0, 9), (1, 0), (1, 1)]]
+    assert plan.words.tolist() == drawn
+    assert plan.keys == tuple(f"{i:08d}_r".encode() for i in (8, 9, 0, 1))
+    assert batch.indices == (8, 9, 0, 1) and all(type(i) is int for i in batch.indices)
+    assert plan.first_decoded is None  # raw records: the header tells the shape
+    part = plan.take(np.array([1, 3]), np.array([5, 6]))
+    assert part.keys == (plan.keys[1], plan.keys[3]) and part.valid == 2
+    assert part.indices.tolist() == [5, 6] and part.epochs.tolist() == [0, 1]
+    assert part.positions.tolist() == [9, 1] and part.words.tolist() == plan.words[[1, 3]].tolist()
+    for a in (part.indices, part.epochs, part.positions, part.words):
+        assert not a.flags.writeable
+
+
+def test_a_plan_keeps_the_first_record_it_decoded(tmp_path: Path) -> None:
+    """An encoded first record is decoded to learn the batch's shape: the plan holds its
+    pixels and label (``first_decoded``) for filling row 0, and passes them on to a
+    part holding row 0 only."""
+    db = write_lmdb(tmp_path / "enc", encoded_items(4, ".png"))
+    with Batches(db, 4) as b:
+        plan = b.next_plan()
+        assert plan is not None
+        assert plan.first_decoded is not None
+        pixels, label = plan.first_decoded
+        assert pixels.shape == (3, 10, 12) and label == 0
+        assert np.array_equal(pixels, image(0, (10, 12, 3)).transpose(2, 0, 1))
+        assert plan.take([0, 2], [0, 2]).first_decoded is plan.first_decoded
+        assert plan.take([1, 2], [1, 2]).first_decoded is None
+        assert "first_decoded" not in repr(plan)
+        batch = b.make_batch(plan)
+    assert np.array_equal(batch.data[0], pixels.astype(np.float32))
 
 
 @pytest.mark.parametrize(
@@ -409,7 +459,7 @@ def test_resume_equals_uninterrupted(db10: Path, config: dict[str, Any], cut: in
         assert x.keys == y.keys
         assert np.array_equal(x.data, y.data)
         assert np.array_equal(x.label, y.label)
-        assert x.plan.epochs == y.plan.epochs
+        assert np.array_equal(x.plan.epochs, y.plan.epochs)
     # load_state_dict on a running instance
     with Batches(db10, 3, **config) as b:
         b.load_state_dict(full[cut - 1].state)
@@ -541,7 +591,7 @@ def test_plan_and_threaded_fill_equal_make_batch(db10: Path) -> None:
             assert np.array_equal(data, exp.data)
             assert np.array_equal(label, exp.label)
             for row in range(len(plan)):
-                p = t.record_params(plan.record_shape, phase="train", word=plan.words[row])
+                p = t.record_params(plan.record_shape, phase="train", word=int(plan.words[row]))
                 assert tuple(params[row]) == (p.h_off, p.w_off, int(p.mirror))
 
 

@@ -1014,17 +1014,17 @@ def test_bench_runs_quickly(capsys: pytest.CaptureFixture[str]) -> None:
     assert "reshape within capacity" in capsys.readouterr().out
 
 
-def test_alias_shares_memory_and_outlives_source() -> None:
+def test_a_view_shares_memory_and_outlives_source() -> None:
     src = Blob((2, 3), backend="cpu")
     src.mutable_cpu_data()[:] = 4
-    alias = src._alias()
-    assert alias.shape == (2, 3) and alias.dtype == src.dtype
-    assert np.shares_memory(alias.cpu_data(), src.cpu_data())
-    src.close()  # the alias keeps the memory alive
-    assert alias.cpu_data().tolist() == [[4.0] * 3] * 2
-    alias.close()
+    view = src.view()
+    assert view.shape == (2, 3) and view.dtype == src.dtype
+    assert np.shares_memory(view.cpu_data(), src.cpu_data())
+    src.close()  # the view keeps the memory alive
+    assert view.cpu_data().tolist() == [[4.0] * 3] * 2
+    view.close()
     with pytest.raises(StateError, match="closed"):
-        alias.cpu_data()
+        view.cpu_data()
 
 
 def test_a_host_export_keeps_its_memory_from_the_pool(host: HostBackend) -> None:

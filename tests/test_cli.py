@@ -341,8 +341,6 @@ def test_killed_conversion_leaves_a_valid_incomplete_db_and_resumes(
     assert not partial.exists()
 
 
-
-
 def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "db"
     argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(out)]

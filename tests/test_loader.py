@@ -598,7 +598,7 @@ async def test_without_the_wait_data_is_wrong(
     """The emulated device lands copies late, so the waits above are really tested."""
     backend = GatedBackend()  # copies land only once the gate opens
     if removed == "loader wait":
-        monkeypatch.setattr(blobpipe._loader._pipeline, "wait_event", _noop_wait)
+        monkeypatch.setattr(blobpipe._loader._async, "wait_event", _noop_wait)
     elif removed == "event":
         monkeypatch.setattr(EmulatedEvent, "query", lambda self: True)
         monkeypatch.setattr(EmulatedEvent, "synchronize", lambda self: None)

@@ -276,6 +276,50 @@ def test_pools_do_not_keep_their_backend_alive() -> None:
     assert ref() is None
 
 
+def test_shared_pools_live_as_long_as_their_backend() -> None:
+    """The registry keeps a backend's pools, by kind, while the backend lives (their
+    cache with them), holds no attribute on the backend, and keeps each backend apart."""
+    import gc
+
+    backend, other = HostBackend(), EmulatedBackend()
+    pool = get_pool(backend, "host")
+    pool.free(pool.malloc(4096))
+    pool_id = id(pool)
+    del pool
+    gc.collect()
+    again = get_pool(backend, "host")
+    assert id(again) == pool_id and again.statistics().free_blocks == 1
+    assert again.backend is backend
+    assert get_pool(other, "host") is not again
+    assert get_pool(other, "device") is not get_pool(other, "host")
+    assert not any("pool" in name for name in vars(backend))
+
+
+def test_a_pool_made_directly_keeps_its_backend_a_shared_one_does_not() -> None:
+    import gc
+    import weakref
+
+    from blobpipe._errors import StateError
+
+    backend = HostBackend()
+    own = MemoryPool(backend, "host")
+    shared = get_pool(backend, "host")
+    block = shared.malloc(4096)
+    ref = weakref.ref(backend)
+    del backend
+    gc.collect()
+    assert ref() is not None  # the pool made directly holds it
+    assert own.backend is ref()
+    del own
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(StateError, match="backend of this host pool is gone"):
+        shared.malloc(4096)
+    shared.free(block)  # a block outliving its backend is dropped
+    assert shared.statistics().used_bytes == 0
+    assert "MemoryPool host of None" in repr(shared)
+
+
 @pytest.mark.parametrize("nbytes", [1, 63, 64, 100, 4097, 1 << 20, (1 << 20) + 3])
 def test_host_buffers_are_64_byte_aligned(nbytes: int) -> None:
     """JAX imports 64-byte aligned DLPack buffers without a copy and copies the others:

@@ -383,33 +383,33 @@ def test_finalizer_waits_for_a_copy_in_flight() -> None:
     pool.free(block)
 
 
-def test_overwrite_cpu_skips_the_zero_fill_and_the_copy_back(device_backend: Backend) -> None:
+def test_overwrite_cpu_data_skips_the_zero_fill_and_the_copy_back(device_backend: Backend) -> None:
     """A loader refilling a slot overwrites every byte: the head moves to the CPU
     with no zero fill on first use and no device→host copy of the old bytes."""
     mem = SyncedMemory(16, device_backend)
     mem.mutable_cpu_data()[:] = 5
     mem.close()  # the block goes back to the pool, holding 5s
     mem = SyncedMemory(16, device_backend)
-    assert mem._overwrite_cpu().tolist() == [5] * 16  # the pool's block, not zeroed
+    assert mem.overwrite_cpu_data().tolist() == [5] * 16  # the pool's block, not zeroed
     assert mem.head is Head.HEAD_AT_CPU
-    mem._overwrite_cpu()[:] = 7
+    mem.overwrite_cpu_data()[:] = 7
     mem.mutable_gpu_data()  # head at the device, the device bytes newer
     before = copies(device_backend)
-    host = mem._overwrite_cpu()
+    host = mem.overwrite_cpu_data()
     assert copies(device_backend) == before  # nothing copied back
     host[:] = 9
     assert to_numpy(mem.gpu_data()).tolist() == [9] * 16  # pushed again when read
     mem.close()
 
 
-def test_overwrite_cpu_waits_for_a_push_reading_the_bytes() -> None:
+def test_overwrite_cpu_data_waits_for_a_push_reading_the_bytes() -> None:
     backend = GatedBackend()
     mem = SyncedMemory(8, backend)
     mem.mutable_cpu_data()[:] = 3
     event = mem.start_gpu_push()
     assert not event.query()  # the copy is held at the gate
-    backend.open_after(0.05)  # lands while _overwrite_cpu waits (if it does)
-    mem._overwrite_cpu()[:] = 4  # only once the push in flight has read the 3s
+    backend.open_after(0.05)  # lands while overwrite_cpu_data waits (if it does)
+    mem.overwrite_cpu_data()[:] = 4  # only once the push in flight has read the 3s
     assert not backend.timed_out and event.query()
     assert to_numpy(mem._gpu).tolist() == [3] * 8  # the push carried the old bytes
     assert to_numpy(mem.gpu_data()).tolist() == [4] * 8

@@ -268,6 +268,27 @@ def test_errors() -> None:
         Transform()(x, phase="val")  # type: ignore[arg-type]
 
 
+def test_kernel_spec_is_the_one_constructor_and_takes_a_mean_in_other_memory() -> None:
+    """``kernel_spec`` makes every KernelSpec: the transform's own (cached per shape), or
+    with ``mean=`` the same crop, scale and layout around a mean the caller holds (a
+    device's copy), not cached; the crop is checked either way."""
+    t = Transform(scale=0.5, crop_size=4, mean_value=(1, 2, 3), layout="NHWC")
+    own = t.kernel_spec((3, 6, 8))
+    assert own is t.kernel_spec((3, 6, 8))
+    assert (own.crop, own.scale, own.layout) == (4, np.float32(0.5), "NHWC")
+    assert np.array_equal(own.mean, t.mean_array((3, 6, 8)))
+    copy = own.mean.copy()
+    given = t.kernel_spec((3, 6, 8), mean=copy)
+    assert given.mean is copy and given is not t.kernel_spec((3, 6, 8), mean=copy)
+    assert (given.crop, given.scale, given.layout) == (own.crop, own.scale, own.layout)
+    assert t.kernel_spec((3, 6, 8), mean=None).mean is None
+    assert t.kernel_spec((3, 6, 8)) is own  # the cache is the transform's own spec still
+    with pytest.raises(ShapeError, match="crop_size 4 is larger"):
+        t.kernel_spec((3, 3, 8), mean=copy)
+    raw = Transform(crop_size=4, mean_value=(1,), dtype="uint8").kernel_spec((3, 6, 8))
+    assert raw.mean is None and raw.scale == 1
+
+
 def test_mean_file_shape_mismatch_names_both_shapes() -> None:
     t = Transform(mean_file=MEAN_FILE)
     with pytest.raises(

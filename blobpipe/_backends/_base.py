@@ -246,10 +246,19 @@ class Backend:
     @property
     def xp(self) -> ModuleType:
         """The array module of device arrays (``cupy``, or ``numpy`` for emulation)."""
-        self._require_device("xp")
+        self.require_device("xp")
         return np
 
-    def _require_device(self, what: str) -> None:
+    def require_device(self, what: str) -> None:
+        """Check that this backend has device memory (:attr:`has_device`) before an
+        operation that needs it; ``what`` names the operation in the message.
+
+        Returns nothing and changes nothing: on a device backend (cupy, emulated)
+        it always passes, on the host backend it always raises.
+
+        Raises:
+            BackendUnavailableError: the backend has no device memory (``"host"``).
+        """
         if not self.has_device:
             raise BackendUnavailableError(
                 f"{what} needs a GPU, but this blob lives on the {self.name!r} backend, which "
@@ -275,7 +284,7 @@ class Backend:
 
         Raises BackendUnavailableError without a device, MemoryError when full.
         """
-        self._require_device("device memory")
+        self.require_device("device memory")
         buf = self._alloc_device(nbytes)
         with self._stats_lock:
             self._device_allocs += 1
@@ -301,7 +310,7 @@ class Backend:
         current stream, and the call returns once it has run: the calling thread
         waits for the fill alone, never for the work it queued before.
         """
-        self._require_device("fill_device_zero")
+        self.require_device("fill_device_zero")
         self._launch(lambda: dst.fill(0), self._zero_stream()).synchronize()
 
     def _zero_stream(self) -> Stream:
@@ -319,19 +328,19 @@ class Backend:
     # -- streams and copies ------------------------------------------------------
     def create_stream(self) -> Stream:
         """A new non-blocking stream."""
-        self._require_device("create_stream")
+        self.require_device("create_stream")
         raise NotImplementedError  # pragma: no cover
 
     def default_stream(self) -> Stream:
         """The stream used when a caller passes none."""
-        self._require_device("default_stream")
+        self.require_device("default_stream")
         raise NotImplementedError  # pragma: no cover
 
     def copy_to_device(
         self, dst: Any, src: np.ndarray[Any, Any], stream: Stream | None = None
     ) -> Event:
         """Start copying host ``src`` into device ``dst`` (same byte size); return its event."""
-        self._require_device("copy_to_device")
+        self.require_device("copy_to_device")
         if src.nbytes != dst.nbytes:
             raise ValueError(
                 f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes"
@@ -348,7 +357,7 @@ class Backend:
         self, dst: np.ndarray[Any, Any], src: Any, stream: Stream | None = None
     ) -> Event:
         """Start copying device ``src`` into host ``dst`` (same byte size); return its event."""
-        self._require_device("copy_to_host")
+        self.require_device("copy_to_host")
         if src.nbytes != dst.nbytes:
             raise ValueError(
                 f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes"
@@ -374,7 +383,7 @@ class Backend:
         that brings its input) and after the work the caller queued so far on
         its current stream; the returned event completes after it.
         """
-        self._require_device("launch")
+        self.require_device("launch")
         stream = stream or self.default_stream()
         self._after_current(stream)
         return self._launch(fn, stream)
@@ -387,12 +396,12 @@ class Backend:
 
         With ``timing``, two such events can be passed to :meth:`elapsed`.
         """
-        self._require_device("record_event")
+        self.require_device("record_event")
         raise NotImplementedError  # pragma: no cover
 
     def elapsed(self, start: Event, end: Event) -> float:
         """Seconds between two completed timing events (``record_event(timing=True)``)."""
-        self._require_device("elapsed")
+        self.require_device("elapsed")
         raise NotImplementedError  # pragma: no cover
 
     def synchronize(self) -> None:
@@ -404,14 +413,14 @@ class Backend:
         """The calling thread's current stream on this device: where the caller's
         own device work goes (CuPy's current stream; on the emulated device the
         stream :meth:`using` made current, else its null stream)."""
-        self._require_device("current_stream")
+        self.require_device("current_stream")
         raise NotImplementedError  # pragma: no cover
 
     def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
         """Inside the ``with`` block, ``stream`` is the calling thread's current
         stream and this backend's device the current device (CuPy's ``with
         device, stream``); both are restored after it."""
-        self._require_device("using")
+        self.require_device("using")
         raise NotImplementedError  # pragma: no cover
 
     def as_stream(self, stream: object) -> Stream:
@@ -422,14 +431,14 @@ class Backend:
         Raises:
             TypeError: ``stream`` is none of those.
         """
-        self._require_device("as_stream")
+        self.require_device("as_stream")
         raise NotImplementedError  # pragma: no cover
 
     def stream_wait(self, stream: Stream, event: Event) -> None:
         """Work queued on ``stream`` after this call runs only once ``event`` has
         completed (``cudaStreamWaitEvent``); the calling thread does not wait.
         An :class:`EventGroup` is waited for event by event."""
-        self._require_device("stream_wait")
+        self.require_device("stream_wait")
         for one in event.events if isinstance(event, EventGroup) else (event,):
             if not one.query():
                 self._stream_wait(stream, one)
@@ -452,18 +461,18 @@ class Backend:
         """A device array over the memory of device array ``view`` that keeps
         ``owner`` referenced for as long as it, or anything made from it (a
         DLPack capsule, the consumer's tensor), lives."""
-        self._require_device("hold_device")
+        self.require_device("hold_device")
         raise NotImplementedError  # pragma: no cover
 
     def check_device_array(self, array: Any, what: str) -> None:
         """Raise UnsupportedOperationError unless ``array`` is memory of this
         backend's device (``what`` names the operation)."""
-        self._require_device(what)
+        self.require_device(what)
 
     def dlpack_stream(self, stream: object) -> Stream | None:
         """The stream a DLPack consumer named in ``__dlpack__(stream=...)``, as a
         Stream of this backend; None when it asks for no ordering (-1)."""
-        self._require_device("dlpack_stream")
+        self.require_device("dlpack_stream")
         raise NotImplementedError  # pragma: no cover
 
     def _after_current(self, stream: Stream) -> None:
@@ -485,7 +494,7 @@ class Backend:
         ``readonly`` is honoured where the array module supports it (numpy);
         CuPy arrays have no read-only flag.
         """
-        self._require_device("device_view")
+        self.require_device("device_view")
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         view = buf[: n * dt.itemsize].view(dt).reshape(shape)

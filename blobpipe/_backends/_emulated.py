@@ -334,7 +334,7 @@ class EmulatedBackend(Backend):
 
     def fill_device_zero(self, dst: Any) -> None:
         # as the base does, without the emulated copy delay: a memset of a fresh block
-        self._require_device("fill_device_zero")
+        self.require_device("fill_device_zero")
         stream = self._stream(self._zero_stream())
         stream.enqueue(lambda: dst.fill(0), delay=0.0).synchronize()
 

@@ -60,7 +60,7 @@ from ._fill import RecordSource
 from ._keys import PackedKeys
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
-from ._plan import BatchPlan
+from ._plan import BatchPlan, read_only
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -543,36 +543,25 @@ class Batches:
 
         orders = self._epochs
         random = self._random
-        if len(runs) == 1:  # the usual case: one stretch of one epoch's order
-            e, a, b = runs[0]
-            indices = tuple(orders.order(e)[a:b].tolist())
-            epochs: tuple[int, ...] = (e,) * (b - a)
-            positions = tuple(range(a, b))
-            words = tuple(orders.words(e)[a:b].tolist()) if random else (0,) * (b - a)
-        else:
-            indices_list: list[int] = []
-            epochs_list: list[int] = []
-            positions_list: list[int] = []
-            words_list: list[int] = []
-            for e, a, b in runs:
-                indices_list += orders.order(e)[a:b].tolist()
-                epochs_list += [e] * (b - a)
-                positions_list += range(a, b)
-                words_list += orders.words(e)[a:b].tolist() if random else [0] * (b - a)
-            indices, epochs = tuple(indices_list), tuple(epochs_list)
-            positions, words = tuple(positions_list), tuple(words_list)
-        all_keys = self._keys
-        keys = (
-            all_keys.take(indices)
-            if isinstance(all_keys, PackedKeys)
-            else itemgetter(*indices)(all_keys)
-            if len(indices) > 1
-            else (all_keys[indices[0]],)
+        # each row's index, epoch, position and word: read-only arrays, made once here
+        indices = read_only(np.concatenate([orders.order(e)[a:b] for e, a, b in runs]))
+        epochs = read_only(np.concatenate([np.full(b - a, e, np.int64) for e, a, b in runs]))
+        positions = read_only(np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in runs]))
+        words = read_only(
+            np.concatenate([orders.words(e)[a:b] for e, a, b in runs])
+            if random
+            else np.zeros(len(indices), np.uint64)
         )
+        all_keys = self._keys
+        if isinstance(all_keys, PackedKeys):
+            keys = all_keys.take(indices)
+        else:
+            rows = indices.tolist()
+            keys = itemgetter(*rows)(all_keys) if len(rows) > 1 else (all_keys[rows[0]],)
         plans = []
         for k, src in enumerate(self._sources):
             filler = src.filler
-            record_shape, first = filler.first(indices[0])
+            record_shape, first = filler.first(int(indices[0]))
             cache_key = (k, record_shape)
             out = self._out_shapes.get(cache_key)
             if out is None:
@@ -596,7 +585,7 @@ class Batches:
                     label_dtype=self._label_dtype,
                     name=src.name,
                     has_label=filler.kind == DATUM,
-                    _first=first,
+                    first_decoded=first,
                 )
             )
         if len(plans) == 1:
@@ -711,7 +700,7 @@ class Batches:
             data=data,
             label=arrays.get("label", label if plan.has_label else None),
             keys=list(plan.keys),
-            indices=plan.indices,
+            indices=tuple(plan.indices.tolist()),
             epoch=plan.epoch,
             valid=plan.valid,
             state=plan.state,

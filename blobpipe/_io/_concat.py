@@ -62,11 +62,11 @@ class ConcatFiller:
         params_out: npt.NDArray[np.int32] | None,
     ) -> None:
         """Rows ``[start:stop]`` of ``plan``, each from its own database."""
-        indices = np.fromiter(plan.indices[start:stop], np.int64, stop - start)
+        indices = plan.indices[start:stop]
         which = np.searchsorted(self._starts, indices, side="right") - 1
         for k in np.unique(which).tolist():
             rows = np.flatnonzero(which == k)  # relative to start
-            sub = plan.take((start + rows).tolist(), (indices[rows] - self._starts[k]).tolist())
+            sub = plan.take(start + rows, indices[rows] - self._starts[k])
             n = len(rows)
             first, last = int(rows[0]), int(rows[-1])
             if last - first + 1 == n:  # one run: straight into the batch

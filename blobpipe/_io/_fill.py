@@ -273,7 +273,7 @@ class Filler:
         index = self.index()
         persistent = index is not None
         if index is not None:
-            rows = np.fromiter(plan.indices[start:stop], np.intp, n)
+            rows = plan.indices[start:stop].astype(np.intp, copy=False)
         else:
             index = RecordIndex.joined(self._values(plan.keys[start:stop]))
             rows = np.arange(n, dtype=np.intp)
@@ -283,7 +283,7 @@ class Filler:
         label_out[start:stop] = loc.label
         t = self._transform
         spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
-        words = np.fromiter(plan.words[start:stop], np.uint64, n)
+        words = plan.words[start:stop]
         out = data_out[start:stop]
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
@@ -329,8 +329,8 @@ class Filler:
         rows = []
         shape = plan.record_shape
         for r in range(start, stop):
-            first = plan.decoded_first() if r == 0 else None
-            values = first[0] if first is not None else self._blob(plan.indices[r])
+            first = plan.first_decoded if r == 0 else None
+            values = first[0] if first is not None else self._blob(int(plan.indices[r]))
             if values.shape != shape:
                 raise DataError(
                     f"record {plan.keys[r]!r} is a blob of shape {values.shape} but the batch's "
@@ -349,7 +349,7 @@ class Filler:
             geometry = Geometry(np.zeros(n, np.intp), np.zeros(n, np.intp), np.zeros(n, np.bool_))
         else:
             chw = shape[-3:]
-            words = np.fromiter(plan.words[start:stop], np.uint64, n)
+            words = plan.words[start:stop]
             geometry = t.geometry(chw, self._phase, words)
             spec = t.kernel_spec(chw)
             if len(shape) == 3:
@@ -411,7 +411,7 @@ class Filler:
         offsets = loc.offset.tolist()
         lengths = loc.length.tolist()
         kinds = loc.kind.tolist()
-        first = plan.decoded_first() if start == 0 else None
+        first = plan.first_decoded if start == 0 else None
         images = (
             buffer[offsets[r] : offsets[r] + lengths[r]].data
             for r, k in enumerate(kinds)
@@ -477,7 +477,7 @@ class Filler:
         flip it used if the record turns out fine after all."""
         t = self._transform
         key = plan.keys[row]
-        first = plan.decoded_first() if row == 0 else None
+        first = plan.first_decoded if row == 0 else None
         if first is not None:
             chw, label = first
         else:
@@ -494,7 +494,7 @@ class Filler:
                     path=self._path,
                     key=key,
                 )
-            word = plan.words[row]
+            word = int(plan.words[row])
             params = t.record_params(chw.shape, phase=self._phase, word=word)
             t.apply_into(chw, data_out[row], params=params)
         except DataError:

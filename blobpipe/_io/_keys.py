@@ -88,7 +88,7 @@ class PackedKeys(Sequence[bytes]):
             raise IndexError(f"key index {i} out of range for {n} keys")
         return bytes(self._view[self._start(j) : int(self._ends[j])])
 
-    def take(self, indices: Sequence[int]) -> tuple[bytes, ...]:
+    def take(self, indices: npt.ArrayLike) -> tuple[bytes, ...]:
         """The keys at positions ``indices`` (each in range), in that order."""
         idx = np.asarray(indices, np.int64)
         ends = self._ends

@@ -4,13 +4,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
-__all__ = ["BatchPlan"]
+__all__ = ["BatchPlan", "read_only"]
+
+_A = TypeVar("_A", bound="np.ndarray[Any, Any]")
+
+
+def read_only(array: _A) -> _A:
+    """``array``, made read-only (``flags.writeable = False``) in place."""
+    array.setflags(write=False)
+    return array
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,7 +31,10 @@ class BatchPlan:
     padding (``last="pad"``): repeats of the epoch's first records.
 
     Attributes:
-        keys, indices, epochs, positions, words: one entry per row.
+        keys: one key (bytes) per row, a tuple.
+        indices, epochs, positions: one entry per row, read-only int64 arrays.
+        words: one random word per row, a read-only uint64 array (all 0 when
+            nothing is random).
         valid: the number of real (non-padding) rows.
         record_shape: the first record's ``(C, H, W)`` before the transform (a
             BlobProto record's own shape).
@@ -38,13 +49,16 @@ class BatchPlan:
         extra: the other sources read in lockstep, as ``(name, plan)``: the same
             rows (keys, indices, epochs, positions), with their own shapes,
             element types and random words.
+        first_decoded: row 0's pixels (``(C, H, W)``; a BlobProto's values) and
+            label when :meth:`Batches.next_plan` had to decode them to learn the
+            batch's shape (filling row 0 then uses them), else None.
     """
 
     keys: tuple[bytes, ...]
-    indices: tuple[int, ...]
-    epochs: tuple[int, ...]
-    positions: tuple[int, ...]
-    words: tuple[int, ...]
+    indices: npt.NDArray[np.int64]
+    epochs: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    words: npt.NDArray[np.uint64]
     valid: int
     record_shape: tuple[int, ...]
     data_shape: tuple[int, ...]
@@ -54,34 +68,30 @@ class BatchPlan:
     name: str = "data"
     has_label: bool = True
     extra: tuple[tuple[str, BatchPlan], ...] = ()
-    _first: tuple[np.ndarray, int] | None = field(default=None, repr=False)
+    first_decoded: tuple[np.ndarray, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def decoded_first(self) -> tuple[np.ndarray, int] | None:
-        """Row 0's pixels (values) and label when :meth:`Batches.next_plan` had to
-        decode them to learn the batch's shape (the fill then uses them), else None."""
-        return self._first
-
-    def take(self, rows: Sequence[int], indices: Sequence[int]) -> BatchPlan:
+    def take(self, rows: npt.ArrayLike, indices: npt.ArrayLike) -> BatchPlan:
         """The plan of rows ``rows`` alone, with global indices ``indices`` instead (a
         database's own, for the databases of one source); keeps row 0's decoded
         pixels when it is among them, first."""
+        at = np.asarray(rows, np.intp)
         return dataclasses.replace(
             self,
-            keys=tuple(self.keys[r] for r in rows),
-            indices=tuple(indices),
-            epochs=tuple(self.epochs[r] for r in rows),
-            positions=tuple(self.positions[r] for r in rows),
-            words=tuple(self.words[r] for r in rows),
-            valid=len(rows),
-            data_shape=(len(rows), *self.data_shape[1:]),
+            keys=tuple(self.keys[r] for r in at.tolist()),
+            indices=read_only(np.array(indices, np.int64)),
+            epochs=read_only(self.epochs[at]),
+            positions=read_only(self.positions[at]),
+            words=read_only(self.words[at]),
+            valid=len(at),
+            data_shape=(len(at), *self.data_shape[1:]),
             extra=(),
-            _first=self._first if rows[0] == 0 else None,
+            first_decoded=self.first_decoded if at[0] == 0 else None,
         )
 
     @property
     def epoch(self) -> int:
         """The epoch of the first row."""
-        return self.epochs[0]
+        return int(self.epochs[0])

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from .._errors import ArgumentError, ArgumentTypeError, DataError
 from ._concat import ConcatFiller
 from ._fill import Filler, RecordSource, RowFiller, shape_fix
 from ._kernels import mix_words
 from ._lmdb import LmdbReader
-from ._plan import BatchPlan
+from ._plan import BatchPlan, read_only
 from ._records import BLOBPROTO, DATUM, RecordKind, record_kind
 from ._transform import Phase, Transform
 
@@ -73,13 +74,12 @@ class Source:
             return paths[0]
         return " + ".join(str(p) for p in paths)
 
-    def words(self, words: tuple[int, ...]) -> tuple[int, ...]:
-        """This source's random words for rows whose primary words are ``words``."""
+    def words(self, words: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """This source's random words (read-only) for rows whose primary words are
+        ``words``."""
         if not self.salt:
             return words
-        w = np.fromiter(words, np.uint64, len(words))
-        out: tuple[int, ...] = tuple(mix_words(w, self.salt).tolist())
-        return out
+        return read_only(mix_words(words, self.salt))
 
     def close(self) -> None:
         """Close the filler, and the readers this source opened."""

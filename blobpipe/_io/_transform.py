@@ -50,6 +50,8 @@ Layout = Literal["NCHW", "NHWC"]
 OutDtype = Literal["float32", "uint8"]
 
 _SPEC_CACHE_SIZE = 16
+# kernel_spec's default mean: the transform's own (mean_array)
+_OWN_MEAN: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,26 +365,39 @@ class Transform:
                 f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
             )
 
-    def kernel_spec(self, record_shape: Sequence[int], *, with_mean: bool = True) -> KernelSpec:
+    def kernel_spec(
+        self, record_shape: Sequence[int], *, with_mean: bool = True, mean: Any = _OWN_MEAN
+    ) -> KernelSpec:
         """What the transform kernel needs for records of ``(C, H, W)`` besides their
         geometry: crop, mean (None for uint8 output, or without ``with_mean``),
-        scale and layout. Cached per shape (thread-safe).
+        scale and layout. Cached per shape (thread-safe). The one place a
+        :class:`KernelSpec` is made.
+
+        ``mean``: the mean to use instead of :meth:`mean_array` of ``record_shape``:
+        the same values in another array library's memory (a device's copy, for
+        the device transform; None where :meth:`mean_array` is None). Not cached.
 
         Raises:
             ShapeError: the crop is larger than the record, or the mean does not fit.
         """
-        if with_mean and type(record_shape) is tuple:
+        own = mean is _OWN_MEAN
+        if own and with_mean and type(record_shape) is tuple:
             spec = self._spec_cache.get(record_shape)
             if spec is not None:
                 return spec
         chw = _chw(record_shape)
         self._check_crop(chw[1], chw[2])
+        scale = self._scale
+        keep = False  # in the cache
         if not with_mean or self._dtype == "uint8":
-            spec = KernelSpec(self._crop, None, np.float32(1), self._layout)
-        else:
+            mean, scale = None, np.float32(1)
+        elif own:
             spec = self._spec_cache.get(chw)
-        if spec is None:
-            spec = KernelSpec(self._crop, self.mean_array(chw), self._scale, self._layout)
+            if spec is not None:
+                return spec
+            mean, keep = self.mean_array(chw), True
+        spec = KernelSpec(self._crop, mean, scale, self._layout)
+        if keep:
             with self._lock:
                 if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
                     self._spec_cache.pop(next(iter(self._spec_cache)))

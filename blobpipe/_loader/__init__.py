@@ -3,7 +3,7 @@
 Pipeline (Caffe's free/full prefetch queues, FFCV's ring of slots)::
 
     fillers: min(workers, prefetch) loops,           consumer (async for / for)
-    each in an anyio worker thread                   ──────────────────────────
+    each in its own plain thread                     ──────────────────────────
     ─────────────────────────────
     slot = free.get()              ◄──── recycled ── previous batch's slot
     wait for the slot's last device event
@@ -17,16 +17,24 @@ Pipeline (Caffe's free/full prefetch queues, FFCV's ring of slots)::
 
 One job per module:
 
-* ``_loader``: :class:`Loader` (construction, lifecycle, the fillers' loop,
-  ``__aiter__``/``__anext__``).
+* ``_loader``: :class:`Loader`, the facade: its arguments, the parts it builds, what
+  it reports (properties, statistics, resume state).
+* ``_async``: the async driver, the Loader's ``async with`` / ``async for`` form
+  (anyio: awaiting batches and their device events, shielded from cancellation).
+* ``_blocking``: the blocking driver, the Loader's ``with`` / ``for`` form (the
+  calling thread waits, no event loop).
+* ``_pipeline``: the pipeline: the ring, the fillers' threads and loop, the hand-off,
+  the consumer's steps, the release, the atexit hook.
 * ``_lifecycle``: its one state (UNOPENED, OPEN, FAILING, FAILED, CLOSED) and
   the error for each illegal move.
-* ``_options``: Batches' options, defined once for the Loader's ``**options``.
+* ``_options``: the Loader's own argument checks; Batches' options, defined once
+  for the Loader's ``**options``.
 * ``_ring``: the slots: buffers fitted to each batch, the free queue.
-* ``_device``: a filled slot's host→device push, device transform and events.
+* ``_device``: the device/host split of the transform; a filled slot's host→device
+  push, device transform and events.
 * ``_handoff``: the numbered mailbox from the fillers to the consumer.
-* the blocking form (``with``/``for``): plain filler threads, no event loop (``_loader.py``).
-* ``_batch``: :class:`Batch` (views of a slot) and :class:`LoaderStatistics`.
+* ``_batch``: :class:`Batch` (views of a slot).
+* ``_stats``: :class:`LoaderStatistics` and the counters behind it.
 
 A handed-out :class:`Batch` holds Blobs that share the slot's memory; when the
 consumer asks for the next batch they are retired, so a recycled batch raises
@@ -34,7 +42,7 @@ instead of silently showing other data. :meth:`Batch.detach` keeps one.
 """
 
 from ._batch import Batch as Batch
-from ._batch import LoaderStatistics as LoaderStatistics
 from ._loader import Loader as Loader
+from ._stats import LoaderStatistics as LoaderStatistics
 
 __all__ = ["Batch", "Loader", "LoaderStatistics"]

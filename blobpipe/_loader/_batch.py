@@ -1,46 +1,19 @@
-"""What the consumer gets: :class:`Batch` (views of a ring slot) and :class:`LoaderStatistics`."""
+"""What the consumer gets: :class:`Batch`, views of a ring slot."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .._blob import Blob
 from .._io._batches import BatchPlan
-from .._pool import PoolStatistics
 
-__all__ = ["Batch", "LoaderStatistics"]
+__all__ = ["Batch"]
 
 _RECYCLED = (
     "this batch was recycled: its buffers went back to the loader when the next batch "
     "was requested; call batch.detach() to keep a batch beyond the next iteration"
 )
-
-
-@dataclass(frozen=True)
-class LoaderStatistics:
-    """A snapshot of a :class:`Loader` (see :meth:`Loader.statistics`).
-
-    Attributes:
-        batches: batches delivered to the consumer.
-        records: records in those batches (padding rows excluded).
-        wait_time: seconds the consumer spent waiting for a batch (starvation).
-        decode_time: seconds worker threads spent reading, decoding and
-            transforming records (summed over threads).
-        copy_time: seconds host→device copies (and device transforms) were in
-            flight, from issue to completion, summed over batches.
-        pool: the host pool's statistics (pinned memory on CUDA).
-        device_pool: the device pool's statistics (None without a device).
-    """
-
-    batches: int
-    records: int
-    wait_time: float
-    decode_time: float
-    copy_time: float
-    pool: PoolStatistics
-    device_pool: PoolStatistics | None
 
 
 class Batch:
@@ -95,16 +68,30 @@ class Batch:
         on_detach: Callable[[Batch], None] | None = None,
         extra: dict[str, Blob] | None = None,
     ) -> None:
-        # on_detach: tells the loader to give the slot new buffers (called once)
+        """The batch ``plan`` describes, over a ring slot's Blobs: ``data``,
+        ``label`` and the other sources' ``extra`` (by name); the loader makes it.
+
+        The batch holds views of those Blobs (:meth:`Blob.view`: no allocation),
+        with read-only host exports and no finalizer: :meth:`recycle` closes
+        them, or :meth:`detach` makes them the caller's (a finalizer, writable
+        exports). ``on_detach`` tells the loader to give the slot new buffers
+        (called once, by :meth:`detach`).
+
+        Raises:
+            StateError: one of the slot's Blobs is closed.
+        """
         self._on_detach = on_detach
-        self._data = data
-        self._label = label
-        self._extra = extra or {}
+        self._data = data.view(readonly_export=True, finalizer=False)
+        self._label = label.view(readonly_export=True, finalizer=False)
+        self._extra = {
+            name: blob.view(readonly_export=True, finalizer=False)
+            for name, blob in (extra or {}).items()
+        }
         self._name = plan.name
         self._has_label = plan.has_label
         self._detached = False
         self.keys: tuple[bytes, ...] = plan.keys
-        self.indices: tuple[int, ...] = plan.indices
+        self.indices: tuple[int, ...] = tuple(plan.indices.tolist())
         self.epoch: int = plan.epoch
         self.valid: int = plan.valid
         self.state: dict[str, Any] = plan.state
@@ -112,7 +99,7 @@ class Batch:
     @property
     def data(self) -> Blob:
         """The batch's data Blob (N×C×H×W, or NHWC)."""
-        self._data._check_open()
+        self._data.check_open()
         return self._data
 
     @property
@@ -123,10 +110,10 @@ class Batch:
         blob = self._extra.get("label")
         if blob is None:
             if not self._has_label:
-                self._data._check_open()
+                self._data.check_open()
                 return None
             blob = self._label
-        blob._check_open()
+        blob.check_open()
         return blob
 
     def __getitem__(self, name: str) -> Blob:
@@ -139,7 +126,7 @@ class Batch:
         blob = self._data if name == self._name else self._extra.get(name)
         if blob is None:
             raise KeyError(f"no source named {name!r}; this batch has {self.names}")
-        blob._check_open()
+        blob.check_open()
         return blob
 
     @property
@@ -171,16 +158,23 @@ class Batch:
             on_detach, self._on_detach = self._on_detach, None
             self._detached = True
             for blob in self._blobs():
-                blob._keep()
-                blob._export_readonly = False  # the caller's now
+                blob.add_finalizer()
+                blob.readonly_export = False  # the caller's now
             if on_detach is not None:
                 on_detach(self)
         return self
 
-    def _recycle(self) -> None:
+    def recycle(self) -> None:
+        """Close the batch's Blobs unless the batch was detached: every later use of
+        them raises StateError saying the batch was recycled.
+
+        The loader calls it when the next batch is requested, before it refills
+        the slot. Idempotent; arrays already taken from the Blobs stay valid
+        views of the loader's buffers.
+        """
         if not self._detached:
             for blob in self._blobs():
-                blob._retire(_RECYCLED)
+                blob.close(_RECYCLED)
 
     def _blobs(self) -> tuple[Blob, ...]:
         return (self._data, self._label, *self._extra.values())

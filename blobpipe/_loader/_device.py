@@ -33,7 +33,7 @@ from .._io._kernels import Geometry, KernelSpec
 from .._io._transform import Transform
 from ._ring import Slot
 
-__all__ = ["DeviceWork", "finish_on_device", "wants_device_transform"]
+__all__ = ["DeviceWork", "TransformSplit", "finish_on_device", "wants_device_transform"]
 
 
 def finish_on_device(xp: Any, u8: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> None:
@@ -139,7 +139,7 @@ class DeviceWork:
                 mean = xp.zeros((c, side, side), np.float32)
             elif t.mean_value:
                 mean = xp.zeros((c, 1, 1), np.float32)
-            spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
+            spec = t.kernel_spec((c, side, side), mean=mean)
             zeros = np.zeros(2, np.intp)
             finish_on_device(xp, src, out, Geometry(zeros, zeros, np.array([False, True])), spec)
         stream.synchronize()
@@ -228,7 +228,7 @@ class DeviceWork:
         geometry = Geometry(
             params[:, 0].astype(np.intp), params[:, 1].astype(np.intp), params[:, 2] != 0
         )
-        spec = KernelSpec(t.crop_size, mean, t.scale, t.layout)
+        spec = t.kernel_spec(plan.record_shape, mean=mean)  # the device's copy of the mean
 
         def kernel() -> None:  # the host's arithmetic, over the device's arrays
             finish_on_device(xp, u8, out, geometry, spec)
@@ -253,3 +253,44 @@ class DeviceWork:
             stream.synchronize()  # landed before any slot's stream reads it
         with self._lock:
             return self._means.setdefault(key, device)
+
+
+class TransformSplit:
+    """Batches' ``split_transform``: decides where the transform runs once the
+    record kind is known, and keeps the decision (:meth:`decided`).
+
+    It refers to no Loader (the Batches keep it), so a dropped Loader stays
+    collectable. ``requested`` and ``device`` are the Loader's
+    ``device_transform`` and ``device`` arguments.
+    """
+
+    def __init__(self, backend: Backend, requested: bool | None, device: object) -> None:
+        self._backend = backend
+        self._requested = requested
+        self._device = device
+        self._decided: tuple[Transform, DeviceWork] | None = None
+
+    def __call__(self, transform: Transform, kind: str) -> Transform | None:
+        """The host's transform when part of ``transform`` runs on the device, else None.
+
+        Raises:
+            ArgumentError: ``device_transform=True`` for records that are not Datums,
+                or without a device.
+        """
+        if self._requested and kind != "datum":
+            raise ArgumentError(
+                "Loader: device_transform=True needs Datum records; this database holds "
+                "BlobProtos (float values: there is no uint8 transfer to save)"
+            )
+        on_device = kind == "datum" and wants_device_transform(
+            self._requested, self._backend, transform, self._device
+        )
+        work = DeviceWork(self._backend, transform, on_device)
+        self._decided = (transform, work)
+        return work.host_transform() if on_device else None
+
+    def decided(self) -> tuple[Transform, DeviceWork]:
+        """The transform and its device work, as decided when the Batches opened."""
+        if self._decided is None:  # pragma: no cover - Batches decides when it opens
+            raise RuntimeError("the transform split was not decided")
+        return self._decided

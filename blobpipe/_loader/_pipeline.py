@@ -1,17 +1,20 @@
-"""The pipeline behind a Loader: the ring, the fillers, the hand-off and the consumer's end.
+"""The pipeline behind a Loader: the ring, the fillers, the hand-off, the release.
 
 ``min(workers, prefetch)`` fillers, each a loop in its own plain thread: take a
 free slot from the ring, wait for the device work still reading it, number and
 plan the next batch (under one lock, so numbers follow plan order), fill it,
-issue its device work, post it to the hand-off by number. The consumer takes
-batches by number, from an event loop (:meth:`Pipeline.next_async`) or a thread
-(:meth:`Pipeline.next_blocking`).
+issue its device work, post it to the hand-off by number. A consumer takes the
+batches by number in these steps: :meth:`Pipeline.begin_next`,
+:meth:`Pipeline.help_fill`, a take from :attr:`Pipeline.handoff` (waiting as its
+driver waits: ``_async`` on an event loop, ``_blocking`` in a thread),
+:meth:`Pipeline.arrived`, the wait for the batch's device event, and
+:meth:`Pipeline.deliver`.
 
-No task group is entered and no event-loop object is kept across calls, so a
-pipeline may be opened, iterated and closed from any task (an async generator
-finalized in another task, a loop left with ``break``). Nothing here refers to
-the :class:`~blobpipe.Loader` that owns the pipeline: the Loader can be garbage
-collected while fillers run, and its finalizer closes the pipeline.
+Nothing here refers to the :class:`~blobpipe.Loader` that owns the pipeline or
+keeps an event-loop object: the Loader can be garbage collected while fillers
+run (its finalizer closes the pipeline), and a pipeline may be opened, iterated
+and closed from any task or thread. Pipelines still open when the interpreter
+exits are closed by an atexit hook.
 """
 
 from __future__ import annotations
@@ -22,28 +25,25 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-import anyio
-import anyio.lowlevel
-import anyio.to_thread
-
-from .._backends import Backend, Stream, wait_event
+from .._backends import Backend, Stream
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
-from .._pool import get_pool
-from ._batch import Batch, LoaderStatistics
+from ._batch import Batch
 from ._device import DeviceWork
-from ._handoff import End, Failure, Handoff, threadsafe_caller
+from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
 from ._ring import Ring, Slot
+from ._stats import Counters
 
-__all__ = ["Pipeline"]
+__all__ = ["YIELD_EVERY", "Item", "Made", "Pipeline"]
 
-_Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
-_YIELD_EVERY = 0.001  # seconds: the longest the consumer keeps the event loop from others
-_Item = _Made | End | Failure  # what the hand-off carries
+Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
+Item = Made | End | Failure  # what the hand-off carries
+#: Seconds: the longest a consumer fills batches itself, or keeps its event loop from
+#: other tasks; batches that take longer to fill keep every filler busy.
+YIELD_EVERY = 0.001
 
 _FORKED_ERROR = (
     "this Loader was opened in process {parent}, and this is a forked child ({child}): its "
@@ -55,8 +55,8 @@ _FORKED_ERROR = (
 class Pipeline:
     """The running part of a Loader (see the module docstring).
 
-    ``close``/``aclose`` may be called from any thread, also from a filler's
-    (a garbage collection there): the last filler to return releases the ring.
+    ``close`` may be called from any thread, also from a filler's (a garbage
+    collection there): the last filler to return releases the ring.
     """
 
     def __init__(
@@ -72,25 +72,20 @@ class Pipeline:
         self.backend = backend
         self.device = device
         self.lifecycle = Lifecycle()
+        self.counters = Counters()
         self._stream = stream
         self._n_fillers = min(workers, prefetch)
         # The producer plans ahead of the consumer: resume after the last
         # *delivered* batch, never from the producer's cursor.
         self.resume_state: dict[str, Any] = batches.state_dict()
-        self._lock = threading.Lock()  # the statistics, the filler count, the release
-        self._n_batches = 0
-        self._n_records = 0
-        self._wait_time = 0.0
-        self._decode_time = 0.0
-        self._copy_time = 0.0
+        self._lock = threading.Lock()  # the filler count, the release
         self._ring = Ring(backend, prefetch)
-        self._handoff: Handoff[_Made] = Handoff()
+        self.handoff: Handoff[Made] = Handoff()  # the consumer takes batches from it
         self._plan_lock = threading.Lock()  # numbers and plans batches, in order
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
-        self._yielded = 0.0  # when next_async last let the event loop run other tasks
         self._last_fill = float("inf")  # seconds the last batch took to fill
-        # set while batches take _YIELD_EVERY or more to fill: every filler runs;
+        # set while batches take YIELD_EVERY or more to fill: every filler runs;
         # clear (small batches): filler 0 and the consumer alone (see _filler)
         self._wide = threading.Event()
         self._wide.set()
@@ -100,25 +95,15 @@ class Pipeline:
         self._released = False  # the ring went back to the pool (once)
         self._release_on_return = False  # closed from a filler: the last one releases
         self._pid = os.getpid()  # the process that opened the pipeline
-        # (event loop token, its thread-safe caller) of the last async consumer
-        self._caller: tuple[object, Callable[[Callable[[], object]], object]] | None = None
 
     # -- opening and closing ---------------------------------------------------------
-    def open(self) -> None:
-        """UNOPENED → OPEN: warm up the device, allocate the ring, start the fillers.
+    def start(self) -> None:
+        """UNOPENED → OPEN: allocate the ring, start the fillers (the driver warmed
+        up the device before).
 
         Raises:
             StateError: the pipeline was opened before (or closed).
         """
-        self.device.warm_up()
-        self._start()
-
-    async def aopen(self) -> None:
-        """:meth:`open`, with the device warm-up in a worker thread."""
-        await anyio.to_thread.run_sync(self.device.warm_up)
-        self._start()
-
-    def _start(self) -> None:
         self.lifecycle.open()
         self._pid = os.getpid()
         self._ring.open()
@@ -134,24 +119,13 @@ class Pipeline:
         _close_at_exit(self)
 
     def close(self) -> None:
-        """Stop the fillers and release the ring: no thread left running, every
-        block back in the pool (from a filler thread: once the fillers returned).
-        Idempotent; final."""
-        _open_pipelines.discard(self)
-        left = self.lifecycle.move(State.CLOSED)
-        if left is State.UNOPENED:
-            self.batches.close()
+        """Stop the fillers and release the ring, waiting in the calling thread: no
+        thread left running, every block back in the pool (from a filler thread:
+        once the fillers returned). Idempotent; final. The close of the blocking
+        form, of the Loader's finalizer and of the atexit hook."""
+        if not self.begin_close():
             return
-        if left is None:
-            return
-        if os.getpid() != self._pid:
-            # a forked child: the fillers do not exist here, and the pool's locks
-            # may be held by threads of the parent; the memory is this process's
-            # copy and goes with it
-            return
-        self._stop_fillers()
-        me = threading.current_thread()
-        if me in self._threads:
+        if threading.current_thread() in self._threads:
             with self._lock:
                 self._release_on_return = self._fillers_running > 0
             if self._release_on_return:
@@ -159,60 +133,73 @@ class Pipeline:
         else:
             for thread in self._threads:
                 thread.join()
-        for slot in self._ring.slots:  # device work still reading a slot
-            slot.event.synchronize()
-            slot.released.synchronize()
-        self._release()
+        self._synchronize_slots()
+        self.release()
 
-    async def aclose(self) -> None:
-        """:meth:`close` for the event loop: the fillers are awaited in a worker
-        thread, shielded from cancellation. Idempotent; final."""
+    def begin_close(self) -> bool:
+        """Move to CLOSED and stop the fillers. True when the caller is to wait for
+        them (:meth:`wait_fillers`, then the slots' device work) and :meth:`release`
+        the ring; False when nothing is left to wait for: closed before, never opened
+        (the database is released here), or a forked child (the fillers do not exist
+        here, and the pool's locks may be held by threads of the parent; the memory
+        is this process's copy and goes with it)."""
         _open_pipelines.discard(self)
         left = self.lifecycle.move(State.CLOSED)
         if left is State.UNOPENED:
             self.batches.close()
-            return
+            return False
         if left is None or os.getpid() != self._pid:
-            return
-        with anyio.CancelScope(shield=True):
-            self._stop_fillers()
-            await anyio.to_thread.run_sync(self._fillers_done.wait)
-            await self._ring.settle()
-            self._release()
-
-    def _stop_fillers(self) -> None:
+            return False
         self.recycle_current()  # the consumer lets its batch go
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
         self._wide.set()  # parked fillers see the pipeline is closed
         self._ring.stop(self._n_fillers)
+        return True
 
-    def _release(self) -> None:
+    def wait_fillers(self) -> None:
+        """Block the calling thread until the last filler returned."""
+        self._fillers_done.wait()
+
+    async def settle(self) -> None:
+        """Await the device work (the slots' and the consumer's) still using any
+        slot's buffers, the event loop running other tasks meanwhile."""
+        await self._ring.settle()
+
+    def _synchronize_slots(self) -> None:
+        """:meth:`settle`, blocking the calling thread."""
+        for slot in self._ring.slots:
+            slot.event.synchronize()
+            slot.released.synchronize()
+
+    def release(self) -> None:
+        """Give the ring back to the pool, close the hand-off and the database (once;
+        after the fillers returned and the slots' device work completed)."""
         with self._lock:
             if self._released:
                 return
             self._released = True
         self.recycle_current()
         self._ring.close()
-        self._handoff.close()  # a consumer waiting in another task or thread sees the close
+        self.handoff.close()  # a consumer waiting in another task or thread sees the close
         self.batches.close()
 
-    # -- statistics ------------------------------------------------------------------
-    def statistics(self) -> LoaderStatistics:
-        """Counters of the batches delivered so far."""
-        backend = self.backend
-        with self._lock:
-            return LoaderStatistics(
-                batches=self._n_batches,
-                records=self._n_records,
-                wait_time=self._wait_time,
-                decode_time=self._decode_time,
-                copy_time=self._copy_time,
-                pool=get_pool(backend, "host").statistics(),
-                device_pool=(
-                    get_pool(backend, "device").statistics() if backend.has_device else None
-                ),
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``: only before the pipeline is opened (an open one has
+        batches of the old position prefetched already).
+
+        Raises:
+            StateError: the pipeline was opened already.
+            ArgumentError, DataError: as ``Batches.load_state_dict``.
+        """
+        lifecycle = self.lifecycle
+        if lifecycle.state is not State.UNOPENED:
+            raise StateError(
+                f"load_state_dict needs a Loader that was not opened yet (this one is "
+                f"{lifecycle!r}); create a new Loader with state=..."
             )
+        self.batches.load_state_dict(state)
+        self.resume_state = self.batches.state_dict()
 
     # -- producer --------------------------------------------------------------------
     def _thread_filler(self, k: int) -> None:
@@ -226,10 +213,8 @@ class Pipeline:
             if last:
                 self._fillers_done.set()
             if release:
-                for slot in self._ring.slots:
-                    slot.event.synchronize()
-                    slot.released.synchronize()
-                self._release()
+                self._synchronize_slots()
+                self.release()
 
     def _filler(self, k: int) -> None:
         """Filler ``k``'s loop; returns once the pipeline is not OPEN.
@@ -263,10 +248,10 @@ class Pipeline:
             self._ring.put(slot)
         if number is None or item is None:
             return False
-        self._handoff.post(number, item)
+        self.handoff.post(number, item)
         return not isinstance(item, Failure)
 
-    def _plan_and_fill(self, slot: Slot) -> tuple[int | None, _Item | None]:
+    def _plan_and_fill(self, slot: Slot) -> tuple[int | None, Item | None]:
         """Number and plan the next batch, fill it, and start its device work.
 
         Returns its number and what to post: the filled batch, the end of an
@@ -292,10 +277,9 @@ class Pipeline:
         finally:
             dt = time.perf_counter() - t0
             self._last_fill = dt
-            if (dt >= _YIELD_EVERY) != self._wide.is_set():
-                (self._wide.set if dt >= _YIELD_EVERY else self._wide.clear)()
-            with self._lock:
-                self._decode_time += dt
+            if (dt >= YIELD_EVERY) != self._wide.is_set():
+                (self._wide.set if dt >= YIELD_EVERY else self._wide.clear)()
+            self.counters.filled(dt)
         try:
             self.device.issue(slot, plan, self.batches.path)
         except Exception as exc:
@@ -315,7 +299,7 @@ class Pipeline:
         if current is None:
             return
         slot, batch = current
-        batch._recycle()
+        batch.recycle()
         slot.released = self.device.release(self._stream, slot)
         self._ring.put(slot)
 
@@ -329,135 +313,56 @@ class Pipeline:
         if pid != self._pid and self.lifecycle.state is not State.UNOPENED:
             raise StateError(_FORKED_ERROR.format(parent=self._pid, child=pid))
 
-    def _threadsafe_caller(self) -> Callable[[Callable[[], object]], object]:
-        token = anyio.lowlevel.current_token()
-        caller = self._caller
-        if caller is None or caller[0] is not token:
-            caller = self._caller = (token, threadsafe_caller())
-        return caller[1]
-
-    async def next_async(self) -> Batch:
-        """The next batch (recycling the previous one's buffers), for ``__anext__``.
+    def begin_next(self) -> float:
+        """The consumer asks for the next batch: lets the batch it holds go and
+        returns when it started waiting (for the statistics).
 
         Raises:
-            StopAsyncIteration: at the end of an epoch (``mode="epoch"``).
-            BlobpipeError: the error a filler raised making this batch.
             StateError: the pipeline is closed, failed earlier, or was opened in
                 the parent of this forked process.
         """
-        # Every call is a cancellation point, so a consumer whose body never
-        # awaits can still be cancelled (and time out): waiting for a batch is a
-        # checkpoint; a batch already there gets one when the loop last ran
-        # other tasks at least _YIELD_EVERY ago, else a cancellation check only
-        # (a turn of the event loop per batch costs more than a small batch).
-        t0 = self._begin_next()
-        handoff = self._handoff
-        # nothing ready, and batches fill in less time than the event loop may be
-        # kept from other tasks: fill them here meanwhile (see _help)
-        self._help(t0)
-        if handoff.ready():
-            if t0 - self._yielded >= _YIELD_EVERY:
-                await anyio.lowlevel.checkpoint()
-                t0 = self._yielded = time.perf_counter()
-                self.lifecycle.check_iterable()
-            else:  # batches arriving faster than this: cancellation is still seen
-                await anyio.lowlevel.checkpoint_if_cancelled()
-        item = handoff.take()
-        if item is None:
-            event = anyio.Event()
-            call_soon = self._threadsafe_caller()
-            item = handoff.take(lambda: call_soon(event.set))
-            if item is None:
-                try:
-                    await event.wait()
-                finally:
-                    handoff.forget_waiter()
-                item = self._taken()
-            else:
-                # it arrived meanwhile and is taken: a cancellation now would lose
-                # it, so this call's checkpoint is a shielded one
-                await anyio.lowlevel.cancel_shielded_checkpoint()
-        made = self._arrived(item, t0)
-        if made is None:
-            raise StopAsyncIteration
-        done = made[0].event
-        if not done.query():
-            # Shielded: the batch has left the hand-off, so a cancellation here
-            # would lose it and its slot. The wait is bounded by the copy.
-            with anyio.CancelScope(shield=True):
-                await wait_event(done)
-        return self._deliver(*made, t0)
-
-    def next_blocking(self) -> Batch:
-        """:meth:`next_async` for the blocking form: waits in the calling thread."""
-        t0 = self._begin_next()
-        handoff = self._handoff
-        self._help(t0)
-        item = handoff.take()
-        if item is None:
-            event = threading.Event()
-            item = handoff.take(event.set)
-            if item is None:
-                try:
-                    event.wait()
-                finally:
-                    handoff.forget_waiter()
-                item = self._taken()
-        made = self._arrived(item, t0)
-        if made is None:
-            raise StopIteration
-        made[0].event.synchronize()
-        return self._deliver(*made, t0)
-
-    def _help(self, t0: float) -> None:
-        """While the next batch is not ready and batches are small, fill batches
-        into free slots in the consumer's thread (for at most about _YIELD_EVERY)
-        rather than sleep until a filler posts one: for small records a thread
-        hand-off per batch costs more than the batch. (Large batches keep the
-        fillers busy on every core already.)"""
-        handoff = self._handoff
-        while (
-            not handoff.ready()
-            and self._last_fill < _YIELD_EVERY
-            and time.perf_counter() - t0 < _YIELD_EVERY
-        ):
-            slot = self._ring.take_nowait()
-            if slot is None or not self._fill_slot(slot):
-                return
-
-    def _begin_next(self) -> float:
         self._check_process()
         self.lifecycle.check_next()
         self.recycle_current()
         return time.perf_counter()
 
-    def _taken(self) -> _Item:
-        """After a wake-up: the batch that arrived (or StateError when closed)."""
+    def help_fill(self, t0: float) -> None:
+        """While the next batch is not ready and batches are small, fill batches
+        into free slots in the consumer's thread (for at most about YIELD_EVERY
+        since ``t0``) rather than sleep until a filler posts one: for small records
+        a thread hand-off per batch costs more than the batch. (Large batches keep
+        the fillers busy on every core already.)"""
+        handoff = self.handoff
+        while (
+            not handoff.ready()
+            and self._last_fill < YIELD_EVERY
+            and time.perf_counter() - t0 < YIELD_EVERY
+        ):
+            slot = self._ring.take_nowait()
+            if slot is None or not self._fill_slot(slot):
+                return
+
+    def taken(self) -> Item:
+        """After the consumer was woken: the batch that arrived (or StateError when closed)."""
         self.lifecycle.check_iterable()
-        item = self._handoff.take()
+        item = self.handoff.take()
         if item is None:  # pragma: no cover - woken without a batch means closed
             raise StateError(CLOSED_ERROR)
         return item
 
-    def _arrived(self, item: _Item, t0: float) -> _Made | None:
+    def arrived(self, item: Item, t0: float) -> Made | None:
         """A batch that arrived; None at the end of an epoch; raises failures."""
         if isinstance(item, End):
-            with self._lock:
-                self._wait_time += time.perf_counter() - t0
+            self.counters.waited(time.perf_counter() - t0)
             return None
         if isinstance(item, Failure):
             self.lifecycle.fail(item.exc)
             raise item.exc
         return item
 
-    def _deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
+    def deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
         """Account for the batch whose device work completed and hand it out."""
-        copy = self.device.elapsed(slot)
-        with self._lock:
-            self._copy_time += copy
-            self._wait_time += time.perf_counter() - t0
-            self._n_batches += 1
-            self._n_records += plan.valid
+        self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
         self.resume_state = plan.state
         batch = self._make_batch(slot, plan)
         self._current = (slot, batch)
@@ -467,14 +372,9 @@ class Pipeline:
         src = slot.out if self.device.on_device else slot.host
         if src is None or slot.label is None:  # closed by another thread meanwhile
             raise StateError(CLOSED_ERROR)
-        # closed by _recycle (or kept by detach, which adds the finalizer)
-        data = src._alias(finalize=False, readonly_export=True)
-        label = slot.label._alias(finalize=False, readonly_export=True)
-        extra = {
-            name: slot.extra[name]._alias(finalize=False, readonly_export=True)
-            for name, _ in plan.extra
-        }
-        return Batch(data, label, plan, on_detach=self._detach_current, extra=extra)
+        # the batch holds views of these until recycle_current (or detach)
+        extra = {name: slot.extra[name] for name, _ in plan.extra}
+        return Batch(src, slot.label, plan, on_detach=self._detach_current, extra=extra)
 
 
 # Pipelines still open: closed by an atexit hook, so that no filler thread is inside

@@ -98,9 +98,9 @@ class Slot:
             blob = self.extra[name] = _fit(
                 self.extra.get(name), part.data_shape, part.dtype, backend, released
             )
-            extra[name] = blob._overwrite_cpu_data()
+            extra[name] = blob.overwrite_cpu_data()
         # every row and label is written by the fill: no zero fill, no copy back
-        return self.host._overwrite_cpu_data(), self.label._overwrite_cpu_data(), params, extra
+        return self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data(), params, extra
 
     def forget(self, stream: Stream | None = None) -> None:
         """Drop the blobs (a detached batch now owns their memory). ``stream``: the

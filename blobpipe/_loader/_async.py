@@ -1,0 +1,140 @@
+"""The async driver: a Loader's form for an event loop (``async with``, ``async for``,
+``anext``), through anyio, so the same code runs under asyncio and trio.
+
+Every await after a batch left the hand-off is shielded, so a cancellation never
+loses a batch or its slot. No task group is entered and no event-loop object is
+kept beyond the cached thread-safe caller of the last loop that waited, so a
+loader may be opened, iterated and closed from any task (an async generator
+finalized in another task, a loop left with ``break``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from .._backends import wait_event
+from ._batch import Batch
+from ._handoff import threadsafe_caller
+from ._lifecycle import State
+from ._pipeline import YIELD_EVERY, Pipeline
+
+__all__ = ["AsyncForm"]
+
+_F = TypeVar("_F", bound="AsyncForm")
+
+
+class AsyncForm:
+    """The Loader's async methods, driving its pipeline ``_pipe`` from an event loop."""
+
+    _pipe: Pipeline  # the Loader's, made before this __init__ runs
+
+    def __init__(self) -> None:
+        self._yielded = 0.0  # when __anext__ last let the event loop run other tasks
+        # (event loop token, its thread-safe caller) of the last event loop that waited
+        self._caller: tuple[object, Callable[[Callable[[], object]], object]] | None = None
+
+    async def __aenter__(self: _F) -> _F:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Start the pipeline; prefer ``async with``, which also calls :meth:`aclose`.
+        The device warm-up runs in a worker thread; the fillers are plain threads, so
+        :meth:`aclose` (or ``close``) may run in any task or thread.
+
+        Raises:
+            StateError: the loader was opened before.
+        """
+        pipe = self._pipe
+        await anyio.to_thread.run_sync(pipe.device.warm_up)
+        pipe.start()
+
+    async def aclose(self) -> None:
+        """Stop the pipeline: no thread left running, every block back in the pool.
+        The fillers are awaited in a worker thread, shielded from cancellation.
+        Idempotent; callable from any task, also inside ``async with``."""
+        pipe = self._pipe
+        if not pipe.begin_close():
+            return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(pipe.wait_fillers)
+            await pipe.settle()
+            pipe.release()
+
+    def __aiter__(self) -> AsyncIterator[Batch]:
+        self._pipe.lifecycle.check_closed()
+        return self
+
+    async def __anext__(self) -> Batch:
+        """The next batch (recycling the previous one's buffers); the first call
+        opens a Loader that was not entered.
+
+        Raises:
+            StopAsyncIteration: at the end of an epoch (``mode="epoch"``).
+            BlobpipeError: the error a worker raised filling this batch (e.g. a
+                DataError naming the record key and the database).
+            StateError: the loader is closed or failed earlier, or was opened in
+                the parent of this forked process.
+        """
+        pipe = self._pipe
+        if pipe.lifecycle.state is State.UNOPENED:
+            await self.open()
+        # Every call is a cancellation point, so a consumer whose body never
+        # awaits can still be cancelled (and time out): waiting for a batch is a
+        # checkpoint; a batch already there gets one when the loop last ran
+        # other tasks at least YIELD_EVERY ago, else a cancellation check only
+        # (a turn of the event loop per batch costs more than a small batch).
+        t0 = pipe.begin_next()
+        handoff = pipe.handoff
+        # nothing ready, and batches fill in less time than the event loop may be
+        # kept from other tasks: fill them here meanwhile
+        pipe.help_fill(t0)
+        if handoff.ready():
+            if t0 - self._yielded >= YIELD_EVERY:
+                await anyio.lowlevel.checkpoint()
+                t0 = self._yielded = time.perf_counter()
+                pipe.lifecycle.check_iterable()
+            else:  # batches arriving faster than this: cancellation is still seen
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        item = handoff.take()
+        if item is None:
+            event = anyio.Event()
+            call_soon = self._threadsafe_caller()
+            item = handoff.take(lambda: call_soon(event.set))
+            if item is None:
+                try:
+                    await event.wait()
+                finally:
+                    handoff.forget_waiter()
+                item = pipe.taken()
+            else:
+                # it arrived meanwhile and is taken: a cancellation now would lose
+                # it, so this call's checkpoint is a shielded one
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+        made = pipe.arrived(item, t0)
+        if made is None:
+            raise StopAsyncIteration
+        done = made[0].event
+        if not done.query():
+            # Shielded: the batch has left the hand-off, so a cancellation here
+            # would lose it and its slot. The wait is bounded by the copy.
+            with anyio.CancelScope(shield=True):
+                await wait_event(done)
+        return pipe.deliver(*made, t0)
+
+    def _threadsafe_caller(self) -> Callable[[Callable[[], object]], object]:
+        """The running event loop's thread-safe caller (cached per loop)."""
+        token = anyio.lowlevel.current_token()
+        caller = self._caller
+        if caller is None or caller[0] is not token:
+            caller = self._caller = (token, threadsafe_caller())
+        return caller[1]
