@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,17 +52,26 @@ class Head(enum.Enum):
     SYNCED = 3
 
 
-class _Owned:
-    """The pool blocks a SyncedMemory owns; shared with its finalizer."""
+class _Copy(NamedTuple):
+    """An async copy between a SyncedMemory's buffers, issued and not yet observed complete."""
 
-    __slots__ = ("after", "backend", "cpu", "event", "gpu", "streams")
+    event: Event  # completes once the copy's bytes have landed
+    head: Head  # the head the memory takes once the event has completed
+
+
+class _Owned:
+    """The pool blocks a SyncedMemory owns and the async copy in flight on its buffers;
+    shared with its finalizer."""
+
+    __slots__ = ("after", "backend", "copy", "cpu", "gpu", "streams")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.cpu: Block | None = None
         self.gpu: Block | None = None
-        # The last copy touching either buffer; blocks return only after it.
-        self.event: Event | None = None
+        # The pending async copy, its only record: while it is set, every accessor waits
+        # for its event first, and a release returns the blocks only after that event.
+        self.copy: _Copy | None = None
         # Streams whose work queued up to the release runs before any reuse, and
         # events that must have completed too (release_after_*).
         self.streams: list[Stream] = []
@@ -77,8 +86,9 @@ class _Owned:
         return streams
 
     def release(self) -> None:
-        events = [e for e in (self.event, *self.after) if e is not None]
-        self.event, self.after = None, []
+        events = [self.copy.event] if self.copy is not None else []
+        events += self.after
+        self.copy, self.after = None, []
         blocks = [b for b in (self.cpu, self.gpu) if b is not None]
         self.cpu = self.gpu = None
         streams = self.take_streams()
@@ -147,8 +157,6 @@ class SyncedMemory:
         self._cpu: Any = None  # flat uint8 view of exactly size bytes
         self._gpu: Any = None
         self._owned = _Owned(self._backend)
-        self._pending: Event | None = None
-        self._pending_head = Head.UNINITIALIZED
         self._closed = False
         self._finalizer = weakref.finalize(self, self._owned.release)
 
@@ -177,7 +185,8 @@ class SyncedMemory:
     @property
     def copy_pending(self) -> bool:
         """True while an async copy is in flight and has not been observed."""
-        return self._pending is not None and not self._pending.query()
+        copy = self._owned.copy
+        return copy is not None and not copy.event.query()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else self._head.name
@@ -189,10 +198,9 @@ class SyncedMemory:
         if self._closed:
             return
         self._closed = True
-        self._owned.release()  # after the pending copy's event, if any
+        self._owned.release()  # after the pending copy's event, if any; forgets the copy
         self._finalizer.detach()
         self._cpu = self._gpu = None
-        self._pending = None
 
     def __enter__(self) -> SyncedMemory:
         return self
@@ -228,11 +236,11 @@ class SyncedMemory:
     # -- transitions (Caffe's to_cpu / to_gpu) ----------------------------------
     def _settle(self) -> None:
         """Wait for a pending async copy and apply its head transition."""
-        if self._pending is not None:
-            self._pending.synchronize()
-            self._pending = None
-            self._owned.event = None
-            self._head = self._pending_head
+        copy = self._owned.copy
+        if copy is not None:
+            copy.event.synchronize()
+            self._owned.copy = None
+            self._head = copy.head
 
     def _to_cpu(self) -> None:
         self._check_open()
@@ -397,9 +405,7 @@ class SyncedMemory:
         if self._gpu is None:
             self._alloc_gpu()
         event = self._backend.copy_to_device(self._gpu, self._cpu, stream)
-        # Also known to the finalizer: blocks return only after the copy.
-        self._pending, self._pending_head = event, Head.SYNCED
-        self._owned.event = event
+        self._owned.copy = _Copy(event, Head.SYNCED)
         return event
 
     def start_cpu_pull(self, stream: Stream | None = None) -> Event:
@@ -414,16 +420,15 @@ class SyncedMemory:
         if self._cpu is None:
             self._alloc_cpu()
         event = self._backend.copy_to_host(self._cpu, self._gpu, stream)
-        self._pending, self._pending_head = event, Head.SYNCED
-        self._owned.event = event
+        self._owned.copy = _Copy(event, Head.SYNCED)
         return event
 
     async def wait(self) -> None:
         """Wait, without blocking the event loop, for a pending async copy."""
-        pending = self._pending
-        if pending is not None:
-            await wait_event(pending)
-            if self._pending is pending:
+        copy = self._owned.copy
+        if copy is not None:
+            await wait_event(copy.event)
+            if self._owned.copy is copy:  # not settled or closed meanwhile
                 self._settle()
 
     async def async_gpu_push(self, stream: Stream | None = None) -> None:

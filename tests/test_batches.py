@@ -15,6 +15,7 @@ import pytest
 
 from blobpipe._errors import DatabaseNotFoundError, DataError, ShapeError, StateError
 from blobpipe._io._batches import ArrayBatch, Batches
+from blobpipe._io._kernels import Geometry
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -576,11 +577,13 @@ def test_plan_and_threaded_fill_equal_make_batch(db10: Path) -> None:
             assert plan.keys == tuple(exp.keys)
             data = np.full(plan.data_shape, np.nan, plan.dtype)
             label = np.full(len(plan), np.nan, np.float32)
-            params = np.zeros((len(plan), 3), np.int32)
+            geometry = Geometry.zeros(len(plan))
             ranges = [(0, 2), (2, 3), (3, 7)]
             threads = [
                 threading.Thread(
-                    target=b.fill, args=(plan, data, label, i, j), kwargs={"params_out": params}
+                    target=b.fill,
+                    args=(plan, data, label, i, j),
+                    kwargs={"geometry_out": geometry},
                 )
                 for i, j in ranges
             ]
@@ -592,7 +595,7 @@ def test_plan_and_threaded_fill_equal_make_batch(db10: Path) -> None:
             assert np.array_equal(label, exp.label)
             for row in range(len(plan)):
                 p = t.record_params(plan.record_shape, phase="train", word=int(plan.words[row]))
-                assert tuple(params[row]) == (p.h_off, p.w_off, int(p.mirror))
+                assert geometry.row(row) == (p.h_off, p.w_off, p.mirror)
 
 
 def test_uint8_output_plus_params_reproduce_float_output(db10: Path) -> None:
@@ -611,12 +614,12 @@ def test_uint8_output_plus_params_reproduce_float_output(db10: Path) -> None:
         plan = b.next_plan()
         assert plan is not None
         raw = np.empty(plan.data_shape, np.uint8)
-        params = np.empty((5, 3), np.int32)
-        b.fill(plan, raw, np.empty(5, np.float32), params_out=params)
+        geometry = Geometry.zeros(5)
+        b.fill(plan, raw, np.empty(5, np.float32), geometry_out=geometry)
     m = u8.mean_array(plan.record_shape)
     assert m is not None
     for row in range(5):
-        h, w, flip = (int(v) for v in params[row])
+        h, w, flip = geometry.row(row)
         mrow = m[:, h : h + 4, w : w + 4]
         if flip:
             mrow = mrow[:, :, ::-1]
@@ -634,6 +637,26 @@ def test_fill_checks_outputs(db10: Path) -> None:
             b.fill(plan, np.empty(plan.data_shape, np.float32), np.empty(3, np.float32))
         with pytest.raises(ValueError, match=r"rows \[1:5\] are outside the plan's 2 rows"):
             b.fill(plan, np.empty(plan.data_shape, np.float32), np.empty(2, np.float32), 1, 5)
+        data, label = np.empty(plan.data_shape, np.float32), np.empty(2, np.float32)
+        with pytest.raises(TypeError, match=r"geometry_out must be a Geometry .* got ndarray"):
+            b.fill(plan, data, label, geometry_out=np.zeros((2, 3), np.int32))  # type: ignore[arg-type]
+        ok = Geometry.zeros(2)
+        for bad, match in [
+            (
+                Geometry(np.zeros(3, np.intp), ok.w_off, ok.mirror),
+                r"geometry_out.h_off has shape \(3,\)",
+            ),
+            (
+                Geometry(ok.h_off, np.zeros(2, np.int32), ok.mirror),
+                r"geometry_out.w_off .* dtype int32",
+            ),
+            (Geometry(ok.h_off, ok.w_off, np.zeros(2, np.uint8)), r"needs shape \(2,\) dtype bool"),
+        ]:
+            with pytest.raises(ShapeError, match=match):
+                b.fill(plan, data, label, geometry_out=bad)
+        ok.mirror.setflags(write=False)
+        with pytest.raises(ValueError, match=r"geometry_out.mirror is read-only"):
+            b.fill(plan, data, label, geometry_out=ok)
 
 
 def test_open_reader_source_is_not_closed(db10: Path) -> None:

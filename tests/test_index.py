@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe._errors import DataError
 from blobpipe._io._batches import ArrayBatch, Batches
+from blobpipe._io._kernels import Geometry
 from blobpipe._io._lmdbfile import NamedDatabases, value_extents
 from blobpipe._io._records import ENCODED, PARSED, RAW
 from blobpipe._io._transform import Transform
@@ -473,20 +474,21 @@ def test_train_crops_from_the_index_equal_the_checked_path(
     loc = index.locate(np.arange(23))
     assert (loc.kind == (ENCODED if kind == "jpg" else RAW)).all()
 
-    def params_of(source: Any) -> list[np.ndarray]:
+    def geometry_of(source: Any) -> list[Geometry]:
         out = []
         with Batches(source, batch_size, **kwargs) as b:
             for _ in range(2):  # the second epoch comes from the index
                 while (plan := b.next_plan()) is not None:
                     data = np.empty(plan.data_shape, plan.dtype)
-                    params = np.empty((len(plan), 3), np.int32)
-                    b.fill(plan, data, np.empty(len(plan), np.float32), params_out=params)
-                    out.append(params)
+                    geometry = Geometry.zeros(len(plan))
+                    b.fill(plan, data, np.empty(len(plan), np.float32), geometry_out=geometry)
+                    out.append(geometry)
         return out
 
-    got, want = params_of(path), params_of(PlainSource(path))
+    got, want = geometry_of(path), geometry_of(PlainSource(path))
     assert len(got) == len(want)
-    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    for a, b in zip(got, want, strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a.arrays(), b.arrays(), strict=True))
 
 
 @settings(max_examples=200, deadline=None)
@@ -504,7 +506,7 @@ def test_geometry_equals_record_params(
     if crop > min(h, w):
         crop = min(h, w)
     t = Transform(crop_size=crop, mirror=mirror)
-    h_off, w_off, flip = t.geometry((3, h, w), phase, np.array(words, np.uint64))
+    h_off, w_off, flip = t.geometry((3, h, w), phase, np.array(words, np.uint64)).arrays()
     for i, word in enumerate(words):
         p = t.record_params((3, h, w), phase=phase, word=word)
         assert (int(h_off[i]), int(w_off[i]), bool(flip[i])) == (p.h_off, p.w_off, p.mirror)

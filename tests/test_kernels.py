@@ -128,7 +128,7 @@ def test_rows_of_several_sizes_crop_to_one() -> None:
     words = draw_words(0, [1, 1, 1], [0, 1, 2])
     parts = [draw_geometry(r.shape[1], r.shape[2], 8, True, True, words[i : i + 1])
              for i, r in enumerate(rows)]  # fmt: skip
-    geo = Geometry(*(np.concatenate(a) for a in zip(*parts, strict=True)))
+    geo = Geometry(*(np.concatenate(a) for a in zip(*(p.arrays() for p in parts), strict=True)))
     mean = np.array([1.5, 2.0, 3.0], np.float32)[:, None, None]
     out = np.empty((3, 3, 8, 8), np.float32)
     apply(np, rows, out, geo, KernelSpec(8, mean, np.float32(0.25), "NCHW"))

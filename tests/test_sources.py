@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import blobpipe
-from blobpipe import Batches, DataError, Loader, Transform
+from blobpipe import Batches, DataError, Geometry, Loader, Transform
 from blobpipe._codec import blobproto_bytes
 from blobpipe.testing import EmulatedBackend
 from tests._helpers import image, key, raw_db, write_lmdb
@@ -162,13 +162,13 @@ def test_blobproto_transform_is_caffes(tmp_path: Path, shape: tuple[int, ...]) -
         assert plan is not None
         data = np.empty(plan.data_shape, plan.dtype)
         label = np.empty(6, np.float32)
-        params = np.empty((6, 3), np.int32)
-        b.fill(plan, data, label, params_out=params)
+        geometry = Geometry.zeros(6)
+        b.fill(plan, data, label, geometry_out=geometry)
     assert data.shape == (6, *shape[:-2], 5, 5)
     mean = np.array([1.5, 2.0, -3.0], np.float32).reshape(3, 1, 1)
     flips = set()
     for r in range(6):
-        h, w, flip = params[r]
+        h, w, flip = geometry.row(r)
         flips.add(bool(flip))
         x = blob_values(r, shape).reshape(-1, 3, 8, 9)
         want = np.stack([caffe_blob_transform(item, h, w, 5, bool(flip), mean, 0.25) for item in x])
@@ -423,6 +423,37 @@ def test_databases_as_one(tmp_path: Path, order: str) -> None:
         assert seen == list(range(9))
     else:  # rows of both databases interleave within a batch
         assert any(len({i >= 5 for i in x.indices}) == 2 for x in batches)
+
+
+@pytest.mark.parametrize("order", ["key", "shuffle"])
+def test_databases_as_one_report_each_rows_geometry(tmp_path: Path, order: str) -> None:
+    """``geometry_out`` holds the crop and flip each row was transformed with, whether
+    a database's rows make one run (key order: filled in place) or interleave with
+    the other's (shuffled: filled apart and scattered), range by range."""
+    dbs, want = two_dbs(tmp_path)
+    t = Transform(crop_size=4, mirror=True)
+    ranges = [(0, 4), (4, 9)]
+    with Batches(dbs, 9, order=order, seed=0, mode="epoch", transform=t, phase="train") as b:
+        plan = b.next_plan()
+        assert plan is not None
+        data = np.empty(plan.data_shape, plan.dtype)
+        label = np.empty(9, np.float32)
+        geometry = Geometry.zeros(9)
+        for start, stop in ranges:
+            b.fill(plan, data, label, start, stop, geometry_out=geometry)
+    if order == "shuffle":  # rows of the second database at 0 and 3: filled apart
+        assert [int(i) >= 5 for i in plan.indices[:4]] == [True, False, False, True]
+    flips = set()
+    for r, i in enumerate(plan.indices):
+        p = t.record_params((3, 6, 8), phase="train", word=int(plan.words[r]))
+        h, w, flip = geometry.row(r)
+        assert (h, w, flip) == (p.h_off, p.w_off, p.mirror)
+        x = want[int(i)][0][:, h : h + 4, w : w + 4]
+        if flip:
+            x = x[:, :, ::-1]
+        np.testing.assert_array_equal(data[r], x.astype(np.float32))
+        flips.add(flip)
+    assert flips == {False, True}
 
 
 def test_databases_as_one_shards_resume_and_loader(tmp_path: Path) -> None:

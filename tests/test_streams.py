@@ -398,6 +398,48 @@ def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None
         assert np.array_equal(g, w), k
 
 
+def test_the_device_kernel_reads_the_slots_geometry_as_the_host_drew_it() -> None:
+    """The host fill records each row's crop and flip in the slot's Geometry (intp
+    offsets, bool flips); the device kernel gets that very Geometry, no copy or
+    conversion, holding what the transform draws for each row's random word."""
+    import blobpipe._loader._device as device_module
+
+    t = Transform(mean_file=MEAN_FILE, scale=0.017, crop_size=24, mirror=True)
+    filled: list[tuple[Any, Any, list[tuple[int, int, bool]]]] = []  # (geometry, plan, rows)
+    kernels: list[Any] = []
+    launch = device_module.DeviceWork._launch_transform
+    finish = device_module.finish_on_device
+
+    def spy_launch(self: Any, slot: Any, plan: Any, mean: Any) -> None:
+        g = slot.geometry
+        filled.append((g, plan, [g.row(r) for r in range(len(g))]))
+        launch(self, slot, plan, mean)
+
+    def spy_finish(xp: Any, u8: Any, out: Any, geometry: Any, spec: Any) -> None:
+        kernels.append(geometry)
+        finish(xp, u8, out, geometry, spec)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_module.DeviceWork, "_launch_transform", spy_launch)
+        mp.setattr(device_module, "finish_on_device", spy_finish)
+        with Loader(
+            RAW_COLOR, 3, device=EmulatedBackend(), prefetch=2, transform=t, phase="train",
+            order="shuffle", seed=4,
+        ) as loader:  # fmt: skip
+            for _, _batch in zip(range(4), loader, strict=False):
+                pass
+    assert len(filled) >= 4 and len(kernels) == 1 + len(filled)  # open's warm-up first
+    flips = set()
+    for geometry, plan, rows in filled:
+        assert geometry.h_off.dtype == np.intp and geometry.mirror.dtype == np.bool_
+        assert any(k is geometry for k in kernels[1:])
+        for r, row in enumerate(rows):
+            p = t.record_params(plan.record_shape, phase="train", word=int(plan.words[r]))
+            assert row == (p.h_off, p.w_off, p.mirror)
+            flips.add(row[2])
+    assert flips == {False, True}
+
+
 # -- a torch consumer on its own stream (the GPU check's target) ----------------------------------
 
 

@@ -332,6 +332,8 @@ def test_close_with_copy_in_flight_defers_block_reuse() -> None:
     mem = SyncedMemory(600, backend)
     mem.mutable_cpu_data()[:] = 1
     event = mem.start_gpu_push()
+    # the caller's stream has run all its work: only the copy's own event holds the block
+    backend.current_stream().synchronize()
     mem.close()
     stats = host_pool.statistics()
     assert stats.pending_blocks == 1 and stats.free_blocks == 0

@@ -51,12 +51,14 @@ import numpy.typing as npt
 
 from .._errors import (
     ArgumentError,
+    ArgumentTypeError,
     DataError,
     ShapeError,
     StateError,
     UnsupportedOperationError,
 )
 from ._fill import RecordSource
+from ._kernels import Geometry
 from ._keys import PackedKeys
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
@@ -622,7 +624,7 @@ class Batches:
         start: int = 0,
         stop: int | None = None,
         *,
-        params_out: npt.NDArray[np.int32] | None = None,
+        geometry_out: Geometry | None = None,
         extra_out: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Read, decode and transform rows ``[start:stop]`` of ``plan`` into the outputs.
@@ -630,15 +632,19 @@ class Batches:
         ``data_out`` has ``plan.data_shape`` and ``plan.dtype``; ``label_out`` has
         ``plan.label_dtype`` and ``len(plan)`` rows. Only rows ``[start:stop]`` are written, so
         threads may fill disjoint ranges of the same arrays concurrently.
-        ``params_out`` (``(len(plan), 3)`` int32), when given, receives each row's
-        ``(h_off, w_off, mirror)`` — what a device transform needs to apply the
-        mean at the uncropped position after a ``dtype="uint8"`` batch.
+        ``geometry_out`` (a :class:`Geometry` of ``len(plan)`` rows, e.g.
+        ``Geometry.zeros(len(plan))``), when given, receives at rows ``[start:stop]``
+        each row's crop offset (``h_off``, ``w_off``) and flip (``mirror``) — what a
+        device transform needs to apply the mean at the uncropped position after a
+        ``dtype="uint8"`` batch.
         ``extra_out``: with several sources, each other source's array by name
         (shapes and dtypes from ``plan.extra``). Records without labels
         (BlobProtos) leave zeros in ``label_out``.
 
         Raises:
+            ArgumentTypeError: ``geometry_out`` is not a :class:`Geometry` of arrays.
             ShapeError: an output array has the wrong shape or dtype.
+            ArgumentError: ``geometry_out`` is read-only.
             DataError: a record cannot be read or decoded, or its transformed shape
                 differs from the first record's (the message names both keys and
                 shapes), or it does not fit the transform; names path and key.
@@ -657,8 +663,8 @@ class Batches:
                 f"label_out has shape {label_out.shape} dtype {label_out.dtype}; the plan "
                 f"needs shape ({n},) dtype {plan.label_dtype}"
             )
-        if params_out is not None and params_out.shape != (n, 3):
-            raise ShapeError(f"params_out has shape {params_out.shape}; expected ({n}, 3)")
+        if geometry_out is not None:
+            _check_geometry(geometry_out, n)
         outs: list[tuple[Any, BatchPlan, np.ndarray]] = []  # (filler, part, out)
         if plan.extra:
             given = dict(extra_out or {})
@@ -677,7 +683,7 @@ class Batches:
         if start == stop:
             return
         self._check_open()
-        self._filler.fill(plan, data_out, label_out, start, stop, params_out)
+        self._filler.fill(plan, data_out, label_out, start, stop, geometry_out)
         if not plan.has_label:
             label_out[start:stop] = 0
         if outs:
@@ -760,3 +766,32 @@ class Batches:
 def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
     """Batches opened again from pickled options, at ``state``."""
     return Batches(**options, state=state)
+
+
+def _check_geometry(geometry: object, n: int) -> None:
+    """Refuse a ``geometry_out`` that is not a :class:`Geometry` of ``n`` rows of
+    writable arrays of its dtypes (intp offsets, bool flips).
+
+    Raises:
+        ArgumentTypeError: not a Geometry, or a field that is not a NumPy array.
+        ShapeError: a field of another length or dtype.
+        ArgumentError: a read-only field.
+    """
+    if not isinstance(geometry, Geometry):
+        raise ArgumentTypeError(
+            "geometry_out must be a Geometry (e.g. blobpipe.Geometry.zeros(len(plan))), "
+            f"got {type(geometry).__name__}"
+        )
+    for name, want in (("h_off", np.intp), ("w_off", np.intp), ("mirror", np.bool_)):
+        a = getattr(geometry, name)
+        if not isinstance(a, np.ndarray):
+            raise ArgumentTypeError(
+                f"geometry_out.{name} must be a NumPy array, got {type(a).__name__}"
+            )
+        if a.shape != (n,) or a.dtype != want:
+            raise ShapeError(
+                f"geometry_out.{name} has shape {a.shape} dtype {a.dtype}; the plan needs "
+                f"shape ({n},) dtype {np.dtype(want)}"
+            )
+        if not a.flags.writeable:
+            raise ArgumentError(f"geometry_out.{name} is read-only; fill writes into it")

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from ._fill import Filler
+from ._fill import Filler, store_geometry
+from ._kernels import Geometry
 from ._plan import BatchPlan
 from ._records import RecordKind
 from ._transform import Transform
@@ -59,7 +59,7 @@ class ConcatFiller:
         label_out: np.ndarray,
         start: int,
         stop: int,
-        params_out: npt.NDArray[np.int32] | None,
+        geometry_out: Geometry | None,
     ) -> None:
         """Rows ``[start:stop]`` of ``plan``, each from its own database."""
         indices = plan.indices[start:stop]
@@ -71,15 +71,15 @@ class ConcatFiller:
             first, last = int(rows[0]), int(rows[-1])
             if last - first + 1 == n:  # one run: straight into the batch
                 a, b = start + first, start + first + n
-                params = params_out[a:b] if params_out is not None else None
-                self._parts[k].fill(sub, data_out[a:b], label_out[a:b], 0, n, params)
+                run = geometry_out.take(slice(a, b)) if geometry_out is not None else None
+                self._parts[k].fill(sub, data_out[a:b], label_out[a:b], 0, n, run)
                 continue
             data = np.empty((n, *data_out.shape[1:]), data_out.dtype)
             label = np.empty(n, label_out.dtype)
-            params = np.empty((n, 3), np.int32) if params_out is not None else None
-            self._parts[k].fill(sub, data, label, 0, n, params)
+            geometry = Geometry.zeros(n) if geometry_out is not None else None
+            self._parts[k].fill(sub, data, label, 0, n, geometry)
             at = start + rows
             data_out[at] = data
             label_out[at] = label
-            if params_out is not None and params is not None:
-                params_out[at] = params
+            if geometry_out is not None and geometry is not None:
+                store_geometry(geometry_out, at, geometry)

@@ -41,7 +41,7 @@ from ._plan import BatchPlan
 from ._records import BLOBPROTO, DATUM, ENCODED, PARSED, RAW, RecordKind, blob_record
 from ._transform import Phase, RecordParams, Transform
 
-__all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix"]
+__all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix", "store_geometry"]
 
 _U1 = np.dtype(np.uint8)
 
@@ -81,6 +81,14 @@ def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
     )
 
 
+def store_geometry(out: Geometry, rows: slice | npt.NDArray[np.intp], geometry: Geometry) -> None:
+    """``geometry``'s rows written into rows ``rows`` of ``out`` (a slice or an index
+    array of ``len(geometry)`` rows)."""
+    out.h_off[rows] = geometry.h_off
+    out.w_off[rows] = geometry.w_off
+    out.mirror[rows] = geometry.mirror
+
+
 class RowFiller(Protocol):
     """What Batches needs of a source's filler: one database's (:class:`Filler`) or
     several read as one (``_concat.ConcatFiller``)."""
@@ -108,9 +116,10 @@ class RowFiller(Protocol):
         label_out: np.ndarray,
         start: int,
         stop: int,
-        params_out: npt.NDArray[np.int32] | None,
+        geometry_out: Geometry | None,
     ) -> None:
-        """Rows ``[start:stop]`` of ``plan`` into the outputs."""
+        """Rows ``[start:stop]`` of ``plan`` into the outputs (``geometry_out``: the
+        rows' crop offsets and flips, at the same rows)."""
         ...
 
     def close(self) -> None:
@@ -263,11 +272,11 @@ class Filler:
         label_out: np.ndarray,
         start: int,
         stop: int,
-        params_out: npt.NDArray[np.int32] | None,
+        geometry_out: Geometry | None,
     ) -> None:
         """Rows ``[start:stop]`` of ``plan`` into the outputs (checked by the caller)."""
         if self.kind == BLOBPROTO:
-            self._fill_blobs(plan, data_out, start, stop, params_out)
+            self._fill_blobs(plan, data_out, start, stop, geometry_out)
             return
         n = stop - start
         index = self.index()
@@ -288,11 +297,14 @@ class Filler:
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
             apply(np, self._raw_rows(loc, shape, out), out, geometry, spec)
+            if geometry_out is not None:
+                store_geometry(geometry_out, slice(start, stop), geometry)
         else:  # row by row: each decoded image transformed while it is in cache
-            h_off = np.zeros(n, np.intp)
-            w_off = np.zeros(n, np.intp)
-            mirror = np.zeros(n, np.bool_)
-            geometry = Geometry(h_off, w_off, mirror)
+            # each row's crop and flip, set below (or its checked path raises), in
+            # place in geometry_out's rows (views) when it is given
+            h_off, w_off, mirror = (
+                Geometry.zeros(n) if geometry_out is None else geometry_out.take(slice(start, stop))
+            ).arrays()
             expected = plan.data_shape[1:]
             learned: list[tuple[int, tuple[int, ...]]] = []
             for r, chw in self._rows(plan, loc, start):
@@ -309,10 +321,6 @@ class Filler:
             if persistent and learned:
                 at = np.fromiter((r for r, _ in learned), np.intp, len(learned))
                 index.note_shapes(rows[at], np.array([s for _, s in learned], np.int32))
-        if params_out is not None:
-            params_out[start:stop, 0] = geometry.h_off
-            params_out[start:stop, 1] = geometry.w_off
-            params_out[start:stop, 2] = geometry.mirror
         if persistent:
             self._check_snapshot(index)
 
@@ -322,7 +330,7 @@ class Filler:
         data_out: np.ndarray,
         start: int,
         stop: int,
-        params_out: npt.NDArray[np.int32] | None,
+        geometry_out: Geometry | None,
     ) -> None:
         """BlobProto rows ``[start:stop]``: each record's values, through the kernel
         unless the transform is the identity."""
@@ -346,7 +354,7 @@ class Filler:
         if t.is_identity:
             for r, values in enumerate(rows):
                 out[r] = values
-            geometry = Geometry(np.zeros(n, np.intp), np.zeros(n, np.intp), np.zeros(n, np.bool_))
+            geometry = Geometry.zeros(n)
         else:
             chw = shape[-3:]
             words = plan.words[start:stop]
@@ -358,10 +366,8 @@ class Filler:
                 items = shape[0]
                 for r, values in enumerate(rows):
                     apply(np, values, out[r], geometry.take([r] * items), spec)
-        if params_out is not None:
-            params_out[start:stop, 0] = geometry.h_off
-            params_out[start:stop, 1] = geometry.w_off
-            params_out[start:stop, 2] = geometry.mirror
+        if geometry_out is not None:
+            store_geometry(geometry_out, slice(start, stop), geometry)
         index = self.index()
         if index is not None:
             self._check_snapshot(index)

@@ -13,10 +13,6 @@ first; what OpenCV cannot decode comes back as :class:`Undecodable`, a sentence 
 caller puts in its error. :func:`decode_many` decodes a batch's images one after
 another, each as the caller asks for it. OpenCV releases the GIL while it
 decodes, so worker threads decode in parallel.
-
-(A libjpeg-turbo shortcut through simplejpeg, exact where it applies, was
-measured on the ImageNet-sized JPEG workload and dropped: with two workers it
-made no difference to the Loader; see ``docs/performance.md``.)
 """
 
 from __future__ import annotations

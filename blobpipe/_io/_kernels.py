@@ -28,7 +28,7 @@ are done one row at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -111,20 +111,46 @@ def block_rows(n: int, row_bytes: int, two_passes: bool) -> int:
     return max(1, min(n, _CHUNK_BYTES // max(row_bytes, 1)))
 
 
-class Geometry(NamedTuple):
-    """Per row: the crop's top-left corner in the uncropped record and the flip."""
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Each row's crop and flip: the crop's top-left corner ``(h_off, w_off)`` in the
+    uncropped record, and ``mirror``, one element per row (:class:`RecordParams`
+    for many rows).
+
+    ``h_off`` and ``w_off`` are ``intp`` arrays, ``mirror`` a ``bool`` array, all
+    of one length. :meth:`Batches.fill` writes a batch's into ``geometry_out``,
+    made with :meth:`zeros` (what a device transform needs to apply the mean at
+    the uncropped position after a ``dtype="uint8"`` batch)::
+
+        geometry = blobpipe.Geometry.zeros(len(plan))
+        batches.fill(plan, data, label, geometry_out=geometry)
+        h_off, w_off, flip = geometry.row(0)
+    """
 
     h_off: npt.NDArray[np.intp]
     w_off: npt.NDArray[np.intp]
     mirror: npt.NDArray[np.bool_]
 
+    @classmethod
+    def zeros(cls, n: int) -> Geometry:
+        """``n`` rows of no crop offset and no flip, in new writable arrays (an
+        output for :meth:`Batches.fill`'s ``geometry_out``)."""
+        return cls(np.zeros(n, np.intp), np.zeros(n, np.intp), np.zeros(n, np.bool_))
+
     def __len__(self) -> int:
         return len(self.h_off)
 
+    def arrays(self) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+        """``(h_off, w_off, mirror)``."""
+        return self.h_off, self.w_off, self.mirror
+
     def row(self, i: int) -> tuple[int, int, bool]:
+        """Row ``i``'s ``(h_off, w_off, mirror)`` as Python values."""
         return int(self.h_off[i]), int(self.w_off[i]), bool(self.mirror[i])
 
     def take(self, rows: Any) -> Geometry:
+        """The rows ``rows`` selects (an index array: copies; a slice: views that
+        write through)."""
         return Geometry(self.h_off[rows], self.w_off[rows], self.mirror[rows])
 
 

@@ -351,7 +351,7 @@ class Transform:
         fixed = self._fixed.get(key)
         if fixed is None:
             fixed = draw_geometry(h, w, self._crop, False, False, np.zeros(n, np.uint64))
-            for part in fixed:
+            for part in fixed.arrays():
                 part.setflags(write=False)
             with self._lock:
                 if len(self._fixed) >= _SPEC_CACHE_SIZE:

@@ -217,6 +217,8 @@ class DeviceWork:
         xp = backend.xp
         t = self._transform
         assert slot.host is not None and slot.staged is not None and slot.out is not None
+        geometry = slot.geometry  # the host fill's, read by the kernel until slot.event
+        assert geometry is not None and len(geometry) == len(plan)
         # The uint8 batch is copied into a device-only blob rather than pushed
         # through the host blob's SyncedMemory: a pending push would make the
         # device accessor below wait for the copy.
@@ -224,10 +226,6 @@ class DeviceWork:
         u8 = slot.staged.mutable_gpu_data()
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         out = slot.out.mutable_gpu_data()
-        params = slot.params[: len(plan)]
-        geometry = Geometry(
-            params[:, 0].astype(np.intp), params[:, 1].astype(np.intp), params[:, 2] != 0
-        )
         spec = t.kernel_spec(plan.record_shape, mean=mean)  # the device's copy of the mean
 
         def kernel() -> None:  # the host's arithmetic, over the device's arrays

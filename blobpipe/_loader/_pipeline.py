@@ -270,8 +270,8 @@ class Pipeline:
             return number, End()
         t0 = time.perf_counter()
         try:
-            data, label, params, extra = slot.prepare(plan, self.device.out_shape(plan))
-            self.batches.fill(plan, data, label, params_out=params, extra_out=extra)
+            data, label, geometry, extra = slot.prepare(plan, self.device.out_shape(plan))
+            self.batches.fill(plan, data, label, geometry_out=geometry, extra_out=extra)
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, exc)
         finally:

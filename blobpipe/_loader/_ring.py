@@ -8,6 +8,7 @@ Invariants:
   At most that much batch memory is alive: a slow consumer slows reading.
 * A slot is refilled only after the consumer has moved past its batch (it is
   then :meth:`Ring.put` back) *and* the device work reading its host buffers
+  (the staged pixels, the rows' ``geometry`` the device transform reads as is)
   has completed (its ``event``, which the filler waits for). Its device
   buffers are written again only after ``released`` (an event recorded on the
   consumer's stream when it let the batch go), which the slot's stream waits
@@ -24,11 +25,11 @@ import queue
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from .._backends import COMPLETED, Backend, Event, Stream, wait_event
 from .._blob import Blob
 from .._io._batches import BatchPlan
+from .._io._kernels import Geometry
 
 __all__ = ["Ring", "Slot"]
 
@@ -70,29 +71,33 @@ class Slot:
         self.staged: Blob | None = None  # device copy of ``host`` (device transform)
         self.out: Blob | None = None  # device transform output (float32)
         self.extra: dict[str, Blob] = {}  # other sources read in lockstep, by name
-        self.params: npt.NDArray[np.int32] = np.zeros((0, 3), np.int32)
+        # each row's crop and flip, as the host drew them, for the device transform:
+        # the batch's rows (views of _rows, which holds the capacity); None without
+        # a device transform
+        self.geometry: Geometry | None = None
+        self._rows: Geometry = Geometry.zeros(0)
 
     def prepare(
         self, plan: BatchPlan, out_shape: tuple[int, ...] | None
-    ) -> tuple[np.ndarray, np.ndarray, npt.NDArray[np.int32] | None, dict[str, np.ndarray]]:
+    ) -> tuple[np.ndarray, np.ndarray, Geometry | None, dict[str, np.ndarray]]:
         """Fit the slot's buffers to ``plan``; the host arrays to fill.
 
         ``out_shape`` is the device transform's output shape (None: no device
-        transform). Returns the data and label arrays, the per-row crop
-        parameters to record for the device transform (None without one), and
-        the other sources' arrays by name.
+        transform). Returns the data and label arrays, the geometry to record each
+        row's crop and flip in for the device transform (:attr:`geometry`, views of
+        the slot's arrays; None without one), and the other sources' arrays by name.
         """
         backend = self.backend
         released = self.released
         self.host = _fit(self.host, plan.data_shape, plan.dtype, backend, released)
         self.label = _fit(self.label, (len(plan),), plan.label_dtype, backend, released)
-        params = None
+        self.geometry = None
         if out_shape is not None:
             self.staged = _fit(self.staged, plan.data_shape, plan.dtype, backend, released)
             self.out = _fit(self.out, out_shape, np.dtype(np.float32), backend, released)
-            if self.params.shape[0] < len(plan):
-                self.params = np.zeros((len(plan), 3), np.int32)
-            params = self.params[: len(plan)]
+            if len(self._rows) < len(plan):
+                self._rows = Geometry.zeros(len(plan))
+            self.geometry = self._rows.take(slice(len(plan)))
         extra = {}
         for name, part in plan.extra:
             blob = self.extra[name] = _fit(
@@ -100,7 +105,7 @@ class Slot:
             )
             extra[name] = blob.overwrite_cpu_data()
         # every row and label is written by the fill: no zero fill, no copy back
-        return self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data(), params, extra
+        return self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data(), self.geometry, extra
 
     def forget(self, stream: Stream | None = None) -> None:
         """Drop the blobs (a detached batch now owns their memory). ``stream``: the
