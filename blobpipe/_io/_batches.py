@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,7 @@ from ._resume import check_state, make_state
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
+_T = TypeVar("_T", bound=np.generic)
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
 Mode = Literal["wrap", "epoch"]
@@ -546,13 +547,14 @@ class Batches:
         orders = self._epochs
         random = self._random
         # each row's index, epoch, position and word: read-only arrays, made once here
-        indices = read_only(np.concatenate([orders.order(e)[a:b] for e, a, b in runs]))
-        epochs = read_only(np.concatenate([np.full(b - a, e, np.int64) for e, a, b in runs]))
-        positions = read_only(np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in runs]))
-        words = read_only(
-            np.concatenate([orders.words(e)[a:b] for e, a, b in runs])
+        # (a batch within one epoch holds views of that epoch's read-only order and words)
+        indices = _joined([orders.order(e)[a:b] for e, a, b in runs])
+        epochs = _joined([np.full(b - a, e, np.int64) for e, a, b in runs])
+        positions = _joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs])
+        words = (
+            _joined([orders.words(e)[a:b] for e, a, b in runs])
             if random
-            else np.zeros(len(indices), np.uint64)
+            else read_only(np.zeros(len(indices), np.uint64))
         )
         all_keys = self._keys
         if isinstance(all_keys, PackedKeys):
@@ -761,6 +763,11 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
+    """``parts`` end to end as one read-only array (the one part itself when alone)."""
+    return read_only(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
 def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
