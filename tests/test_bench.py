@@ -153,6 +153,21 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
+    """Both sides run in their own processes, the other checkout's blobpipe imported there."""
+    root = BENCH.parent
+    proc = run_quick("bench_ab.py", tmp_path, str(root), "--pairs", "2", "--workloads", "W1,W3")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| W")]
+    assert [r.split("|")[1].strip() for r in rows] == ["W1", "W3"]
+    for row in rows:
+        assert row.rstrip(" |").endswith("×")  # the median ratio of this side over the other
+    bad = [sys.executable, str(BENCH / "bench_ab.py"), str(tmp_path)]
+    proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "holds no blobpipe/ package" in proc.stderr
+
+
 def _has_cupy() -> bool:
     import importlib.util
 
