@@ -410,10 +410,10 @@ def test_the_device_kernel_reads_the_slots_geometry_as_the_host_drew_it() -> Non
     launch = device_module.DeviceWork._launch_transform
     finish = device_module.finish_on_device
 
-    def spy_launch(self: Any, slot: Any, plan: Any, mean: Any) -> None:
+    def spy_launch(self: Any, slot: Any, plan: Any, mean: Any, *arrays: Any) -> None:
         g = slot.geometry
         filled.append((g, plan, [g.row(r) for r in range(len(g))]))
-        launch(self, slot, plan, mean)
+        launch(self, slot, plan, mean, *arrays)
 
     def spy_finish(xp: Any, u8: Any, out: Any, geometry: Any, spec: Any) -> None:
         kernels.append(geometry)

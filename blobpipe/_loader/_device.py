@@ -168,20 +168,20 @@ class DeviceWork:
         # Everything that can fail before work is queued happens first ...
         mean = self._mean(plan, path, stream) if self.on_device else None
         with backend.using(stream):
+            device_arrays = None
             if self.on_device:
                 # zero-filled on first use only, on this stream (idle: its last
                 # work completed before the slot was refilled), before any push
                 assert slot.staged is not None and slot.out is not None
-                slot.staged.mutable_gpu_data()
-                slot.out.mutable_gpu_data()
+                device_arrays = (slot.staged.mutable_gpu_data(), slot.out.mutable_gpu_data())
             backend.stream_wait(stream, slot.released)
             slot.started = backend.record_event(stream, timing=True)
             try:
                 slot.label.data.start_gpu_push(stream)
                 for blob in slot.extra.values():
                     blob.data.start_gpu_push(stream)
-                if self.on_device:
-                    self._launch_transform(slot, plan, mean)
+                if device_arrays is not None:
+                    self._launch_transform(slot, plan, mean, *device_arrays)
                 else:
                     slot.host.data.start_gpu_push(stream)
             finally:
@@ -212,20 +212,20 @@ class DeviceWork:
             return self._backend.elapsed(slot.started, slot.event)
         return 0.0
 
-    def _launch_transform(self, slot: Slot, plan: BatchPlan, mean: Any) -> None:
+    def _launch_transform(self, slot: Slot, plan: BatchPlan, mean: Any, u8: Any, out: Any) -> None:
+        """Queue on the slot's stream: the host's uint8 batch copied into ``u8`` (the
+        staged blob's device array), then the kernel writing ``out`` (the output blob's)."""
         backend = self._backend
         xp = backend.xp
         t = self._transform
-        assert slot.host is not None and slot.staged is not None and slot.out is not None
+        assert slot.host is not None
         geometry = slot.geometry  # the host fill's, read by the kernel until slot.event
         assert geometry is not None and len(geometry) == len(plan)
-        # The uint8 batch is copied into a device-only blob rather than pushed
-        # through the host blob's SyncedMemory: a pending push would make the
-        # device accessor below wait for the copy.
-        # The kernel runs after the copy in this stream's order (launch()).
-        u8 = slot.staged.mutable_gpu_data()
+        # The uint8 batch is copied into the device-only staged blob, not pushed
+        # through the host blob's SyncedMemory (whose pending push would make the
+        # host blob's accessors wait for the copy); the kernel runs after the copy
+        # in this stream's order (launch()).
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
-        out = slot.out.mutable_gpu_data()
         spec = t.kernel_spec(plan.record_shape, mean=mean)  # the device's copy of the mean
 
         def kernel() -> None:  # the host's arithmetic, over the device's arrays
