@@ -81,12 +81,16 @@ class Batch:
             StateError: one of the slot's Blobs is closed.
         """
         self._on_detach = on_detach
-        self._data = data.view(readonly_export=True, finalizer=False)
-        self._label = label.view(readonly_export=True, finalizer=False)
-        self._extra = {
-            name: blob.view(readonly_export=True, finalizer=False)
-            for name, blob in (extra or {}).items()
-        }
+        views: list[Blob] = []  # without a finalizer: closed here if a later one fails
+        try:
+            for blob in (data, label, *(extra or {}).values()):
+                views.append(blob.view(readonly_export=True, finalizer=False))
+        except BaseException:
+            for view in views:
+                view.close()
+            raise
+        self._data, self._label = views[0], views[1]
+        self._extra = dict(zip((extra or {}), views[2:], strict=True))
         self._name = plan.name
         self._has_label = plan.has_label
         self._detached = False
