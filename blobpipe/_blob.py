@@ -27,13 +27,14 @@ Where it differs from Caffe (raising where Caffe aborts or misbehaves): docs/des
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Final
 
 import numpy as np
 
 from ._backends import Backend, Event, Stream, get_backend
+from ._blobmath import BlobMath
 from ._codec import BlobProto, fill_blobproto, proto_arrays, proto_shape_equals
 from ._errors import (
     BlobIndexError,
@@ -42,7 +43,6 @@ from ._errors import (
     UnsupportedOperationError,
 )
 from ._shape import (
-    FLOAT_DTYPES,
     MAX_BLOB_AXES,
     SUPPORTED_DTYPES,
     canonical_axis,
@@ -53,7 +53,7 @@ from ._shape import (
     legacy_dim,
     validate_shape,
 )
-from ._syncedmem import Head, MemoryPair, SharedMemory, SyncedMemory
+from ._syncedmem import MemoryPair, SharedMemory, SyncedMemory
 
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
@@ -64,7 +64,7 @@ _NO_INTEGERS: Final = (
 )
 
 
-class Blob:
+class Blob(BlobMath):
     """Caffe's Blob: an N-D array of ``dtype`` with data and diff memories.
 
     ``shape`` is a sequence of at most 32 non-negative ints, or None for
@@ -636,111 +636,6 @@ class Blob:
             )
         return self._host(which, False).reshape(-1)[off].item()
 
-    # -- math -------------------------------------------------------------------------
-    def _check_math(self, what: str) -> None:
-        self._check_float(f"{what}() is not implemented for {self._dtype} blobs (NOT_IMPLEMENTED)")
-        self.check_open()
-
-    def _check_float(self, why: str) -> None:
-        if self._dtype not in FLOAT_DTYPES:
-            raise UnsupportedOperationError(f"{why}; use a float32 or float64 blob")
-
-    def _on_device(self, which: str) -> bool | None:
-        """True: compute on the device; False: on the host; None: uninitialised."""
-        head = self._mem(which).head
-        return None if head is Head.UNINITIALIZED else self._head_on_device(which)
-
-    def _head_on_device(self, which: str) -> bool:
-        """Whether ``which``'s current bytes are on the device (HEAD_AT_GPU, SYNCED)."""
-        head = self._mem(which).head
-        return self._backend.has_device and head in (Head.HEAD_AT_GPU, Head.SYNCED)
-
-    def _array(self, which: str, on_device: bool, mutable: bool) -> Any:
-        """The data or diff on the side the math runs on."""
-        return self._device(which, mutable) if on_device else self._host(which, mutable)
-
-    def _compute(self, on_device: bool, fn: Callable[[Any], Any]) -> Any:
-        """``fn(xp)``, ``xp`` the device's array module or NumPy. On the device: after
-        the work queued on the caller's current stream (launch() orders it so) and on
-        the backend's stream (the copies that brought the operands); waited for, so
-        the caller's later work, copies and host reads all come after it
-        (docs/design.md, "Streams and events")."""
-        if not on_device:
-            return fn(np)
-        xp = self._backend.xp
-        result: list[Any] = []
-        self._backend.launch(lambda: result.append(fn(xp))).synchronize()
-        return result[0]
-
-    def update(self) -> None:
-        """``data -= diff`` (Caffe's ``Update``), on the side of the data's head.
-
-        Raises UnsupportedOperationError for integer blobs, StateError when the
-        data was never initialised (Caffe: "Syncedmem not initialized.") or the
-        blob is closed.
-        """
-        self._check_math("update")
-        side = self._on_device("data")
-        if side is None:
-            raise StateError(
-                f"update(): the data of Blob {self.shape_string()} was never initialised "
-                "(Caffe: 'Syncedmem not initialized'); write it with mutable_cpu_data() "
-                "or mutable_gpu_data() first"
-            )
-        diff = self._array("diff", side, False)
-        data = self._array("data", side, True)
-        self._compute(side, lambda xp: xp.subtract(data, diff, out=data))
-
-    def _reduce(self, which: str, what: str, squares: bool) -> float:
-        self._check_math(what)
-        if not self._shaped:
-            return 0.0
-        side = self._on_device(which)
-        if side is None:
-            return 0.0
-        flat = self._array(which, side, False).reshape(-1)
-        return float(
-            self._compute(side, lambda xp: (flat * flat).sum() if squares else xp.abs(flat).sum())
-        )
-
-    def asum_data(self) -> float:
-        """The sum of absolute values of the data, on the side of its head (0 when
-        uninitialised). Raises UnsupportedOperationError for integer blobs."""
-        return self._reduce("data", "asum_data", squares=False)
-
-    def asum_diff(self) -> float:
-        """The sum of absolute values of the diff (see :meth:`asum_data`)."""
-        return self._reduce("diff", "asum_diff", squares=False)
-
-    def sumsq_data(self) -> float:
-        """The sum of squares of the data, on the side of its head (0 when
-        uninitialised). Raises UnsupportedOperationError for integer blobs."""
-        return self._reduce("data", "sumsq_data", squares=True)
-
-    def sumsq_diff(self) -> float:
-        """The sum of squares of the diff (see :meth:`sumsq_data`)."""
-        return self._reduce("diff", "sumsq_diff", squares=True)
-
-    def _scale(self, which: str, what: str, factor: float) -> None:
-        self._check_math(what)
-        if not self._shaped:
-            return
-        side = self._on_device(which)
-        if side is None:
-            return
-        value = self._dtype.type(factor)
-        array = self._array(which, side, True)
-        self._compute(side, lambda xp: xp.multiply(array, value, out=array))
-
-    def scale_data(self, factor: float) -> None:
-        """Multiply the data by ``factor`` in place, on the side of its head (nothing
-        when uninitialised). Raises UnsupportedOperationError for integer blobs."""
-        self._scale("data", "scale_data", factor)
-
-    def scale_diff(self, factor: float) -> None:
-        """Multiply the diff by ``factor`` in place (see :meth:`scale_data`)."""
-        self._scale("diff", "scale_diff", factor)
-
     # -- sharing and copying -------------------------------------------------------------
     def _check_compatible(self, other: Blob, what: str) -> None:
         if not isinstance(other, Blob):
@@ -811,11 +706,7 @@ class Blob:
             self.reshape_like(source)
         if self._count == 0:
             return
-        which = "diff" if copy_diff else "data"
-        on_device = source._backend is self._backend and source._head_on_device(which)
-        src = source._array(which, on_device, False)
-        dst = self._array(which, on_device, True)
-        self._compute(on_device, lambda xp: xp.copyto(dst, src))
+        self._copy_values(source, "diff" if copy_diff else "data")
 
     # -- protobuf ------------------------------------------------------------------------
     def shape_equals(self, proto: BlobProto) -> bool:

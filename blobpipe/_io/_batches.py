@@ -44,32 +44,30 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import (
     ArgumentError,
-    ArgumentTypeError,
     DataError,
     ShapeError,
     StateError,
     UnsupportedOperationError,
 )
 from ._fill import RecordSource
-from ._kernels import Geometry
+from ._kernels import Geometry, check_geometry_out
 from ._keys import PackedKeys
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
-from ._plan import BatchPlan, read_only
+from ._plan import BatchPlan, joined, read_only
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
 from ._sources import Record, Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform, _check_phase
 
-_T = TypeVar("_T", bound=np.generic)
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
 
 Mode = Literal["wrap", "epoch"]
@@ -548,11 +546,11 @@ class Batches:
         random = self._random
         # each row's index, epoch, position and word: read-only arrays, made once here
         # (a batch within one epoch holds views of that epoch's read-only order and words)
-        indices = _joined([orders.order(e)[a:b] for e, a, b in runs])
-        epochs = _joined([np.full(b - a, e, np.int64) for e, a, b in runs])
-        positions = _joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs])
+        indices = joined([orders.order(e)[a:b] for e, a, b in runs])
+        epochs = joined([np.full(b - a, e, np.int64) for e, a, b in runs])
+        positions = joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs])
         words = (
-            _joined([orders.words(e)[a:b] for e, a, b in runs])
+            joined([orders.words(e)[a:b] for e, a, b in runs])
             if random
             else read_only(np.zeros(len(indices), np.uint64))
         )
@@ -666,7 +664,7 @@ class Batches:
                 f"needs shape ({n},) dtype {plan.label_dtype}"
             )
         if geometry_out is not None:
-            _check_geometry(geometry_out, n)
+            check_geometry_out(geometry_out, n)
         outs: list[tuple[Any, BatchPlan, np.ndarray]] = []  # (filler, part, out)
         if plan.extra:
             given = dict(extra_out or {})
@@ -765,40 +763,6 @@ class Batches:
         self.close()
 
 
-def _joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
-    """``parts`` end to end as one read-only array (the one part itself when alone)."""
-    return read_only(parts[0] if len(parts) == 1 else np.concatenate(parts))
-
-
 def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
     """Batches opened again from pickled options, at ``state``."""
     return Batches(**options, state=state)
-
-
-def _check_geometry(geometry: object, n: int) -> None:
-    """Refuse a ``geometry_out`` that is not a :class:`Geometry` of ``n`` rows of
-    writable arrays of its dtypes (intp offsets, bool flips).
-
-    Raises:
-        ArgumentTypeError: not a Geometry, or a field that is not a NumPy array.
-        ShapeError: a field of another length or dtype.
-        ArgumentError: a read-only field.
-    """
-    if not isinstance(geometry, Geometry):
-        raise ArgumentTypeError(
-            "geometry_out must be a Geometry (e.g. blobpipe.Geometry.zeros(len(plan))), "
-            f"got {type(geometry).__name__}"
-        )
-    for name, want in (("h_off", np.intp), ("w_off", np.intp), ("mirror", np.bool_)):
-        a = getattr(geometry, name)
-        if not isinstance(a, np.ndarray):
-            raise ArgumentTypeError(
-                f"geometry_out.{name} must be a NumPy array, got {type(a).__name__}"
-            )
-        if a.shape != (n,) or a.dtype != want:
-            raise ShapeError(
-                f"geometry_out.{name} has shape {a.shape} dtype {a.dtype}; the plan needs "
-                f"shape ({n},) dtype {np.dtype(want)}"
-            )
-        if not a.flags.writeable:
-            raise ArgumentError(f"geometry_out.{name} is read-only; fill writes into it")

@@ -33,11 +33,14 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import ArgumentError, ArgumentTypeError, ShapeError
+
 __all__ = [
     "Geometry",
     "KernelSpec",
     "apply",
     "block_rows",
+    "check_geometry_out",
     "draw_geometry",
     "draw_word",
     "draw_words",
@@ -152,6 +155,35 @@ class Geometry:
         """The rows ``rows`` selects (an index array: copies; a slice: views that
         write through)."""
         return Geometry(self.h_off[rows], self.w_off[rows], self.mirror[rows])
+
+
+def check_geometry_out(geometry: object, n: int) -> None:
+    """Refuse a ``geometry_out`` that is not a :class:`Geometry` of ``n`` rows of
+    writable arrays of its dtypes (intp offsets, bool flips).
+
+    Raises:
+        ArgumentTypeError: not a Geometry, or a field that is not a NumPy array.
+        ShapeError: a field of another length or dtype.
+        ArgumentError: a read-only field.
+    """
+    if not isinstance(geometry, Geometry):
+        raise ArgumentTypeError(
+            "geometry_out must be a Geometry (e.g. blobpipe.Geometry.zeros(len(plan))), "
+            f"got {type(geometry).__name__}"
+        )
+    for name, want in (("h_off", np.intp), ("w_off", np.intp), ("mirror", np.bool_)):
+        a = getattr(geometry, name)
+        if not isinstance(a, np.ndarray):
+            raise ArgumentTypeError(
+                f"geometry_out.{name} must be a NumPy array, got {type(a).__name__}"
+            )
+        if a.shape != (n,) or a.dtype != want:
+            raise ShapeError(
+                f"geometry_out.{name} has shape {a.shape} dtype {a.dtype}; the plan needs "
+                f"shape ({n},) dtype {np.dtype(want)}"
+            )
+        if not a.flags.writeable:
+            raise ArgumentError(f"geometry_out.{name} is read-only; fill writes into it")
 
 
 def draw_geometry(

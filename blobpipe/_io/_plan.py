@@ -10,15 +10,21 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BatchPlan", "read_only"]
+__all__ = ["BatchPlan", "joined", "read_only"]
 
 _A = TypeVar("_A", bound="np.ndarray[Any, Any]")
+_T = TypeVar("_T", bound=np.generic)
 
 
 def read_only(array: _A) -> _A:
     """``array``, made read-only (``flags.writeable = False``) in place."""
     array.setflags(write=False)
     return array
+
+
+def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
+    """``parts`` end to end as one read-only array (the one part itself when alone)."""
+    return read_only(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
 @dataclass(frozen=True, eq=False)
