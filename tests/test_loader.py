@@ -29,6 +29,7 @@ from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._backends._emulated import EmulatedEvent
 from blobpipe._io._batches import ArrayBatch
+from blobpipe._loader._chunk import CHUNK_BATCHES, Chunk
 from tests._helpers import (
     GatedBackend,
     encoded_db,
@@ -132,9 +133,15 @@ async def collect_into(loader: Loader, got: list[Got]) -> None:
 
 
 class FillProbe:
-    """Wraps ``Batches.fill``: counts calls, the plans filled, the calls in flight."""
+    """Wraps ``Batches.fill``: counts calls, the batches filled, the calls in flight.
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, sleep: float = 0.0) -> None:
+    A fill of small batches may be a chunk of several (a merged plan of ``batch_size``
+    rows each): :attr:`plans` holds each batch's first row, ``(epoch, position)``.
+    """
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, sleep: float = 0.0, batch_size: int = 4
+    ) -> None:
         self.sleep = sleep
         self.calls = 0
         self.in_flight = 0
@@ -153,7 +160,8 @@ class FillProbe:
                 probe.calls += 1
                 probe.in_flight += 1
                 probe.max_in_flight = max(probe.max_in_flight, probe.in_flight)
-                probe.plans.add((plan.epochs[0], plan.positions[0]))  # one per batch
+                for row in range(0, len(plan), batch_size):  # one per batch
+                    probe.plans.add((int(plan.epochs[row]), int(plan.positions[row])))
             probe.started.set()
             try:
                 probe.gate.wait(30)
@@ -846,6 +854,39 @@ def test_worker_error_blocking_form(corrupt_db: tuple[Path, int]) -> None:
             next(it)
 
 
+@pytest.mark.parametrize("bad_batch", [0, 1, 6, 15])
+def test_a_bad_record_in_a_chunk_fails_its_own_batch(
+    tmp_path: Path, bad_batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small batches are filled a chunk at a time; a record that fails fails its own
+    batch: every batch before it arrives intact and in order, then its error, naming
+    its key."""
+    chunks = 0
+    original = Chunk.fill
+
+    def fill(self: Chunk, *args: Any) -> Any:
+        nonlocal chunks
+        chunks += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(Chunk, "fill", fill)
+    bad = 4 * bad_batch + 2
+    items = [
+        (key(i), blobpipe.encode_raw_datum(np.full((3, 4, 5), i, np.uint8), i)) for i in range(80)
+    ]
+    items[bad] = (key(bad), b"\x08\x03\x10garbage bytes, not a Datum")
+    db = write_lmdb(tmp_path / "bad", items)
+    got: list[Got] = []
+    with Loader(db, 4, device="cpu", workers=1, mode="epoch") as loader:
+        with pytest.raises(DataError) as info:
+            got.extend(Got.of(batch) for batch in loader)
+    assert info.value.key == key(bad)
+    assert len(got) == bad_batch
+    for k, g in enumerate(got):
+        assert g.label.tolist() == list(range(4 * k, 4 * k + 4))
+    assert chunks > 0 or bad_batch == 0  # the path under test (batch 0 fills alone)
+
+
 # -- memory: no steady-state allocations, backpressure -------------------------------------------
 
 
@@ -896,7 +937,9 @@ async def test_no_allocations_in_steady_state(
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", ["host", "emulated"])
 async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    probe = FillProbe(monkeypatch)
+    """Batches that take a while to fill are filled one per free slot: the producer
+    stops when the ring is full and fills a slot again once the consumer moved on."""
+    probe = FillProbe(monkeypatch, sleep=0.002)  # >= YIELD_EVERY: no chunks
     plans = 0
     original = Batches.next_plan
 
@@ -926,6 +969,39 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
         assert first.recycled
         assert plans <= 5
         assert get_pool(backend, "host").statistics().used_bytes == used
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_small_batches_fill_at_most_one_chunk_ahead(
+    db30: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small batches are filled a chunk at a time and handed to slots one by one: the
+    producer runs at most the ring and one chunk ahead of the consumer, stops there,
+    and what arrives is what Batches makes."""
+    probe = FillProbe(monkeypatch)
+    backend = make_backend(device)
+
+    async def settled() -> int:
+        await wait_until(lambda: probe.in_flight == 0 and len(probe.plans) >= 3, "fills")
+        n = len(probe.plans)
+        await stays(lambda: len(probe.plans) == n, f"{n} batches filled")
+        return n
+
+    got: list[Got] = []
+    async with Loader(db30, 4, device=backend, prefetch=3, workers=1, mode="wrap") as loader:
+        ahead = await settled()
+        assert ahead <= 3 + CHUNK_BATCHES  # the ring's slots and one chunk
+        used = 0
+        for i in range(3 * CHUNK_BATCHES):
+            got.append(Got.of(await anext(loader)))
+            assert len(probe.plans) <= len(got) + 3 + CHUNK_BATCHES
+            if i == CHUNK_BATCHES:  # every slot filled by now: the steady state
+                used = get_pool(backend, "host").statistics().used_bytes
+        assert len(probe.plans) - len(got) <= 3 + CHUNK_BATCHES
+        assert probe.calls < len(probe.plans)  # chunks: fewer fills than batches
+        assert get_pool(backend, "host").statistics().used_bytes == used
+    assert_matches(got, expected(db30, len(got), batch_size=4))
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -1081,10 +1157,10 @@ async def test_aclose_from_a_nested_scope_inside_async_with(db30: Path) -> None:
 async def test_an_error_outside_the_fill_reaches_the_consumer_as_itself(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Loader, slot: Any) -> Any:
+    def broken(self: Loader, *args: Any) -> Any:
         raise RuntimeError("the device fell off the bus")
 
-    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_plan_and_fill", broken)
+    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_issue", broken)
     async with Loader(db30, 4, device="cpu") as loader:
         with pytest.raises(RuntimeError, match="fell off the bus") as info:
             await anext(loader)

@@ -43,7 +43,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any, Literal
 
 import numpy as np
@@ -58,10 +57,9 @@ from .._errors import (
 )
 from ._fill import RecordSource
 from ._kernels import Geometry, check_geometry_out
-from ._keys import PackedKeys
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
-from ._plan import BatchPlan, joined, read_only
+from ._plan import BatchPlan, joined, key_source, read_only
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -554,12 +552,8 @@ class Batches:
             if random
             else read_only(np.zeros(len(indices), np.uint64))
         )
-        all_keys = self._keys
-        if isinstance(all_keys, PackedKeys):
-            keys = all_keys.take(indices)
-        else:
-            rows = indices.tolist()
-            keys = itemgetter(*rows)(all_keys) if len(rows) > 1 else (all_keys[rows[0]],)
+        keys = key_source(self._keys, indices)
+        first_key = self._keys[int(indices[0])]
         plans = []
         for k, src in enumerate(self._sources):
             filler = src.filler
@@ -567,14 +561,14 @@ class Batches:
             cache_key = (k, record_shape)
             out = self._out_shapes.get(cache_key)
             if out is None:
-                out = filler.output(record_shape, keys[0])  # checks it against the transform
+                out = filler.output(record_shape, first_key)  # checks it against the transform
                 if len(self._out_shapes) < 64:
                     self._out_shapes[cache_key] = out
             out_shape, dtype = out
-            self._check_batch_bytes(len(indices), out_shape, dtype, keys[0], record_shape, src)
+            self._check_batch_bytes(len(indices), out_shape, dtype, first_key, record_shape, src)
             plans.append(
                 BatchPlan(
-                    keys=keys,
+                    key_source=keys,
                     indices=indices,
                     epochs=epochs,
                     positions=positions,
@@ -649,7 +643,7 @@ class Batches:
                 differs from the first record's (the message names both keys and
                 shapes), or it does not fit the transform; names path and key.
         """
-        n = len(plan.keys)
+        n = len(plan)
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
             raise ArgumentError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
@@ -698,7 +692,7 @@ class Batches:
             DataError: as :meth:`fill`.
         """
         data = np.empty(plan.data_shape, dtype=plan.dtype)
-        label = np.empty(len(plan.keys), dtype=plan.label_dtype)
+        label = np.empty(len(plan), dtype=plan.label_dtype)
         extra = {name: np.empty(p.data_shape, dtype=p.dtype) for name, p in plan.extra}
         self.fill(plan, data, label, extra_out=extra)
         arrays = {plan.name: data, **extra}

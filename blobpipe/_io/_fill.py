@@ -224,15 +224,17 @@ class Filler:
         Raises:
             DataError: the record cannot be read or decoded; names key and path.
         """
-        idx = self.index()
-        key = self._keys[index]
         if self.kind == BLOBPROTO:
             values = self._blob(index)
             return values.shape, (values, 0)
-        if idx is not None:
-            shape = idx.shape_of(index)
+        known = self._index if self._index_tried else None
+        if known is not None:  # what the index learned: no read of the file
+            shape = known.shape_of(index)
             if shape is not None:
                 return shape, None
+        idx = self.index()  # checks the file before its pages are read
+        key = self._keys[index]
+        if idx is not None:
             loc = idx.locate(np.array([index], np.intp))
             kind = int(loc.kind[0])
             if kind in (RAW, PARSED):

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BatchPlan", "joined", "read_only"]
+__all__ = ["BatchPlan", "joined", "key_source", "merged", "read_only"]
 
 _A = TypeVar("_A", bound="np.ndarray[Any, Any]")
 _T = TypeVar("_T", bound=np.generic)
@@ -37,7 +38,10 @@ class BatchPlan:
     padding (``last="pad"``): repeats of the epoch's first records.
 
     Attributes:
-        keys: one key (bytes) per row, a tuple.
+        keys: one key (bytes) per row, a tuple, made on first use from
+            ``key_source`` (a batch's keys cost about half a microsecond each,
+            which a fill from a database's file map never needs).
+        key_source: makes :attr:`keys` (called once, on first use).
         indices, epochs, positions: one entry per row, read-only int64 arrays.
         words: one random word per row, a read-only uint64 array (all 0 when
             nothing is random).
@@ -60,7 +64,7 @@ class BatchPlan:
             batch's shape (filling row 0 then uses them), else None.
     """
 
-    keys: tuple[bytes, ...]
+    key_source: Callable[[], tuple[bytes, ...]]
     indices: npt.NDArray[np.int64]
     epochs: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
@@ -77,7 +81,17 @@ class BatchPlan:
     first_decoded: tuple[np.ndarray, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.indices)
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """One key (bytes) per row (made once, on first use; threads that race here
+        make equal tuples)."""
+        keys: tuple[bytes, ...] | None = self.__dict__.get("_keys")
+        if keys is None:
+            keys = self.key_source()
+            object.__setattr__(self, "_keys", keys)  # a cache of a frozen field's value
+        return keys
 
     def take(self, rows: npt.ArrayLike, indices: npt.ArrayLike) -> BatchPlan:
         """The plan of rows ``rows`` alone, with global indices ``indices`` instead (a
@@ -86,7 +100,7 @@ class BatchPlan:
         at = np.asarray(rows, np.intp)
         return dataclasses.replace(
             self,
-            keys=tuple(self.keys[r] for r in at.tolist()),
+            key_source=_keys_at(self.keys, at.tolist()),
             indices=read_only(np.array(indices, np.int64)),
             epochs=read_only(self.epochs[at]),
             positions=read_only(self.positions[at]),
@@ -101,3 +115,60 @@ class BatchPlan:
     def epoch(self) -> int:
         """The epoch of the first row."""
         return int(self.epochs[0])
+
+
+def _keys_at(keys: tuple[bytes, ...], rows: list[int]) -> Callable[[], tuple[bytes, ...]]:
+    """A ``key_source`` of ``keys`` at ``rows``."""
+    picked = tuple(keys[r] for r in rows)
+    return lambda: picked
+
+
+def key_source(keys: Any, indices: npt.NDArray[np.int64]) -> Callable[[], tuple[bytes, ...]]:
+    """A ``key_source`` of the keys at ``indices`` of ``keys`` (a :class:`PackedKeys`,
+    through its ``take``, or any sequence of bytes)."""
+    take = getattr(keys, "take", None)
+    if take is not None:
+        return lambda: take(indices)
+    return lambda: tuple(keys[i] for i in indices.tolist())
+
+
+def merged(plans: list[BatchPlan]) -> BatchPlan | None:
+    """Consecutive plans as one plan whose rows are theirs end to end, for one
+    :meth:`Batches.fill` of them all (its rows ``[a:b]`` are then what filling
+    ``plans[i]`` alone writes); None when they cannot be one fill: other sources
+    read in lockstep, or first records of different shapes (each batch takes its
+    own first record's).
+
+    The merged plan's ``state`` and ``valid`` are the last plan's and the total;
+    only ``plans[0]``'s decoded first record is kept (the others' are decoded
+    again). A fill of it names ``plans[0]``'s first record where a record does
+    not fit: to learn which batch a failure belongs to, fill the plans one by one.
+    """
+    head = plans[0]
+    for plan in plans[1:]:
+        if (
+            plan.extra
+            or plan.record_shape != head.record_shape
+            or plan.data_shape[1:] != head.data_shape[1:]
+            or plan.dtype != head.dtype
+            or plan.label_dtype != head.label_dtype
+            or plan.name != head.name
+        ):
+            return None
+    if head.extra:
+        return None
+    if len(plans) == 1:
+        return head
+    indices = joined([p.indices for p in plans])
+    sources = [p.key_source for p in plans]
+    return dataclasses.replace(
+        head,
+        key_source=lambda: tuple(k for source in sources for k in source()),
+        indices=indices,
+        epochs=joined([p.epochs for p in plans]),
+        positions=joined([p.positions for p in plans]),
+        words=joined([p.words for p in plans]),
+        valid=sum(p.valid for p in plans),
+        data_shape=(len(indices), *head.data_shape[1:]),
+        state=plans[-1].state,
+    )

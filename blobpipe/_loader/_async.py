@@ -95,9 +95,6 @@ class AsyncForm:
         # (a turn of the event loop per batch costs more than a small batch).
         t0 = pipe.begin_next()
         handoff = pipe.handoff
-        # nothing ready, and batches fill in less time than the event loop may be
-        # kept from other tasks: fill them here meanwhile
-        pipe.help_fill(t0)
         if handoff.ready():
             if t0 - self._yielded >= YIELD_EVERY:
                 await anyio.lowlevel.checkpoint()

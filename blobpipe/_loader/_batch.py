@@ -53,9 +53,8 @@ class Batch:
         "_label",
         "_name",
         "_on_detach",
+        "_plan",
         "epoch",
-        "indices",
-        "keys",
         "state",
         "valid",
     )
@@ -94,11 +93,20 @@ class Batch:
         self._name = plan.name
         self._has_label = plan.has_label
         self._detached = False
-        self.keys: tuple[bytes, ...] = plan.keys
-        self.indices: tuple[int, ...] = tuple(plan.indices.tolist())
+        self._plan = plan
         self.epoch: int = plan.epoch
         self.valid: int = plan.valid
         self.state: dict[str, Any] = plan.state
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """The records' keys, row by row."""
+        return self._plan.keys
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The records' global indices (position in key order), row by row."""
+        return tuple(self._plan.indices.tolist())
 
     @property
     def data(self) -> Blob:
@@ -144,7 +152,7 @@ class Batch:
         return self._data.closed
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self._plan)
 
     def detach(self) -> Batch:
         """Keep this batch: the loader gives its slot new buffers instead.

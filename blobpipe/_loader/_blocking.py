@@ -64,7 +64,6 @@ class BlockingForm:
             self._open()
         t0 = pipe.begin_next()
         handoff = pipe.handoff
-        pipe.help_fill(t0)
         item = handoff.take()
         if item is None:
             event = threading.Event()

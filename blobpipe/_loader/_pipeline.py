@@ -3,9 +3,10 @@
 ``min(workers, prefetch)`` fillers, each a loop in its own plain thread: take a
 free slot from the ring, wait for the device work still reading it, number and
 plan the next batch (under one lock, so numbers follow plan order), fill it,
-issue its device work, post it to the hand-off by number. A consumer takes the
-batches by number in these steps: :meth:`Pipeline.begin_next`,
-:meth:`Pipeline.help_fill`, a take from :attr:`Pipeline.handoff` (waiting as its
+issue its device work, post it to the hand-off by number. While batches are
+small, filler 0 alone fills them, a chunk of consecutive batches at a time
+(``_chunk.py``). A consumer takes the batches by number in these steps:
+:meth:`Pipeline.begin_next`, a take from :attr:`Pipeline.handoff` (waiting as its
 driver waits: ``_async`` on an event loop, ``_blocking`` in a thread),
 :meth:`Pipeline.arrived`, the wait for the batch's device event, and
 :meth:`Pipeline.deliver`.
@@ -31,6 +32,7 @@ from .._backends import Backend, Stream
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
 from ._batch import Batch
+from ._chunk import Chunk, chunk_batches
 from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
@@ -89,6 +91,8 @@ class Pipeline:
         # clear (small batches): filler 0 and the consumer alone (see _filler)
         self._wide = threading.Event()
         self._wide.set()
+        self._widen = False  # filler 0 sets _wide once its chunk is handed out
+        self._first: threading.Thread | None = None  # filler 0
         self._threads: list[threading.Thread] = []
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
@@ -114,6 +118,7 @@ class Pipeline:
             )
             for k in range(self._n_fillers)
         ]
+        self._first = self._threads[0] if self._threads else None
         for thread in self._threads:
             thread.start()
         _close_at_exit(self)
@@ -217,74 +222,195 @@ class Pipeline:
                 self.release()
 
     def _filler(self, k: int) -> None:
-        """Filler ``k``'s loop; returns once the pipeline is not OPEN.
+        """Filler ``k``'s loop; returns once the pipeline is not OPEN (filler 0: and
+        its chunk handed out).
 
         Whatever it raises is posted as a failure at the next batch number, so
         the consumer gets it in order, as itself, never as an exception group.
-        While batches are small (``_wide`` clear), only filler 0 fills, with the
-        consumer's help: more threads would spend the time on the GIL.
+        While batches are small (``_wide`` clear), only filler 0 fills, a chunk of
+        batches at a time (``_chunk.py``): more threads would spend the time on
+        the GIL.
         """
         self.backend.bind_thread()  # works for this device only: no switch, no other context
-        while self.lifecycle.state is State.OPEN:
+        chunk = Chunk() if k == 0 else None
+        while self.lifecycle.state is State.OPEN or chunk:
             if k and not self._wide.is_set():
-                self._wide.wait()  # set again by a large batch, or by close
+                self._wide.wait()  # set again by filler 0, or by close
                 continue
             slot = self._ring.take()
-            if slot is None or not self._fill_slot(slot):
+            if slot is None:
+                return
+            if chunk is not None and (chunk or not self._wide.is_set()):
+                ok = self._fill_from_chunk(slot, chunk)
+            else:
+                ok = self._fill_slot(slot)
+            if not ok:
                 return
 
     def _fill_slot(self, slot: Slot) -> bool:
         """Plan the next batch, fill it into ``slot`` and post it (or the end of the
         epoch, or the failure, in its place); False when the pipeline stopped or
         this batch failed."""
+        number: int | None = None
         try:
             slot.event.synchronize()  # device work still reading the slot's buffers
-            number, item = self._plan_and_fill(slot)
-        except Exception as exc:
             with self._plan_lock:
-                number, item = self._failed(self._planned, exc)
-                self._planned += 1
+                number, planned = self._plan_next()
+            if planned is None:
+                item: Item | None = None
+            elif isinstance(planned, BatchPlan):
+                item = self._fill_and_issue(slot, number, planned)
+            else:
+                item = planned
+        except Exception as exc:
+            number, item = self._failed(self._number_for(number), exc)
+        return self._post(slot, number, item)
+
+    def _number_for(self, number: int | None) -> int:
+        """The number a failure takes: ``number`` (the batch it happened to), else a
+        new one."""
+        if number is not None:
+            return number
+        with self._plan_lock:
+            self._planned += 1
+            return self._planned - 1
+
+    def _post(self, slot: Slot, number: int, item: Item | None) -> bool:
+        """Post ``item`` at ``number`` (the slot goes back to the ring unless it holds
+        the batch); False when nothing more is to be filled."""
         if not isinstance(item, tuple):  # end of epoch, failure, or stopped
             self._ring.put(slot)
-        if number is None or item is None:
+        if item is None:
             return False
         self.handoff.post(number, item)
         return not isinstance(item, Failure)
 
-    def _plan_and_fill(self, slot: Slot) -> tuple[int | None, Item | None]:
-        """Number and plan the next batch, fill it, and start its device work.
+    def _plan_next(self) -> tuple[int, BatchPlan | End | Failure | None]:
+        """Under the plan lock: number and plan the next batch; its plan, the end of
+        an epoch, the failure, or None once the pipeline is not OPEN."""
+        if self.lifecycle.state is not State.OPEN:
+            return self._planned, None
+        number = self._planned
+        self._planned += 1
+        try:
+            plan = self.batches.next_plan()
+        except Exception as exc:  # delivered to the consumer, in order
+            return self._failed(number, exc)
+        return number, End() if plan is None else plan
 
-        Returns its number and what to post: the filled batch, the end of an
-        epoch, or the failure; (None, None) once the pipeline is not OPEN.
-        """
-        with self._plan_lock:
-            if self.lifecycle.state is not State.OPEN:
-                return None, None
-            number = self._planned
-            self._planned += 1
-            try:
-                plan = self.batches.next_plan()
-            except Exception as exc:  # delivered to the consumer, in order
-                return self._failed(number, exc)
-        if plan is None:
-            return number, End()
+    def _fill_and_issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
+        """Fill ``plan`` into ``slot`` and start its device work: the filled batch,
+        or the failure in its place."""
         t0 = time.perf_counter()
         try:
             data, label, geometry, extra = slot.prepare(plan, self.device.out_shape(plan))
             self.batches.fill(plan, data, label, geometry_out=geometry, extra_out=extra)
         except Exception as exc:  # delivered to the consumer, in order
-            return self._failed(number, exc)
+            return self._failed(number, exc)[1]
         finally:
-            dt = time.perf_counter() - t0
-            self._last_fill = dt
-            if (dt >= YIELD_EVERY) != self._wide.is_set():
-                (self._wide.set if dt >= YIELD_EVERY else self._wide.clear)()
-            self.counters.filled(dt)
+            self._filled(time.perf_counter() - t0, 1)
+        return self._issue(slot, number, plan)
+
+    def _issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
         try:
             self.device.issue(slot, plan, self.batches.path)
         except Exception as exc:
-            return self._failed(number, exc)
-        return number, (slot, plan)
+            return self._failed(number, exc)[1]
+        return (slot, plan)
+
+    def _filled(self, seconds: float, batches: int) -> None:
+        """``batches`` batches took ``seconds`` to fill: the statistics, and whether
+        batches are small. Only filler 0 widens the pipeline (a chunk's batches are
+        all handed out before another filler plans one); any filler narrows it."""
+        each = seconds / batches
+        self._last_fill = each
+        for _ in range(batches):
+            self.counters.filled(each)
+        small = each < YIELD_EVERY
+        if small and self._wide.is_set():
+            self._wide.clear()
+        elif not small and not self._wide.is_set() and threading.current_thread() is self._first:
+            self._widen = True
+
+    def _fill_from_chunk(self, slot: Slot, chunk: Chunk) -> bool:
+        """Filler 0 while batches are small: the next batch of its chunk (filling a
+        new chunk first when it is empty) into ``slot``, posted; False when the
+        pipeline stopped or this batch failed."""
+        if self.lifecycle.state is State.CLOSED:  # the slot may be the consumer's last
+            chunk.clear()
+            return self._post(slot, self._planned, None)
+        number: int | None = None  # the batch going into the slot, once taken
+        try:
+            slot.event.synchronize()  # device work still reading the slot's buffers
+            if not chunk:
+                if self._widen:  # the last chunk's batches were large: every filler runs
+                    self._widen = False
+                    self._wide.set()
+                    return self._fill_slot(slot)
+                numbered, stop = self._plan_chunk()
+                if len(numbered) == 1:  # one batch: straight into the slot
+                    number, plan = numbered[0]
+                    item = self._fill_and_issue(slot, number, plan)
+                    if stop is not None and stop[1] is not None and isinstance(item, tuple):
+                        self.handoff.post(stop[0], stop[1])  # the end or failure after it
+                    return self._post(slot, number, item)
+                if numbered:
+                    stop = self._fill_chunk(chunk, numbered, stop)
+                if stop is not None:
+                    if not chunk:
+                        return self._post(slot, *stop)
+                    if stop[1] is not None:  # after the chunk's batches, by number
+                        self.handoff.post(stop[0], stop[1])
+            taken = chunk.take()
+            if taken is None:  # pragma: no cover - a chunk without a batch posted its end
+                return self._post(slot, self._planned, None)
+            number, plan = taken
+            try:
+                data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
+                chunk.copy_into(data, label, geometry)
+            except Exception as exc:
+                chunk.clear()  # nothing after a failed batch is delivered
+                return self._post(slot, *self._failed(number, exc))
+            return self._post(slot, number, self._issue(slot, number, plan))
+        except Exception as exc:
+            # the failure takes the first number not posted yet
+            if number is None and (taken := chunk.take()) is not None:
+                number = taken[0]
+            chunk.clear()
+            return self._post(slot, *self._failed(self._number_for(number), exc))
+
+    def _plan_chunk(
+        self,
+    ) -> tuple[list[tuple[int, BatchPlan]], tuple[int, End | Failure | None] | None]:
+        """Number and plan consecutive batches, as many as :func:`chunk_batches` of the
+        first allows. Returns them and what ended them early: the end of the epoch,
+        a failure, or None once the pipeline is not OPEN (else None)."""
+        numbered: list[tuple[int, BatchPlan]] = []
+        with self._plan_lock:
+            want = 1
+            while len(numbered) < want:
+                number, planned = self._plan_next()
+                if not isinstance(planned, BatchPlan):
+                    return numbered, (number, planned)
+                numbered.append((number, planned))
+                if len(numbered) == 1:
+                    want = chunk_batches(planned)
+        return numbered, None
+
+    def _fill_chunk(
+        self,
+        chunk: Chunk,
+        numbered: list[tuple[int, BatchPlan]],
+        stop: tuple[int, End | Failure | None] | None,
+    ) -> tuple[int, End | Failure | None] | None:
+        """Fill the planned batches into ``chunk`` (empty); returns ``stop``, or the
+        failure of the batch the fill stopped at (those before it are in the chunk)."""
+        t0 = time.perf_counter()
+        error = chunk.fill(self.batches, numbered)
+        self._filled(time.perf_counter() - t0, len(numbered))
+        if error is not None:
+            return self._failed(numbered[len(chunk)][0], error)
+        return stop
 
     def _failed(self, number: int, exc: Exception) -> tuple[int, Failure]:
         """Batch ``number`` failed: OPEN → FAILING, nothing after it is planned."""
@@ -325,22 +451,6 @@ class Pipeline:
         self.lifecycle.check_next()
         self.recycle_current()
         return time.perf_counter()
-
-    def help_fill(self, t0: float) -> None:
-        """While the next batch is not ready and batches are small, fill batches
-        into free slots in the consumer's thread (for at most about YIELD_EVERY
-        since ``t0``) rather than sleep until a filler posts one: for small records
-        a thread hand-off per batch costs more than the batch. (Large batches keep
-        the fillers busy on every core already.)"""
-        handoff = self.handoff
-        while (
-            not handoff.ready()
-            and self._last_fill < YIELD_EVERY
-            and time.perf_counter() - t0 < YIELD_EVERY
-        ):
-            slot = self._ring.take_nowait()
-            if slot is None or not self._fill_slot(slot):
-                return
 
     def taken(self) -> Item:
         """After the consumer was woken: the batch that arrived (or StateError when closed)."""

@@ -1,0 +1,144 @@
+"""Small batches filled several at once: a chunk, handed to ring slots one batch at a time.
+
+A batch of small records costs more in per-call Python (planning it, locating
+its records, one kernel call) than in work on its rows, and with one GIL a
+second filler thread does not help. So while batches are small, filler 0 plans
+consecutive batches up to :data:`CHUNK_BYTES` of output, fills them in one
+:meth:`Batches.fill` of their :func:`merged` plan into a scratch array, and copies
+each batch's rows into a free slot as one comes: the per-call costs are paid
+once per chunk, the copy is a memcpy of the batch.
+
+Invariants:
+
+* a chunk's batches are numbered consecutively under the plan lock and posted
+  in that order; while a chunk has batches left nothing else is planned (only
+  filler 0 runs while batches are small, and only filler 0 widens the pipeline,
+  once its chunk is empty), so no later batch can hold the slot an earlier one
+  waits for;
+* the rows filled ahead of the ring are at most one chunk;
+* rows are filled exactly as filling each plan alone fills them (the merged
+  plan's rows are the plans' rows end to end); when the merged fill raises, the
+  plans are filled one by one, so the batches before the failing one are
+  delivered and the error reaches the consumer at the failing batch's number,
+  naming its record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .._io._batches import Batches, BatchPlan
+from .._io._kernels import Geometry
+from .._io._plan import merged
+
+__all__ = ["CHUNK_BATCHES", "CHUNK_BYTES", "CHUNK_ROWS", "Chunk", "chunk_batches"]
+
+#: The most output bytes filled in one chunk (beyond the ring's slots).
+CHUNK_BYTES = 2 << 20
+#: The most rows filled in one chunk.
+CHUNK_ROWS = 1024
+#: The most batches in one chunk (beyond this the per-batch costs outside the fill
+#: dominate).
+CHUNK_BATCHES = 16
+
+
+def chunk_batches(plan: BatchPlan) -> int:
+    """How many batches like ``plan`` one chunk holds (1: no chunk)."""
+    nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
+    rows = max(len(plan), 1)
+    return max(1, min(CHUNK_BYTES // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
+
+
+class Chunk:
+    """Batches filled ahead: each one's number, plan and rows of the scratch arrays."""
+
+    def __init__(self) -> None:
+        # (number, plan, data rows, label rows, geometry rows)
+        self._left: deque[tuple[int, BatchPlan, np.ndarray, np.ndarray, Geometry]] = deque()
+
+    def __len__(self) -> int:
+        """Batches filled and not handed to a slot yet."""
+        return len(self._left)
+
+    def clear(self) -> None:
+        self._left.clear()
+
+    def fill(self, batches: Batches, numbered: list[tuple[int, BatchPlan]]) -> Exception | None:
+        """Fill the consecutive plans ``numbered`` (``(number, plan)``, each of one
+        source, no other source read in lockstep) into new scratch arrays, keeping
+        each batch's rows for :meth:`take`.
+
+        Returns None, or the error filling one of them raised: the batches before
+        it are kept, it and those after it are not (the caller posts the error
+        at the number of the batch after the kept ones).
+        """
+        plans = [plan for _, plan in numbered]
+        one = merged(plans)
+        if one is not None:
+            arrays = _scratch(one)
+            if _filled(batches, one, arrays):
+                start = 0
+                for number, plan in numbered:
+                    self._keep(number, plan, arrays, start)
+                    start += len(plan)
+                return None
+        for number, plan in numbered:  # one by one: where a batch fails, stop
+            arrays = _scratch(plan)
+            try:
+                batches.fill(plan, *arrays[:2], geometry_out=arrays[2])
+            except Exception as exc:
+                return exc
+            self._keep(number, plan, arrays, 0)
+        return None
+
+    def _keep(
+        self,
+        number: int,
+        plan: BatchPlan,
+        arrays: tuple[np.ndarray, np.ndarray, Geometry],
+        start: int,
+    ) -> None:
+        rows = slice(start, start + len(plan))
+        data, label, geometry = arrays
+        self._left.append((number, plan, data[rows], label[rows], geometry.take(rows)))
+
+    def take(self) -> tuple[int, BatchPlan] | None:
+        """The next batch's number and plan, or None when the chunk is empty; its
+        rows then go into a slot's arrays with :meth:`copy_into`."""
+        if not self._left:
+            return None
+        number, plan = self._left[0][:2]
+        return number, plan
+
+    def copy_into(self, data: np.ndarray, label: np.ndarray, geometry: Geometry | None) -> None:
+        """Copy the batch :meth:`take` named into a slot's arrays, and drop it."""
+        _, _, rows, labels, geom = self._left.popleft()
+        np.copyto(data, rows)
+        np.copyto(label, labels)
+        if geometry is not None:
+            for mine, theirs in zip(geometry.arrays(), geom.arrays(), strict=True):
+                np.copyto(mine, theirs)
+
+
+def _filled(batches: Batches, plan: BatchPlan, arrays: tuple[Any, Any, Geometry]) -> bool:
+    """Whether ``plan`` filled into ``arrays`` without an error (a merged plan's
+    error is raised again by the one-by-one fill that places it)."""
+    try:
+        batches.fill(plan, *arrays[:2], geometry_out=arrays[2])
+    except Exception:
+        return False
+    return True
+
+
+def _scratch(plan: BatchPlan) -> tuple[Any, Any, Geometry]:
+    """New arrays for a fill of ``plan``: data, labels, each row's crop and flip."""
+    n = len(plan)
+    return (
+        np.empty(plan.data_shape, plan.dtype),
+        np.empty(n, plan.label_dtype),
+        Geometry.zeros(n),
+    )
