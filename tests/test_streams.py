@@ -13,6 +13,7 @@ shows up as wrong data, not as a rare race.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -369,24 +370,27 @@ def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None
 
     real = device_module.finish_on_device
 
-    def counted(xp: Any, *args: Any) -> None:
-        calls = [0]
-        ufunc = EmulatedArray.__array_ufunc__
+    ufunc = EmulatedArray.__array_ufunc__
+    active: dict[int, list[int]] = {}  # slots' kernels may run at once: one count each
 
-        def count(self: Any, *a: Any, **k: Any) -> Any:
+    def count(self: Any, *a: Any, **k: Any) -> Any:
+        calls = active.get(threading.get_ident())
+        if calls is not None:
             calls[0] += 1
-            return ufunc(self, *a, **k)
+        return ufunc(self, *a, **k)
 
-        EmulatedArray.__array_ufunc__ = count  # type: ignore[method-assign]
+    def counted(xp: Any, *args: Any) -> None:
+        calls = active[threading.get_ident()] = [0]
         try:
             real(xp, *args)
         finally:
-            EmulatedArray.__array_ufunc__ = ufunc  # type: ignore[method-assign]
+            del active[threading.get_ident()]
         counts.append(calls[0])
 
     got = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(device_module, "finish_on_device", counted)
+        mp.setattr(EmulatedArray, "__array_ufunc__", count)
         with Loader(
             RAW_COLOR, batch_size, device=backend, prefetch=1, workers=1, **options
         ) as loader:

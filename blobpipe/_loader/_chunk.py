@@ -106,16 +106,14 @@ class Chunk:
         data, label, geometry = arrays
         self._left.append((number, plan, data[rows], label[rows], geometry.take(rows)))
 
-    def take(self) -> tuple[int, BatchPlan] | None:
-        """The next batch's number and plan, or None when the chunk is empty; its
-        rows then go into a slot's arrays with :meth:`copy_into`."""
-        if not self._left:
-            return None
+    def next(self) -> tuple[int, BatchPlan]:
+        """The next batch's number and plan (the chunk is not empty); its rows then
+        go into a slot's arrays with :meth:`copy_into`."""
         number, plan = self._left[0][:2]
         return number, plan
 
     def copy_into(self, data: np.ndarray, label: np.ndarray, geometry: Geometry | None) -> None:
-        """Copy the batch :meth:`take` named into a slot's arrays, and drop it."""
+        """Copy the batch :meth:`next` named into a slot's arrays, and drop it."""
         _, _, rows, labels, geom = self._left.popleft()
         np.copyto(data, rows)
         np.copyto(label, labels)

@@ -49,7 +49,10 @@ class Loader(AsyncForm, BlockingForm):
         device: "auto" (the current CUDA device when CuPy sees a GPU, else the host),
             "cpu", "cuda" (the calling thread's current CUDA device, as torch's),
             "cuda:N", or a Backend (e.g. the emulated device in tests).
-        prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT).
+        prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT). Small batches
+            (a few together under 2 MiB) are filled a chunk of up to 16 at a time
+            and handed over together: the ring then grows to ``2 * chunk + 1``
+            slots, and one chunk more is filled ahead (``statistics().slots``).
         order: "key" (Caffe), "shuffle", "buffer" (with ``buffer_size``) or "quasi".
         shuffle: shorthand for ``order="shuffle"``.
         workers: the worker-thread limit (default: the CPU count): ``min(workers,
@@ -166,7 +169,7 @@ class Loader(AsyncForm, BlockingForm):
 
     def statistics(self) -> LoaderStatistics:
         """Counters of the batches delivered so far (see :class:`LoaderStatistics`)."""
-        return self._pipe.counters.snapshot(self._backend)
+        return self._pipe.statistics(self._backend)
 
     def state_dict(self) -> dict[str, Any]:
         """Resume state after the last delivered batch (before any: the start), saved

@@ -37,12 +37,13 @@ from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
 from ._ring import Ring, Slot
-from ._stats import Counters
+from ._stats import Counters, LoaderStatistics
 
 __all__ = ["YIELD_EVERY", "Item", "Made", "Pipeline"]
 
 Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
+Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
 #: Seconds: the longest a consumer fills batches itself, or keeps its event loop from
 #: other tasks; batches that take longer to fill keep every filler busy.
 YIELD_EVERY = 0.001
@@ -159,7 +160,7 @@ class Pipeline:
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
         self._wide.set()  # parked fillers see the pipeline is closed
-        self._ring.stop(self._n_fillers)
+        self._ring.stop()
         return True
 
     def wait_fillers(self) -> None:
@@ -188,6 +189,10 @@ class Pipeline:
         self._ring.close()
         self.handoff.close()  # a consumer waiting in another task or thread sees the close
         self.batches.close()
+
+    def statistics(self, backend: Backend) -> LoaderStatistics:
+        """The counters so far (see :class:`LoaderStatistics`)."""
+        return self.counters.snapshot(backend, self._ring.size)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Resume at ``state``: only before the pipeline is opened (an open one has
@@ -237,14 +242,12 @@ class Pipeline:
             if k and not self._wide.is_set():
                 self._wide.wait()  # set again by filler 0, or by close
                 continue
-            slot = self._ring.take()
-            if slot is None:
-                return
             if chunk is not None and (chunk or not self._wide.is_set()):
-                ok = self._fill_from_chunk(slot, chunk)
-            else:
-                ok = self._fill_slot(slot)
-            if not ok:
+                if not self._chunk_step(chunk):
+                    return
+                continue
+            slot = self._ring.take()
+            if slot is None or not self._fill_slot(slot):
                 return
 
     def _fill_slot(self, slot: Slot) -> bool:
@@ -332,56 +335,65 @@ class Pipeline:
         elif not small and not self._wide.is_set() and threading.current_thread() is self._first:
             self._widen = True
 
-    def _fill_from_chunk(self, slot: Slot, chunk: Chunk) -> bool:
-        """Filler 0 while batches are small: the next batch of its chunk (filling a
-        new chunk first when it is empty) into ``slot``, posted; False when the
-        pipeline stopped or this batch failed."""
-        if self.lifecycle.state is State.CLOSED:  # the slot may be the consumer's last
-            chunk.clear()
-            return self._post(slot, self._planned, None)
-        number: int | None = None  # the batch going into the slot, once taken
-        try:
-            slot.event.synchronize()  # device work still reading the slot's buffers
+    def _chunk_step(self, chunk: Chunk) -> bool:
+        """Filler 0 while batches are small: fill a chunk when it is empty, then hand
+        out as many of its batches as the ring has free slots for, taken together
+        (the consumer wakes the filler once for them all). False when the pipeline
+        stopped or a batch failed."""
+        if not chunk:
+            if self._widen:  # the last chunk's batches were large: every filler runs
+                self._widen = False
+                self._wide.set()
+                return True
+            numbered, stop = self._plan_chunk()
+            if len(numbered) == 1:  # one batch: straight into a slot
+                return self._fill_one(*numbered[0], stop)
+            if numbered:
+                stop = self._fill_chunk(chunk, numbered, stop)
+                # room for this chunk while the consumer is on the last one
+                self._ring.grow(2 * len(numbered) + 1)
+            if stop is not None and stop[1] is not None:
+                self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
             if not chunk:
-                if self._widen:  # the last chunk's batches were large: every filler runs
-                    self._widen = False
-                    self._wide.set()
-                    return self._fill_slot(slot)
-                numbered, stop = self._plan_chunk()
-                if len(numbered) == 1:  # one batch: straight into the slot
-                    number, plan = numbered[0]
-                    item = self._fill_and_issue(slot, number, plan)
-                    if stop is not None and stop[1] is not None and isinstance(item, tuple):
-                        self.handoff.post(stop[0], stop[1])  # the end or failure after it
-                    return self._post(slot, number, item)
-                if numbered:
-                    stop = self._fill_chunk(chunk, numbered, stop)
-                if stop is not None:
-                    if not chunk:
-                        return self._post(slot, *stop)
-                    if stop[1] is not None:  # after the chunk's batches, by number
-                        self.handoff.post(stop[0], stop[1])
-            taken = chunk.take()
-            if taken is None:  # pragma: no cover - a chunk without a batch posted its end
-                return self._post(slot, self._planned, None)
-            number, plan = taken
+                return stop is not None and isinstance(stop[1], End)
+        slots = self._ring.take_many(len(chunk))
+        if slots is None:
+            return False
+        if self.lifecycle.state is State.CLOSED:  # a slot may be the consumer's last
+            self._ring.put_many(slots)
+            return False
+        for i, slot in enumerate(slots):
+            number, plan = chunk.next()
             try:
+                slot.event.synchronize()  # device work still reading the slot's buffers
                 data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
                 chunk.copy_into(data, label, geometry)
+                item = self._issue(slot, number, plan)
             except Exception as exc:
-                chunk.clear()  # nothing after a failed batch is delivered
-                return self._post(slot, *self._failed(number, exc))
-            return self._post(slot, number, self._issue(slot, number, plan))
-        except Exception as exc:
-            # the failure takes the first number not posted yet
-            if number is None and (taken := chunk.take()) is not None:
-                number = taken[0]
-            chunk.clear()
-            return self._post(slot, *self._failed(self._number_for(number), exc))
+                item = self._failed(number, exc)[1]
+            if not isinstance(item, tuple):  # nothing after a failed batch is delivered
+                chunk.clear()
+                self._ring.put_many(slots[i:])
+                self.handoff.post(number, item)
+                return False
+            self.handoff.post(number, item)
+        return True
 
-    def _plan_chunk(
-        self,
-    ) -> tuple[list[tuple[int, BatchPlan]], tuple[int, End | Failure | None] | None]:
+    def _fill_one(self, number: int, plan: BatchPlan, stop: Stop | None) -> bool:
+        """Batch ``number`` filled straight into a free slot, posted, then ``stop``."""
+        slot = self._ring.take()
+        if slot is None:
+            return False
+        try:
+            slot.event.synchronize()
+            item: Item | None = self._fill_and_issue(slot, number, plan)
+        except Exception as exc:
+            item = self._failed(number, exc)[1]
+        if stop is not None and stop[1] is not None and isinstance(item, tuple):
+            self.handoff.post(stop[0], stop[1])  # the end or failure after it
+        return self._post(slot, number, item)
+
+    def _plan_chunk(self) -> tuple[list[tuple[int, BatchPlan]], Stop | None]:
         """Number and plan consecutive batches, as many as :func:`chunk_batches` of the
         first allows. Returns them and what ended them early: the end of the epoch,
         a failure, or None once the pipeline is not OPEN (else None)."""
@@ -401,8 +413,8 @@ class Pipeline:
         self,
         chunk: Chunk,
         numbered: list[tuple[int, BatchPlan]],
-        stop: tuple[int, End | Failure | None] | None,
-    ) -> tuple[int, End | Failure | None] | None:
+        stop: Stop | None,
+    ) -> Stop | None:
         """Fill the planned batches into ``chunk`` (empty); returns ``stop``, or the
         failure of the batch the fill stopped at (those before it are in the chunk)."""
         t0 = time.perf_counter()

@@ -21,7 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
-import queue
+import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -139,49 +140,85 @@ class Slot:
 
 
 class Ring:
-    """``size`` slots and the queue of free ones, shared by the fillers.
+    """Slots and the queue of free ones, shared by the fillers.
 
-    Fillers :meth:`take` a free slot (blocking), the consumer :meth:`put` s
-    back the slot of a batch it moved past; :meth:`stop` wakes every waiting
-    filler with ``None``.
+    Fillers :meth:`take` a free slot (blocking) or several at once
+    (:meth:`take_many`: filler 0 handing out a chunk of small batches); the
+    consumer :meth:`put` s back the slot of a batch it moved past, waking a filler
+    only once as many slots as it waits for are free; :meth:`stop` wakes every
+    waiting filler with None. The ring starts with ``size`` slots and may
+    :meth:`grow` (for small batches, handed over a chunk at a time).
     """
 
     def __init__(self, backend: Backend, size: int) -> None:
         self._backend = backend
         self._size = size
         self.slots: list[Slot] = []
-        self._free: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._free: deque[Slot] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._needs: list[int] = []  # how many free slots each waiting filler needs
+        self._stopped = False
+
+    @property
+    def size(self) -> int:
+        """The slots the ring has now (those it was made with before it opens)."""
+        with self._cond:
+            return max(len(self.slots), self._size)
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
+        self.grow(self._size)
+
+    def grow(self, size: int) -> None:
+        """At least ``size`` slots (new ones free; their buffers come with their
+        first batch)."""
         backend = self._backend
-        for _ in range(self._size):
-            slot = Slot(backend, backend.create_stream() if backend.has_device else None)
-            self.slots.append(slot)
-            self._free.put(slot)
+        with self._cond:
+            while len(self.slots) < size:
+                slot = Slot(backend, backend.create_stream() if backend.has_device else None)
+                self.slots.append(slot)
+                self._free.append(slot)
+            self._cond.notify_all()
 
     def take(self) -> Slot | None:
         """A free slot, waiting for one; None once :meth:`stop` was called."""
-        return self._free.get()
+        got = self.take_many(1)
+        return got[0] if got else None
 
-    def take_nowait(self) -> Slot | None:
-        """A free slot if one is waiting, else None (never a filler's stop signal)."""
-        try:
-            slot = self._free.get_nowait()
-        except queue.Empty:
-            return None
-        if slot is None:  # a stop signal: it is a filler's
-            self._free.put(None)
-        return slot
+    def take_many(self, n: int) -> list[Slot] | None:
+        """``n`` free slots (at most the ring's size), waiting until that many are
+        free; None once :meth:`stop` was called."""
+        with self._cond:
+            n = max(1, min(n, len(self.slots)))
+            if len(self._free) < n and not self._stopped:
+                self._needs.append(n)
+                try:
+                    while len(self._free) < n and not self._stopped:
+                        self._cond.wait()
+                finally:
+                    self._needs.remove(n)
+            if self._stopped:
+                return None
+            return [self._free.popleft() for _ in range(n)]
 
     def put(self, slot: Slot) -> None:
         """Give a slot back to the fillers."""
-        self._free.put(slot)
+        with self._cond:
+            self._free.append(slot)
+            if self._needs and len(self._free) >= min(self._needs):
+                self._cond.notify_all()
 
-    def stop(self, fillers: int) -> None:
-        """Wake ``fillers`` fillers waiting in :meth:`take` (they get None)."""
-        for _ in range(fillers):
-            self._free.put(None)
+    def put_many(self, slots: list[Slot]) -> None:
+        """Give slots back to the fillers (those a filler took and did not fill)."""
+        for slot in slots:
+            self.put(slot)
+
+    def stop(self) -> None:
+        """Wake every filler waiting in :meth:`take` (they get None), and every later
+        call of it."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
 
     async def settle(self) -> None:
         """Wait until no device work (the slot's or the consumer's) uses any slot's buffers."""

@@ -30,6 +30,9 @@ class LoaderStatistics:
             flight, from issue to completion, summed over batches.
         pool: the host pool's statistics (pinned memory on CUDA).
         device_pool: the device pool's statistics (None without a device).
+        slots: batch slots in the ring: ``prefetch``, or more while batches are
+            small (handed over a chunk at a time, at most ``2 * 16 + 1`` slots of
+            batches under 2 MiB together, see the Loader's ``prefetch``).
     """
 
     batches: int
@@ -39,6 +42,7 @@ class LoaderStatistics:
     copy_time: float
     pool: PoolStatistics
     device_pool: PoolStatistics | None
+    slots: int = 0
 
 
 class Counters:
@@ -71,8 +75,9 @@ class Counters:
             self._batches += 1
             self._records += records
 
-    def snapshot(self, backend: Backend) -> LoaderStatistics:
-        """The totals so far, with ``backend``'s pools' statistics."""
+    def snapshot(self, backend: Backend, slots: int) -> LoaderStatistics:
+        """The totals so far, with ``backend``'s pools' statistics and the ring's
+        ``slots``."""
         with self._lock:
             return LoaderStatistics(
                 batches=self._batches,
@@ -84,4 +89,5 @@ class Counters:
                 device_pool=(
                     get_pool(backend, "device").statistics() if backend.has_device else None
                 ),
+                slots=slots,
             )
