@@ -397,16 +397,25 @@ class Pipeline:
         """Number and plan consecutive batches, as many as :func:`chunk_batches` of the
         first allows. Returns them and what ended them early: the end of the epoch,
         a failure, or None once the pipeline is not OPEN (else None)."""
-        numbered: list[tuple[int, BatchPlan]] = []
         with self._plan_lock:
-            want = 1
-            while len(numbered) < want:
-                number, planned = self._plan_next()
-                if not isinstance(planned, BatchPlan):
-                    return numbered, (number, planned)
-                numbered.append((number, planned))
-                if len(numbered) == 1:
-                    want = chunk_batches(planned)
+            number, planned = self._plan_next()
+            if not isinstance(planned, BatchPlan):
+                return [], (number, planned)
+            numbered = [(number, planned)]
+            want = chunk_batches(planned)
+            if want == 1:
+                return numbered, None
+            try:
+                more = self.batches.next_plans(want - 1)
+            except Exception as exc:  # delivered to the consumer, in order
+                self._planned += 1
+                return numbered, self._failed(number + 1, exc)
+            for plan in more:
+                number = self._planned
+                self._planned += 1
+                if plan is None:
+                    return numbered, (number, End())
+                numbered.append((number, plan))
         return numbered, None
 
     def _fill_chunk(
