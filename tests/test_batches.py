@@ -521,6 +521,67 @@ def test_bad_record_fails_its_batch_only(tmp_path: Path) -> None:
     assert labels(got) == [[0, 1], [2, 3]]
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "epoch", "last": "keep"},
+        {"mode": "epoch", "last": "pad"},
+        {"mode": "epoch", "last": "drop"},
+        {"mode": "wrap"},
+        {"mode": "epoch", "order": "shuffle", "seed": 3},
+        {"mode": "wrap", "order": "shuffle", "seed": 3, "transform": Transform(mirror=True)},
+    ],
+)
+def test_next_plans_are_next_plan_in_steps(db10: Path, count: int, options: dict[str, Any]) -> None:
+    """``next_plans(k)`` makes the plans ``k`` calls of ``next_plan`` make, stopping
+    after an epoch's end, across epochs, padding and dropped tails."""
+    with Batches(db10, 3, phase="train", **options) as one, Batches(
+        db10, 3, phase="train", **options
+    ) as many:  # fmt: skip
+        want = [one.next_plan() for _ in range(12)]
+        got: list[Any] = []
+        while len(got) < 12:
+            step = many.next_plans(count)
+            assert 1 <= len(step) <= count
+            assert all(p is not None for p in step[:-1])  # None only last
+            got += step
+        for w, g in zip(want, got, strict=False):
+            if w is None or g is None:
+                assert w is g
+                continue
+            assert g.keys == w.keys and g.valid == w.valid and g.state == w.state
+            for field in ("indices", "epochs", "positions", "words"):
+                a, b = getattr(g, field), getattr(w, field)
+                assert np.array_equal(a, b) and not a.flags.writeable, field
+            assert (g.record_shape, g.data_shape, g.dtype) == (
+                w.record_shape,
+                w.data_shape,
+                w.dtype,
+            )
+        assert many.state_dict() == one.state_dict() or len(got) > 12
+
+
+@pytest.mark.parametrize("bad_batch", [0, 1, 3])
+def test_next_plans_stop_before_a_batch_that_fails(tmp_path: Path, bad_batch: int) -> None:
+    """A batch whose first record fails: the plans before it are returned, the cursor
+    is past it, and the next call raises its error (then planning goes on)."""
+    items = [(f"{i:02d}".encode(), raw_datum(image(i), i)) for i in range(12)]
+    bad = 2 * bad_batch
+    items[bad] = (f"{bad:02d}".encode(), b"\x08\x03\x10garbage")
+    db = write_lmdb(tmp_path / "bad", items)
+    with Batches(db, 2, mode="epoch") as b:
+        if bad_batch:
+            before = b.next_plans(5)
+            assert [p.positions[0] for p in before if p is not None] == [
+                2 * i for i in range(bad_batch)
+            ]
+        with pytest.raises(DataError, match=f"record key b'{bad:02d}'"):
+            b.next_plans(5)
+        after = b.next_plans(1)[0]
+        assert after is not None and after.positions[0] == bad + 2
+
+
 def test_constructor_errors(db10: Path, tmp_path: Path) -> None:
     with pytest.raises(DatabaseNotFoundError):
         Batches(tmp_path / "missing", 2)
