@@ -622,3 +622,36 @@ def test_records_in_a_named_sub_database_are_a_clear_error(tmp_path: Path) -> No
         Batches(path, 2) as b,
     ):
         next(iter(b))
+
+
+def test_records_in_key_order_are_classified_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range read in key order classifies the records after it in the same pass,
+    also when some of its own records are known already (each batch's first record,
+    read to plan the batch): the next batches' records are not classified one by one."""
+    import blobpipe._io._index as index_module
+
+    passes: list[int] = []
+    real = index_module.classify
+
+    def classify(buffer: Any, offsets: Any, *args: Any) -> Any:
+        passes.append(len(offsets))
+        return real(buffer, offsets, *args)
+
+    monkeypatch.setattr(index_module, "classify", classify)
+    items = [(key(i), blobpipe.encode_raw_datum(image(i), i)) for i in range(400)]
+    db = write_lmdb(tmp_path / "db", items)
+    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
+    extents = value_extents(file, [k for k, _ in items])
+    assert extents is not None
+    index = index_module.RecordIndex(file, extents.offsets, extents.lengths)
+    for first in (0, 32, 64):  # batch firsts, read one by one to plan the batches
+        index.locate(np.array([first], np.intp))
+    assert passes == [1, 1, 1]
+    got = index.locate(np.arange(0, 96, dtype=np.intp), image(0).shape)  # three batches
+    assert (got.kind == RAW).all() and got.label.tolist() == list(range(96))
+    assert passes[3] == 400 - 3  # the range's unknown records and every one after it
+    rest = index.locate(np.arange(96, 400, dtype=np.intp), image(0).shape)
+    assert (rest.kind == RAW).all() and rest.label.tolist() == list(range(96, 400))
+    assert len(passes) == 4  # nothing left to classify

@@ -135,7 +135,7 @@ class RecordIndex:
         unknown = rows[self._kind[rows] == UNKNOWN]
         if len(unknown):
             if hint is not None:
-                unknown = self._with_next(unknown)
+                unknown = self._with_next(rows, unknown)
             # sorted, once each (np.unique imports numpy.ma)
             unknown = np.array(sorted(set(unknown.tolist())), np.intp)
             got = classify(
@@ -155,12 +155,16 @@ class RecordIndex:
             self._label[rows],
         )
 
-    def _with_next(self, unknown: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
-        """``unknown`` and, when they are consecutive records (read in key order),
-        the unknown records that follow them, up to :data:`_AHEAD_BYTES` of
-        values: the next batches' records are then recognised in this pass."""
-        first, last = int(unknown[0]), int(unknown[-1])
-        if last - first != len(unknown) - 1:
+    def _with_next(
+        self, rows: npt.NDArray[np.intp], unknown: npt.NDArray[np.intp]
+    ) -> npt.NDArray[np.intp]:
+        """``unknown`` (of ``rows``) and, when ``rows`` are consecutive records (read
+        in key order; some of them may be known already, e.g. each batch's first,
+        read to plan it), the unknown records that follow them, up to
+        :data:`_AHEAD_BYTES` of values: the next batches' records are then
+        recognised in this pass."""
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first != len(rows) - 1:
             return unknown
         lengths = self._value_length[last + 1 : last + 1 + _AHEAD]
         count = int(np.searchsorted(np.cumsum(lengths), _AHEAD_BYTES))
