@@ -988,29 +988,22 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
 async def test_small_batches_fill_at_most_one_chunk_ahead(
     db30: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small batches are filled a chunk at a time and handed to slots one by one: the
+    """Small batches are filled a chunk at a time and handed to slots together: the
     producer runs at most the ring and one chunk ahead of the consumer, stops there,
     and what arrives is what Batches makes."""
     probe = FillProbe(monkeypatch)
     backend = make_backend(device)
     monkeypatch.setattr(blobpipe._loader._pipeline, "YIELD_EVERY", 60.0)  # all small
 
-    async def settled() -> int:
-        """The batches filled once the producer stopped (nothing new for a while)."""
-        while True:
-            await wait_until(lambda: probe.in_flight == 0 and len(probe.plans) >= 3, "fills")
-            n = len(probe.plans)
-            await anyio.sleep(0.3)
-            if len(probe.plans) == n and probe.in_flight == 0:
-                await stays(lambda n=n: len(probe.plans) == n, f"{n} batches filled")
-                return n
-
     got: list[Got] = []
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1, mode="wrap") as loader:
-        ahead = await settled()
+        # batch 0 alone, then chunks of CHUNK_BATCHES (the ring grown to hold two and
+        # the consumer's batch): two chunks in slots and the third filled, waiting
+        full = 1 + 3 * CHUNK_BATCHES
+        await wait_until(lambda: len(probe.plans) >= full and probe.in_flight == 0, "fills")
+        await stays(lambda: len(probe.plans) == full, f"{full} batches filled")
         slots = loader.statistics().slots
-        assert 3 < slots <= 2 * CHUNK_BATCHES + 1  # grown for chunks
-        assert ahead <= slots + CHUNK_BATCHES  # the ring's slots and one chunk
+        assert slots == 2 * CHUNK_BATCHES + 1
         used = 0
         for i in range(3 * slots):
             got.append(Got.of(await anext(loader)))
