@@ -3,10 +3,12 @@
 A batch of small records costs more in per-call Python (planning it, locating
 its records, one kernel call) than in work on its rows, and with one GIL a
 second filler thread does not help. So while batches are small, filler 0 plans
-consecutive batches up to :data:`CHUNK_BYTES` of output, fills them in one
-:meth:`Batches.fill` of their :func:`merged` plan into a scratch array, and copies
-each batch's rows into a free slot as one comes: the per-call costs are paid
-once per chunk, the copy is a memcpy of the batch.
+consecutive batches together (:meth:`Batches.next_plans`, up to :data:`CHUNK_BYTES`
+of output, :data:`CHUNK_ROWS` rows or :data:`CHUNK_BATCHES` batches), fills them in
+one :meth:`Batches.fill` of their :func:`merged` plan into a scratch array, waits
+until the ring has a free slot for each (one wake-up per chunk) and copies each
+batch's rows into its slot: the per-call costs are paid once per chunk, the copy
+is a memcpy of the batch.
 
 Invariants:
 

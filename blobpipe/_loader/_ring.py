@@ -3,9 +3,11 @@
 Invariants:
 
 * ``prefetch`` slots are allocated once, when the loader opens, each with its
-  own stream; their buffers come from the backend's pools and are fitted to
-  each batch by reshaping within capacity, so a steady state allocates nothing.
-  At most that much batch memory is alive: a slow consumer slows reading.
+  own stream (for small batches handed over a chunk at a time the ring grows to
+  ``2 * chunk + 1``, at most 33); their buffers come from the backend's pools and
+  are fitted to each batch by reshaping within capacity, so a steady state
+  allocates nothing. At most that much batch memory is alive: a slow consumer
+  slows reading.
 * A slot is refilled only after the consumer has moved past its batch (it is
   then :meth:`Ring.put` back) *and* the device work reading its host buffers
   (the staged pixels, the rows' ``geometry`` the device transform reads as is)
