@@ -249,17 +249,25 @@ def case_db(kind: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("small", [True, False], ids=["chunks", "one-by-one"])
 @pytest.mark.parametrize(("device", "device_transform"), DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_matches_batches(
-    case: str, device: str, device_transform: bool | None, tmp_path: Path
+    case: str,
+    device: str,
+    device_transform: bool | None,
+    tmp_path: Path,
+    small: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # every fill counts as small (chunks) or as large (a batch per slot), whatever the load
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0 if small else 0.0)
     kind, transform_kwargs, options = CASES[case]
     db = case_db(kind, tmp_path)
     backend = make_backend(device)
     if kind == "float" and backend.has_device:
         device_transform = False  # float_data records cannot be staged as uint8
-    n = 9  # wraps past the end of the database, through every ring slot several times
+    n = 40  # wraps past the end of the database, through every ring slot (and chunk) again
     async with Loader(
         db,
         8,
@@ -871,7 +879,7 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
 
     monkeypatch.setattr(Chunk, "fill", fill)
     # every fill counts as small, however loaded the machine: chunks from batch 1 on
-    monkeypatch.setattr(blobpipe._loader._pipeline, "YIELD_EVERY", 60.0)
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)
     bad = 4 * bad_batch + 2
     items = [
         (key(i), blobpipe.encode_raw_datum(np.full((3, 4, 5), i, np.uint8), i)) for i in range(80)
@@ -906,7 +914,7 @@ async def test_no_allocations_in_steady_state(
 ) -> None:
     # every fill counts as small (chunks, the ring grown at the first) or as large (one
     # batch per slot), whatever the machine's load
-    monkeypatch.setattr(blobpipe._loader._pipeline, "YIELD_EVERY", 60.0 if small else 0.0)
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0 if small else 0.0)
     backend = make_backend(device)
     prefetch = 3
     t = Transform(mean_value=(1, 2, 3), crop_size=8)
@@ -951,7 +959,7 @@ async def test_no_allocations_in_steady_state(
 async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches that take a while to fill are filled one per free slot: the producer
     stops when the ring is full and fills a slot again once the consumer moved on."""
-    probe = FillProbe(monkeypatch, sleep=0.002)  # >= YIELD_EVERY: no chunks
+    probe = FillProbe(monkeypatch, sleep=0.002)  # >= SMALL_FILL: no chunks
     plans = 0
     original = Batches.next_plan
 
@@ -993,7 +1001,7 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
     and what arrives is what Batches makes."""
     probe = FillProbe(monkeypatch)
     backend = make_backend(device)
-    monkeypatch.setattr(blobpipe._loader._pipeline, "YIELD_EVERY", 60.0)  # all small
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
 
     got: list[Got] = []
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1, mode="wrap") as loader:

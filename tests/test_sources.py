@@ -9,6 +9,7 @@ from the records, on the host and the emulated device.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -309,8 +310,14 @@ def make_device(name: str) -> Any:
     return EmulatedBackend(delay=0.002) if name == "emulated" else name
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["small", "large"])
 @pytest.mark.parametrize("device", loader_backends())
-def test_loader_lockstep_matches_batches(tmp_path: Path, device: str) -> None:
+def test_loader_lockstep_matches_batches(
+    tmp_path: Path, device: str, small: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sources read in lockstep go into their slots batch by batch, also while batches
+    count as small (no chunks: a chunk has one source)."""
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0 if small else 0.0)
     dbs = segmentation_dbs(tmp_path, 10, (12, 14))
     transform = {
         "data": Transform(crop_size=7, mirror=True, mean_value=(10, 20, 30)),
@@ -341,8 +348,12 @@ def test_loader_lockstep_matches_batches(tmp_path: Path, device: str) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("small", [True, False], ids=["chunks", "one-by-one"])
 @pytest.mark.parametrize("device", loader_backends())
-async def test_loader_blobproto_database(tmp_path: Path, device: str) -> None:
+async def test_loader_blobproto_database(
+    tmp_path: Path, device: str, small: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0 if small else 0.0)
     db = blob_db(tmp_path / "db", 5, (3, 4))
     async with Loader(db, 2, device=make_device(device), mode="epoch") as loader:
         assert not loader.device_transform  # float values: nothing to stage as uint8
@@ -476,11 +487,17 @@ def test_databases_as_one_shards_resume_and_loader(tmp_path: Path) -> None:
     assert [r[0] for r in resumed] == [r[0] for r in rest]
     for (_, a), (_, c) in zip(resumed, rest, strict=True):
         np.testing.assert_array_equal(a, c)
-    for device in ("cpu", EmulatedBackend(delay=0.002)):
+    for device, small in itertools.product(("cpu", EmulatedBackend(delay=0.002)), (60.0, 0.0)):
+        # every fill small (chunks) or large (a batch per slot)
+        pipeline = blobpipe._loader._pipeline
+        pipeline.SMALL_FILL, was = small, pipeline.SMALL_FILL
         with Batches(dbs, 3, **options) as b:
             expect = list(b)
-        with Loader(dbs, 3, device=device, **options) as loader:
-            got = [(batch.indices, batch.data.cpu_data().copy()) for batch in loader]
+        try:
+            with Loader(dbs, 3, device=device, **options) as loader:
+                got = [(batch.indices, batch.data.cpu_data().copy()) for batch in loader]
+        finally:
+            pipeline.SMALL_FILL = was
         assert [g[0] for g in got] == [tuple(e.indices) for e in expect]
         for (_, data), e in zip(got, expect, strict=True):
             np.testing.assert_array_equal(data, e.data)

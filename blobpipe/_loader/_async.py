@@ -22,9 +22,13 @@ from .._backends import wait_event
 from ._batch import Batch
 from ._handoff import threadsafe_caller
 from ._lifecycle import State
-from ._pipeline import YIELD_EVERY, Pipeline
+from ._pipeline import Pipeline
 
-__all__ = ["AsyncForm"]
+__all__ = ["YIELD_EVERY", "AsyncForm"]
+
+#: Seconds: the longest ``async for`` keeps its event loop from other tasks while
+#: batches are ready (a turn of the loop per batch costs more than a small batch).
+YIELD_EVERY = 0.001
 
 _F = TypeVar("_F", bound="AsyncForm")
 

@@ -49,7 +49,10 @@ CHUNK_BATCHES = 16
 
 
 def chunk_batches(plan: BatchPlan) -> int:
-    """How many batches like ``plan`` one chunk holds (1: no chunk)."""
+    """How many batches like ``plan`` one chunk holds (1: no chunk; always for a plan
+    with other sources read in lockstep, which go into their slots directly)."""
+    if plan.extra:
+        return 1
     nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
     rows = max(len(plan), 1)
     return max(1, min(CHUNK_BYTES // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))

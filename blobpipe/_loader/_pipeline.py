@@ -39,14 +39,15 @@ from ._lifecycle import CLOSED_ERROR, Lifecycle, State
 from ._ring import Ring, Slot
 from ._stats import Counters, LoaderStatistics
 
-__all__ = ["YIELD_EVERY", "Item", "Made", "Pipeline"]
+__all__ = ["SMALL_FILL", "Item", "Made", "Pipeline"]
 
 Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
 Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
-#: Seconds: the longest a consumer fills batches itself, or keeps its event loop from
-#: other tasks; batches that take longer to fill keep every filler busy.
-YIELD_EVERY = 0.001
+#: Seconds: a batch that fills in less is small: filler 0 alone fills such batches, a
+#: chunk at a time; batches that take longer keep every filler busy.
+SMALL_FILL = 0.001
+
 
 _FORKED_ERROR = (
     "this Loader was opened in process {parent}, and this is a forked child ({child}): its "
@@ -88,7 +89,7 @@ class Pipeline:
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
         self._last_fill = float("inf")  # seconds the last batch took to fill
-        # set while batches take YIELD_EVERY or more to fill: every filler runs;
+        # set while batches take SMALL_FILL or more to fill: every filler runs;
         # clear (small batches): filler 0 and the consumer alone (see _filler)
         self._wide = threading.Event()
         self._wide.set()
@@ -329,7 +330,7 @@ class Pipeline:
         self._last_fill = each
         for _ in range(batches):
             self.counters.filled(each)
-        small = each < YIELD_EVERY
+        small = each < SMALL_FILL
         if small and self._wide.is_set():
             self._wide.clear()
         elif not small and not self._wide.is_set() and threading.current_thread() is self._first:
