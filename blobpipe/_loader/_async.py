@@ -27,8 +27,10 @@ from ._pipeline import Pipeline
 __all__ = ["YIELD_EVERY", "AsyncForm"]
 
 #: Seconds: the longest ``async for`` keeps its event loop from other tasks while
-#: batches are ready (a turn of the loop per batch costs more than a small batch).
-YIELD_EVERY = 0.001
+#: batches are ready (every call still checks for cancellation). A turn of the loop
+#: costs more than a small batch and lets a busy filler take the GIL, so it is not
+#: taken per batch (docs/performance.md).
+YIELD_EVERY = 0.005
 
 _F = TypeVar("_F", bound="AsyncForm")
 
