@@ -13,7 +13,13 @@ import cv2
 import numpy as np
 import pytest
 
-from blobpipe._errors import DatabaseNotFoundError, DataError, ShapeError, StateError
+from blobpipe._errors import (
+    ArgumentError,
+    DatabaseNotFoundError,
+    DataError,
+    ShapeError,
+    StateError,
+)
 from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._kernels import Geometry
 from blobpipe._io._prototxt import read_data_layer
@@ -560,6 +566,14 @@ def test_next_plans_are_next_plan_in_steps(db10: Path, count: int, options: dict
                 w.dtype,
             )
         assert many.state_dict() == one.state_dict() or len(got) > 12
+
+
+def test_next_plans_needs_a_positive_count(db10: Path) -> None:
+    with Batches(db10, 3) as b:
+        for count in (0, -1, 1.5, True, "2"):
+            with pytest.raises(ArgumentError, match="count must be a positive integer"):
+                b.next_plans(count)  # type: ignore[arg-type]
+        assert len(b.next_plans(2)) == 2
 
 
 @pytest.mark.parametrize("bad_batch", [0, 1, 3])

@@ -512,10 +512,13 @@ class Batches:
         cursor past the failing batch, and the next call raises that error.
 
         Raises:
+            ArgumentError: ``count`` is not a positive integer.
             StateError: after :meth:`close`.
             DataError: as :meth:`next_plan`, for the first batch (or the batch the
                 previous call stopped at).
         """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ArgumentError(f"next_plans: count must be a positive integer, got {count!r}")
         self._check_open()
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None

@@ -1,4 +1,4 @@
-"""Small batches filled several at once: a chunk, handed to ring slots one batch at a time.
+"""Small batches filled several at once: a chunk, handed to ring slots together.
 
 A batch of small records costs more in per-call Python (planning it, locating
 its records, one kernel call) than in work on its rows, and with one GIL a
@@ -75,7 +75,7 @@ class Chunk:
     def fill(self, batches: Batches, numbered: list[tuple[int, BatchPlan]]) -> Exception | None:
         """Fill the consecutive plans ``numbered`` (``(number, plan)``, each of one
         source, no other source read in lockstep) into new scratch arrays, keeping
-        each batch's rows for :meth:`take`.
+        each batch's rows for :meth:`next`.
 
         Returns None, or the error filling one of them raised: the batches before
         it are kept, it and those after it are not (the caller posts the error

@@ -88,9 +88,8 @@ class Pipeline:
         self._plan_lock = threading.Lock()  # numbers and plans batches, in order
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
-        self._last_fill = float("inf")  # seconds the last batch took to fill
         # set while batches take SMALL_FILL or more to fill: every filler runs;
-        # clear (small batches): filler 0 and the consumer alone (see _filler)
+        # clear (small batches): filler 0 alone, a chunk at a time (see _filler)
         self._wide = threading.Event()
         self._wide.set()
         self._widen = False  # filler 0 sets _wide once its chunk is handed out
@@ -327,7 +326,6 @@ class Pipeline:
         batches are small. Only filler 0 widens the pipeline (a chunk's batches are
         all handed out before another filler plans one); any filler narrows it."""
         each = seconds / batches
-        self._last_fill = each
         for _ in range(batches):
             self.counters.filled(each)
         small = each < SMALL_FILL
