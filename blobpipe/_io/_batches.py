@@ -40,7 +40,6 @@ transform applied by one kernel (``_kernels.py``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from ._fill import RecordSource
 from ._kernels import Geometry, check_geometry_out
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
-from ._plan import BatchPlan, joined, key_source, read_only
+from ._plan import BatchPlan, Run, advance, key_source, row_arrays
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -523,14 +522,14 @@ class Batches:
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
-        steps: list[tuple[list[tuple[int, int, int]], int, tuple[int, int, bool]]] = []
+        steps: list[tuple[list[Run], int, tuple[int, int, bool]]] = []
         while len(steps) < count:
             step = self._advance()
             if step is None:
                 break
             steps.append((*step, (self._epoch, self._pos, self._end_pending)))
         plans: list[BatchPlan | None] = []
-        rows = self._rows([runs for runs, _, _ in steps])
+        rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
             try:
                 plans.append(self._plan(valid, after, *arrays))
@@ -544,95 +543,22 @@ class Batches:
             plans.append(None)
         return plans
 
-    def _advance(self) -> tuple[list[tuple[int, int, int]], int] | None:
-        """Move the cursor past the next batch: its runs ``(epoch, first position,
-        stop position)`` and its number of real rows; None at the end of an epoch."""
+    def _advance(self) -> tuple[list[Run], int] | None:
+        """Move the cursor past the next batch: its runs and its number of real rows
+        (:func:`advance`); None at the end of an epoch."""
         if self._end_pending:
             self._end_pending = False
             return None
-        bs, size = self._batch_size, self._shard_len
-        runs: list[tuple[int, int, int]] = []
-        epoch, pos = self._epoch, self._pos
-        valid: int
-        if self._mode == "wrap":
-            left = bs
-            while left:
-                take = min(left, size - pos)
-                runs.append((epoch, pos, pos + take))
-                left -= take
-                pos += take
-                if pos == size:
-                    epoch, pos = epoch + 1, 0
-            valid = bs
-        else:
-            count = min(bs, size - pos)
-            if count < bs and self._last == "drop":
-                self._epoch, self._pos = epoch + 1, 0
-                return None
-            runs.append((epoch, pos, pos + count))
-            valid = count
-            if count < bs and self._last == "pad":
-                left = bs - count
-                while left:  # the epoch's first records, again
-                    take = min(left, size)
-                    runs.append((epoch, 0, take))
-                    left -= take
-            pos += count
-            if pos == size or (self._last == "drop" and size - pos < bs):
-                # the epoch ends here (a tail shorter than a batch is dropped): the
-                # resume state already points at the next epoch
-                epoch, pos = epoch + 1, 0
-                self._end_pending = True
-        self._epoch, self._pos = epoch, pos
-        e, a, b = runs[-1]
+        step = advance(
+            self._epoch, self._pos, self._batch_size, self._shard_len, self._mode, self._last
+        )
+        self._epoch, self._pos, self._end_pending = step.epoch, step.pos, step.end
+        if not step.runs:  # a tail shorter than a batch, dropped
+            return None
+        e, a, b = step.runs[-1]
         for ahead in self._ahead:
             ahead.planned(self._epochs.order(e), e, a, b)
-        return runs, valid
-
-    def _rows(self, batches: list[list[tuple[int, int, int]]]) -> list[tuple[np.ndarray, ...]]:
-        """Each batch's read-only ``(indices, epochs, positions, words)`` from its
-        runs: views of one array of each where the batches are consecutive runs of
-        one epoch (a batch within one epoch holds views of that epoch's order and
-        words), else joined per batch."""
-        orders = self._epochs
-        random = self._random
-        if len(batches) > 1 and all(len(runs) == 1 for runs in batches):
-            e, a, _ = batches[0][0]
-            ends = [runs[0] for runs in batches]
-            if all(r[0] == e for r in ends) and all(
-                x[2] == y[1] for x, y in itertools.pairwise(ends)
-            ):
-                b = ends[-1][2]
-                epochs = read_only(np.full(b - a, e, np.int64))
-                positions = read_only(np.arange(a, b, dtype=np.int64))
-                order = orders.order(e)
-                words = orders.words(e) if random else read_only(np.zeros(b - a, np.uint64))
-                out: list[tuple[np.ndarray, ...]] = []
-                for _, lo, hi in ends:
-                    i, j = lo - a, hi - a
-                    out.append(
-                        (
-                            order[lo:hi],
-                            epochs[i:j],
-                            positions[i:j],
-                            words[lo:hi] if random else words[i:j],
-                        )
-                    )
-                return out
-        out = []
-        for runs in batches:
-            indices = joined([orders.order(e)[a:b] for e, a, b in runs])
-            out.append(
-                (
-                    indices,
-                    joined([np.full(b - a, e, np.int64) for e, a, b in runs]),
-                    joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs]),
-                    joined([orders.words(e)[a:b] for e, a, b in runs])
-                    if random
-                    else read_only(np.zeros(len(indices), np.uint64)),
-                )
-            )
-        return out
+        return step.runs, step.valid
 
     def _plan(
         self,

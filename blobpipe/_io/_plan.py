@@ -4,14 +4,27 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BatchPlan", "joined", "key_source", "merged", "read_only"]
+__all__ = [
+    "BatchPlan",
+    "Run",
+    "Step",
+    "advance",
+    "joined",
+    "key_source",
+    "merged",
+    "read_only",
+    "row_arrays",
+]
+
+Run = tuple[int, int, int]  # (epoch, first position, stop position) in an epoch's order
 
 _A = TypeVar("_A", bound="np.ndarray[Any, Any]")
 _T = TypeVar("_T", bound=np.generic)
@@ -172,3 +185,96 @@ def merged(plans: list[BatchPlan]) -> BatchPlan | None:
         data_shape=(len(indices), *head.data_shape[1:]),
         state=plans[-1].state,
     )
+
+
+class Step(NamedTuple):
+    """One batch's place in the epochs' orders (:func:`advance`): its ``runs``
+    (empty: a tail shorter than a batch, dropped), its real rows, and the cursor
+    after it (``end``: the epoch ended with it; the cursor is at the next one)."""
+
+    runs: list[Run]
+    valid: int
+    epoch: int
+    pos: int
+    end: bool
+
+
+def advance(epoch: int, pos: int, batch_size: int, size: int, mode: str, last: str) -> Step:
+    """The batch at position ``pos`` of ``epoch`` (an epoch of ``size`` records):
+    ``mode="wrap"`` runs on into the next epoch; ``mode="epoch"`` ends the epoch
+    with a short batch (``last="keep"``), one padded with the epoch's first records
+    (``"pad"``), or without it (``"drop"``)."""
+    bs = batch_size
+    runs: list[Run] = []
+    if mode == "wrap":
+        left = bs
+        while left:
+            take = min(left, size - pos)
+            runs.append((epoch, pos, pos + take))
+            left -= take
+            pos += take
+            if pos == size:
+                epoch, pos = epoch + 1, 0
+        return Step(runs, bs, epoch, pos, False)
+    count = min(bs, size - pos)
+    if count < bs and last == "drop":
+        return Step([], 0, epoch + 1, 0, False)
+    runs.append((epoch, pos, pos + count))
+    if count < bs and last == "pad":
+        left = bs - count
+        while left:  # the epoch's first records, again
+            take = min(left, size)
+            runs.append((epoch, 0, take))
+            left -= take
+    pos += count
+    if pos == size or (last == "drop" and size - pos < bs):
+        # the epoch ends here (a tail shorter than a batch is dropped): the resume
+        # state already points at the next epoch
+        return Step(runs, count, epoch + 1, 0, True)
+    return Step(runs, count, epoch, pos, False)
+
+
+class EpochOrders(Protocol):
+    """Each epoch's order of record indices and random words (``_order.py``)."""
+
+    def order(self, epoch: int) -> npt.NDArray[np.int64]: ...
+
+    def words(self, epoch: int) -> npt.NDArray[np.uint64]: ...
+
+
+def row_arrays(
+    orders: EpochOrders, random: bool, batches: list[list[Run]]
+) -> list[tuple[np.ndarray, ...]]:
+    """Each batch's read-only ``(indices, epochs, positions, words)`` from its runs:
+    views of one array of each where the batches are consecutive runs of one epoch
+    (a batch within one epoch holds views of that epoch's order and words), else
+    joined per batch. ``random``: words from ``orders``, else zeros."""
+    firsts = [runs[0] for runs in batches]
+    consecutive = all(len(runs) == 1 for runs in batches) and all(
+        x[0] == y[0] and x[2] == y[1] for x, y in itertools.pairwise(firsts)
+    )
+    if len(batches) > 1 and consecutive:
+        e, a, b = firsts[0][0], firsts[0][1], firsts[-1][2]
+        epochs = read_only(np.full(b - a, e, np.int64))
+        positions = read_only(np.arange(a, b, dtype=np.int64))
+        order = orders.order(e)
+        words = orders.words(e)[a:b] if random else read_only(np.zeros(b - a, np.uint64))
+        spans = [(lo - a, hi - a) for _, lo, hi in firsts]
+        views: list[tuple[np.ndarray, ...]] = [
+            (order[a + i : a + j], epochs[i:j], positions[i:j], words[i:j]) for i, j in spans
+        ]
+        return views
+    out: list[tuple[np.ndarray, ...]] = []
+    for runs in batches:
+        indices = joined([orders.order(e)[a:b] for e, a, b in runs])
+        out.append(
+            (
+                indices,
+                joined([np.full(b - a, e, np.int64) for e, a, b in runs]),
+                joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs]),
+                joined([orders.words(e)[a:b] for e, a, b in runs])
+                if random
+                else read_only(np.zeros(len(indices), np.uint64)),
+            )
+        )
+    return out

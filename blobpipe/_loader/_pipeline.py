@@ -326,8 +326,7 @@ class Pipeline:
         batches are small. Only filler 0 widens the pipeline (a chunk's batches are
         all handed out before another filler plans one); any filler narrows it."""
         each = seconds / batches
-        for _ in range(batches):
-            self.counters.filled(each)
+        self.counters.filled(seconds)
         small = each < SMALL_FILL
         if small and self._wide.is_set():
             self._wide.clear()

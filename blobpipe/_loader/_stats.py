@@ -57,7 +57,7 @@ class Counters:
         self._copy_time = 0.0
 
     def filled(self, seconds: float) -> None:
-        """A batch was filled (or failed filling) in ``seconds``."""
+        """Batches were filled (or failed filling) in ``seconds``."""
         with self._lock:
             self._decode_time += seconds
 
