@@ -85,12 +85,14 @@ __all__ = [
     "Memcpy",
     "PlainLoop",
     "Recipe",
+    "Records",
     "Sample",
     "TorchRecipe",
     "check_against_transform",
     "close_shared_envs",
     "make",
     "private_empty",
+    "shared_env",
     "torch_version",
 ]
 
@@ -254,7 +256,7 @@ def _open_env(path: Path) -> Any:
 _ENVS: dict[Path, Any] = {}
 
 
-def _shared_env(path: Path) -> Any:
+def shared_env(path: Path) -> Any:
     """One environment per file for the whole run (LMDB opens a file once per process):
     the plain loops of workloads on one database share it."""
     env = _ENVS.get(path)
@@ -280,7 +282,7 @@ def _list_keys(env: Any) -> list[bytes]:
 Draw = tuple[float, float, float]
 
 
-class _Records:
+class Records:
     """The per-record work of the torch recipe (the plain loop writes it inline): a
     Datum's pixels as CHW uint8, Caffe's crop, mirror and mean-file subtraction into one
     output row, then the mean value and the scale."""
@@ -361,9 +363,9 @@ def check_against_transform(
     """The largest difference between the rows ``fill(values, draws)`` makes of the first
     records of ``db`` and what ``blobpipe.Transform`` makes of them given the same crop
     offsets and flips (``params=``): a contender computes what Caffe computes."""
-    rec = _Records(recipe)
+    rec = Records(recipe)
     transform = recipe.transform()
-    with _shared_env(db).begin() as txn:
+    with shared_env(db).begin() as txn:
         values = [bytes(v) for v in itertools.islice(txn.cursor().iternext(keys=False), 16)]
     rng = np.random.default_rng(1)
     draws: list[Draw] = [(0.0, 0.0, 0.0), (1 - 1e-9, 1 - 1e-9, 1 - 1e-9)]
@@ -390,7 +392,7 @@ class PlainLoop(Contender):
     def __init__(self, files: Files, recipe: Recipe, out_shape: tuple[int, int, int]) -> None:
         self.files = files
         self.recipe = recipe
-        self.records = _Records(recipe)
+        self.records = Records(recipe)
         self.data = np.zeros((recipe.batch, *out_shape), recipe.dtype)
         self.labels = np.zeros(recipe.batch, np.float32)
         self.rng = np.random.default_rng(0)
@@ -485,7 +487,7 @@ class PlainLoop(Contender):
         return Sample(images, time.perf_counter() - t0, batch)
 
     def start(self) -> None:
-        self.env = _shared_env(self.files.plain)
+        self.env = shared_env(self.files.plain)
         self.keys = _list_keys(self.env) if self.recipe.shuffle else None
         self._epoch(self.env, self.keys, False)
 
@@ -513,7 +515,7 @@ class LmdbDataset:
     def __init__(self, path: Path, keys: list[bytes], recipe: Recipe) -> None:
         self.path = path
         self.keys = keys
-        self.records = _Records(recipe)
+        self.records = Records(recipe)
         self.env: Any = None
 
     def __len__(self) -> int:
@@ -803,7 +805,7 @@ class LoaderBlocking(Contender):
 
 
 def _read_all(db: Path, take: Callable[[Any], Any]) -> list[Any]:
-    with _shared_env(db).begin() as txn:
+    with shared_env(db).begin() as txn:
         return [take(Datum.FromString(v)) for v in txn.cursor().iternext(keys=False)]
 
 
@@ -869,8 +871,9 @@ def make(
     out_shape: tuple[int, int, int],
     host: AsyncHost | None = None,
 ) -> Contender:
-    """The plain loop ("plain"), the torch recipe ("torch"), the Loader ("async",
-    "blocking"; "blocking1": one worker) or Batches by hand ("batches") for a
+    """The plain loop ("plain"), the torch recipe ("torch"), DALI's CPU pipeline ("dali";
+    "dali-roi": decoding only the crop), the Loader ("async", "blocking"; "blocking1":
+    one worker) or Batches by hand ("batches") for a
     workload whose output rows are ``out_shape``; its first epochs run in a fresh
     process."""
     contender: Contender
@@ -887,6 +890,10 @@ def make(
         contender = LoaderBlocking(files, recipe, workers=1)
     elif key == "batches":
         contender = BatchesLoop(files, recipe)
+    elif key in ("dali", "dali-roi"):
+        from _dali import DaliPipeline  # imports this module: not at the top
+
+        contender = DaliPipeline(files, recipe, roi=key == "dali-roi")
     else:
         raise ValueError(f"no contender {key!r}")
     contender.fresh_first = True
@@ -928,6 +935,8 @@ def _child(argv: list[str]) -> int:
     recipe = Recipe.from_doc(spec["recipe"])
     if spec["key"] == "torch":
         import torch.utils.data  # noqa: F401  (imported before the clock, as a script does)
+    if spec["key"].startswith("dali"):
+        import nvidia.dali  # noqa: F401
     host = AsyncHost() if spec["key"] == "async" else None
     try:
         contender = make(spec["key"], files, recipe, tuple(spec["out_shape"]), host)

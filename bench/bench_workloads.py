@@ -1,7 +1,7 @@
 """The Loader on the workloads Caffe users run, against a plain loop and PyTorch's recipe.
 
 Run: ``python bench/bench_workloads.py [--quick] [--rounds N] [--workloads W1,W3,...]
-[--json OUT] [--data-dir DIR] [--markdown] [--check] [--no-torch]``
+[--json OUT] [--data-dir DIR] [--markdown] [--check] [--no-torch] [--no-dali]``
 
 Workloads (LMDBs generated once and cached under ``bench/_data/``, see
 ``_workloads_data.py``; batch sizes from Caffe's example prototxts):
@@ -26,7 +26,10 @@ Workloads (LMDBs generated once and cached under ``bench/_data/``, see
 
 Contenders (``_contenders.py``): the plain one-thread loop (the baseline), the PyTorch
 DataLoader recipe with 2 workers (when torch is installed; it forks, so its rounds run
-after all the others), the blobpipe Loader with 2 workers on device "cpu" in its
+after all the others), NVIDIA DALI's CPU pipeline with 2 threads set up for Caffe's exact
+output, and for W4 its ROI decode as well (``_dali.py``; when DALI is installed:
+``pip install -e '.[bench-dali]'``; each checked against ``blobpipe.Transform`` given the
+same crops and flips), the blobpipe Loader with 2 workers on device "cpu" in its
 ``async for`` and blocking forms, and for W5 the memcpy (for W4, the decoder alone, for
 orientation). A last row, ``Batches`` driven by hand in one thread (``next_plan`` and
 ``fill``, no Loader), has no target: it shows what the batch work itself costs, so a
@@ -44,7 +47,9 @@ in the same round (the plain loop; the memcpy for W5).
 
 Targets (2 workers on a 2-core machine): the Loader's later epochs ≥ 1.6× the plain loop
 (W3, W3-test: ≥ 1.5×), its first epochs ≥ 1.3×; W5's later epochs ≥ 0.25 of the memcpy;
-``async for`` ≥ 0.95× the blocking form (first and later epochs). The table marks each
+``async for`` ≥ 0.95× the blocking form (first and later epochs); and ahead of every peer
+that runs (the torch recipe, DALI, DALI's ROI decode: ≥ 1.00×, first and later epochs).
+The table marks each
 Loader row PASS or MISS; ``--check`` exits 1 on a miss (otherwise the exit status is 0).
 Deterministic workloads (W1, W3-test, W5) also check that every contender's first batch
 equals the baseline's; a difference is a miss.
@@ -85,6 +90,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
+from _dali import DaliPipeline, dali_version
 from _workloads_data import DbSpec, Prepared, imagenet_raw, prepare, warm_page_cache
 
 import blobpipe
@@ -95,6 +101,9 @@ FIRST_TARGET = 1.3
 ASYNC_TARGET = 0.95
 PASSTHROUGH_TARGET = 0.25
 PLAIN_TOLERANCE = 1e-3
+PEER_TARGET = 1.0
+#: the pipelines users would pick instead, each a target for the Loader where it runs
+PEERS = ("torch", "dali", "dali-roi")
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,8 @@ class Run:
     fixed: list[dict[str, float]] = field(default_factory=list)
     # the plain loop's per-record work against blobpipe.Transform (None: no plain loop)
     plain_error: float | None = None
+    # DALI's pipelines against blobpipe.Transform, by contender key (those that run)
+    dali_errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def plain_ok(self) -> bool:
@@ -295,7 +306,7 @@ class Run:
         return statistics.median(a / b for a, b in pairs) if pairs else None
 
 
-def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool) -> Run:
+def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali: bool) -> Run:
     recipe = dataclasses.replace(
         w.recipe,
         mean_file=prepared.mean_file
@@ -304,12 +315,13 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool) -> R
     )
     files = cs.Files(loader=prepared.path, first=prepared.first, plain=prepared.copy)
     c, h, wd = prepared.spec.shape if prepared.spec.kind == "raw" else (3, 0, 0)
+    out_shape = recipe.out_shape(c, h, wd)
     rows: list[Row] = []
     plain_error = None
     if w.passthrough:
         rows.append(Row(cs.Memcpy(files, recipe)))
     else:
-        plain = cs.make("plain", files, recipe, recipe.out_shape(c, h, wd))
+        plain = cs.make("plain", files, recipe, out_shape)
         assert isinstance(plain, cs.PlainLoop)
         dataset = cs.LmdbDataset(files.first, [], recipe)
         plain_error = max(
@@ -317,27 +329,40 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool) -> R
             cs.check_against_transform(recipe, files.plain, dataset.rows_of),
         )
         rows.append(Row(plain))
-        tr = cs.make("torch", files, recipe, recipe.out_shape(c, h, wd))
+        tr = cs.make("torch", files, recipe, out_shape)
         if not torch and tr.skipped is None:
             tr.skipped = "skipped (--no-torch)"
         rows.append(Row(tr))
-        if recipe.encoded:
-            rows.append(Row(cs.DecodeOnly(files)))
+    dali_errors = {}
+    for key in ("dali", "dali-roi"):
+        d = cs.make(key, files, recipe, out_shape)
+        if not dali and d.skipped is None:
+            d.skipped = "skipped (--no-dali)"
+        if d.skipped is None:
+            assert isinstance(d, DaliPipeline)
+            dali_errors[key] = cs.check_against_transform(recipe, files.plain, d.rows_of)
+        if key == "dali" or d.skipped is None:  # the ROI row only where it can run
+            rows.append(Row(d))
+    if recipe.encoded:
+        rows.append(Row(cs.DecodeOnly(files)))
+    running = [r.contender.key for r in rows if r.contender.skipped is None]
     for key in ("async", "blocking"):
-        contender = cs.make(key, files, recipe, recipe.out_shape(c, h, wd), host)
+        contender = cs.make(key, files, recipe, out_shape, host)
         checks = []
         if w.first_target is not None:
             checks.append(Check("first", w.baseline, w.first_target))
         if w.later_target is not None:
             checks.append(Check("later", w.baseline, w.later_target))
+        for peer in (p for p in PEERS if p in running):
+            checks += [Check("first", peer, PEER_TARGET), Check("later", peer, PEER_TARGET)]
         if key == "async":
             checks += [
                 Check("first", "blocking", ASYNC_TARGET),
                 Check("later", "blocking", ASYNC_TARGET),
             ]
         rows.append(Row(contender, checks))
-    rows.append(Row(cs.make("batches", files, recipe, recipe.out_shape(c, h, wd))))
-    return Run(w, prepared, recipe, rows, plain_error=plain_error)
+    rows.append(Row(cs.make("batches", files, recipe, out_shape)))
+    return Run(w, prepared, recipe, rows, plain_error=plain_error, dali_errors=dali_errors)
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -527,7 +552,12 @@ def evaluate(run: Run) -> None:
         is_plain = row.contender.key == "plain"
         if is_plain and not run.plain_ok:
             row.problems.append(f"differs from blobpipe.Transform (max |Δ| {run.plain_error:.3g})")
-        row.checked = bool(row.checks) or row.same_first_batch is not None or is_plain
+        error = run.dali_errors.get(row.contender.key)
+        if error is not None and error > PLAIN_TOLERANCE:
+            row.problems.append(f"differs from blobpipe.Transform (max |Δ| {error:.3g})")
+        row.checked = (
+            bool(row.checks) or row.same_first_batch is not None or is_plain or error is not None
+        )
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -564,6 +594,9 @@ def _target_text(run: Run, row: Row) -> str:
     for c in row.checks:
         if c.against == base:
             parts.append(f"{c.kind} ≥ {c.target:.2f}×")
+    peers = sorted({c.against for c in row.checks if c.against in PEERS}, key=PEERS.index)
+    if peers:
+        parts.append(f"≥ {PEER_TARGET:.2f}× " + ", ".join(peers))
     if any(c.against == "blocking" for c in row.checks):
         parts.append(f"≥ {ASYNC_TARGET:.2f}× blocking")
     return ", ".join(parts)
@@ -718,6 +751,7 @@ def versions() -> dict[str, str | None]:
         "anyio": dist("anyio"),
         "blobpipe": blobpipe.__version__,
         "torch": cs.torch_version(),
+        "dali": dali_version(),
     }
 
 
@@ -781,6 +815,7 @@ def json_doc(
                     "pixels": run.prepared.pixels,
                 },
                 "per_record_vs_transform_max_abs_diff": run.plain_error,
+                "dali_vs_transform_max_abs_diff": run.dali_errors,
                 "bytes_per_image": b,
                 "ceiling_img_s": 2 * copied * 1e9 / b["moved"],
                 "contenders": contenders,
@@ -822,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch recipe")
+    ap.add_argument("--no-dali", action="store_true", help="skip NVIDIA DALI's pipelines")
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
@@ -842,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         for w in chosen:
-            runs.append(build(w, prepared[w.db], host, not args.no_torch))
+            runs.append(build(w, prepared[w.db], host, not args.no_torch, not args.no_dali))
             for row in runs[-1].rows:
                 if row.contender.skipped is None and not row.contender.forks:
                     row.contender.start()  # a kept-open pipeline's first epoch, untimed
