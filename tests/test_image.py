@@ -20,7 +20,6 @@ from blobpipe._io._batches import Batches
 from blobpipe._io._image import (
     Undecodable,
     decode_image,
-    decode_many,
     image_header,
     imread_flag,
     jpeg_frame,
@@ -93,17 +92,6 @@ def test_decode_image_is_opencvs_with_each_flag() -> None:
                 continue
             assert isinstance(got, np.ndarray), (len(data), flag)
             assert got.dtype == np.uint8 and np.array_equal(got, hwc(want)), (len(data), flag)
-
-
-def test_decode_many_decodes_each_when_asked() -> None:
-    datas = caffe_jpegs()[:3]
-    images = iter(datas)
-    decoded = decode_many(images, 1)
-    first = next(decoded)
-    assert isinstance(first, np.ndarray) and np.array_equal(first, opencv(datas[0], 1))
-    assert next(images) is datas[1]  # the second is not read before it is asked for
-    rest = list(decoded)
-    assert len(rest) == 1 and np.array_equal(rest[0], opencv(datas[2], 1))
 
 
 def test_datums_decode_with_caffes_flags() -> None:

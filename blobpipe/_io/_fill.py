@@ -6,7 +6,8 @@ For rows ``[start:stop]`` of a plan, :meth:`Filler.fill`
    mapped read-only when it can be, else the joined values of these rows;
 2. takes each row's pixels where they lie: raw uint8 pixels as views of the
    buffer (rows at one stride as one strided view), encoded images decoded one
-   after another (``_image.decode_many``), float records through the parser;
+   after another (``_image.decode_image``; with a crop, ``_image.decode_window``
+   decodes only the crop's window where that is exact), float records through the parser;
 3. draws each row's crop offset and flip, and runs the transform kernel
    (``_kernels.apply``) from those pixels into the caller's output.
 
@@ -33,7 +34,7 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
-from ._image import Undecodable, decode_image, decode_many, imread_flag
+from ._image import Undecodable, decode_image, decode_window, imread_flag
 from ._index import Located, RecordIndex
 from ._kernels import Geometry, apply, prefers_block
 from ._lmdb import LmdbReader
@@ -420,12 +421,22 @@ class Filler:
         lengths = loc.length.tolist()
         kinds = loc.kind.tolist()
         first = plan.first_decoded if start == 0 else None
-        images = (
-            buffer[offsets[r] : offsets[r] + lengths[r]].data
-            for r, k in enumerate(kinds)
-            if k == ENCODED and not (r == 0 and first is not None)
-        )
-        decoded = decode_many(images, self._flag)
+        t = self._transform
+        crop = t.crop_size
+        words = plan.words[start:]
+
+        def window(r: int) -> Callable[[int, int], tuple[int, int, int, int] | None]:
+            """The crop row ``r`` will take of an image of a given size (what the
+            kernel's geometry draws for it), for decoding that window alone."""
+
+            def of(h: int, w: int) -> tuple[int, int, int, int] | None:
+                if crop > h or crop > w:
+                    return None  # the checked path names the error
+                h_off, w_off, _ = t.geometry((3, h, w), self._phase, words[r : r + 1]).row(0)
+                return h_off, w_off, crop, crop
+
+            return of
+
         for r, k in enumerate(kinds):
             if k == RAW:
                 c, h, w = loc.shape[r].tolist()
@@ -434,7 +445,11 @@ class Filler:
                 if r == 0 and first is not None:
                     yield r, first[0]  # decoded by next_plan
                     continue
-                hwc = next(decoded)
+                image = buffer[offsets[r] : offsets[r] + lengths[r]].data
+                if crop:  # each image decoded while the one before is transformed
+                    hwc = decode_window(image, self._flag, window(r))
+                else:
+                    hwc = decode_image(image, self._flag)
                 yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
             elif k == PARSED:
                 try:

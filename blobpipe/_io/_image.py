@@ -10,15 +10,22 @@ both use it): an image whose header announces more than ``max_pixels`` pixels,
 or whose size cannot be read from its header (every format OpenCV reads:
 ``_imagehead``), is refused before anything is allocated, whoever imported OpenCV
 first; what OpenCV cannot decode comes back as :class:`Undecodable`, a sentence the
-caller puts in its error. :func:`decode_many` decodes a batch's images one after
-another, each as the caller asks for it. OpenCV releases the GIL while it
+caller puts in its error. OpenCV releases the GIL while it
 decodes, so worker threads decode in parallel.
+
+Where a batch keeps only a crop of each image, :func:`decode_window` decodes only the
+crop's window with libjpeg-turbo's partial decompression (the compiled
+``_jpegwindow`` module, built when libjpeg-turbo's headers are present at install),
+and only where the pixels are exactly those of OpenCV's whole-image decode (an
+ordinary colour JPEG: see ``_jpegwindow.c``); every other image, or every image when
+the module is absent, is decoded whole by :func:`decode_image`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -32,10 +39,11 @@ __all__ = [
     "JpegFrame",
     "Undecodable",
     "decode_image",
-    "decode_many",
+    "decode_window",
     "image_header",
     "imread_flag",
     "jpeg_frame",
+    "window_decoding",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -117,14 +125,48 @@ def decode_image(
     return hwc[..., np.newaxis] if hwc.ndim == 2 else hwc
 
 
-def decode_many(
-    images: Iterable[bytes | memoryview], flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> Iterator[npt.NDArray[np.uint8] | Undecodable]:
-    """:func:`decode_image` for each of ``images``, one after another, as the caller
-    asks for the next: a batch's rows are decoded and used one at a time, each
-    image still in cache when it is transformed."""
-    for data in images:
-        yield decode_image(data, flag, max_pixels)
+try:  # compiled at install where libjpeg-turbo's headers are present
+    from . import _jpegwindow  # type: ignore[attr-defined]
+except ImportError:  # whole-image decoding only
+    _jpegwindow = None
+
+# one growing block per thread for the windows' images (only the window is written)
+_scratch = threading.local()
+
+
+def window_decoding() -> bool:
+    """Whether crops of JPEG images are decoded alone (libjpeg-turbo's partial
+    decompression, see the module docstring) in this installation."""
+    return _jpegwindow is not None
+
+
+def decode_window(
+    data: bytes | memoryview,
+    flag: int,
+    window: Callable[[int, int], tuple[int, int, int, int] | None],
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> npt.NDArray[np.uint8] | Undecodable:
+    """:func:`decode_image`, for an image of which only a window will be read:
+    ``window(height, width)`` says which (``(top, left, height, width)``, or None for
+    the whole image). Where the window alone can be decoded exactly (see the module
+    docstring), the result is an ``(H, W, 3)`` view of a block of this thread's whose
+    window holds the pixels :func:`decode_image` would give, the rest unspecified,
+    valid until this thread's next call; otherwise :func:`decode_image`'s result."""
+    if _jpegwindow is not None and flag in (1, -1):
+        size = image_size(data)
+        frame = None if isinstance(size, str) else size.frame
+        if frame is not None and frame.components == 3 and frame.precision == 8:
+            h, w = frame.height, frame.width
+            win = window(h, w) if 0 < h * w <= max_pixels else None
+            if win is not None and win[2] * win[3] < h * w:
+                need = h * w * 3
+                block = getattr(_scratch, "block", None)
+                if block is None or len(block) < need:
+                    block = _scratch.block = np.empty(need, np.uint8)
+                out = block[:need]
+                if _jpegwindow.decode_window(data, out, *win):
+                    return out.reshape(h, w, 3)
+    return decode_image(data, flag, max_pixels)
 
 
 def imread_flag(force_color: bool, force_gray: bool) -> int:

@@ -1,0 +1,193 @@
+/* Decoding a window of a JPEG with libjpeg-turbo's partial decompression.
+ *
+ * decode_window(data, out, top, left, height, width) -> bool
+ *
+ * `out` is a writable C-contiguous uint8 buffer holding the whole image as
+ * (image height, image width, 3) BGR rows; only the window's pixels are
+ * written. The columns outside the window are never converted
+ * (jpeg_crop_scanline), the rows above it are skipped without colour
+ * conversion (jpeg_skip_scanlines) and the rows below it are not decoded.
+ *
+ * The window is decoded with a margin (MARGIN pixels each side, clamped to the
+ * image) that is then dropped, so the chroma upsampling of every kept pixel
+ * sees the same neighbours as in a full decode; the caller checks exactness
+ * against OpenCV's full decode.
+ *
+ * Returns True when the window was written. Returns False, having written
+ * nothing the caller may use, whenever the result might differ from OpenCV's
+ * cv2.imdecode of the whole image followed by the same crop: bytes that do not
+ * end with the EOI marker (a truncated file: its damage may lie below the
+ * window, where this decode never looks), not a 3-component YCbCr JPEG of 8-bit
+ * samples, an image of another size than `out` says, an EXIF orientation other
+ * than 1, any libjpeg warning (damaged data) or error.
+ * The caller then decodes the whole image. Memory is bounded by the image's
+ * size, which the caller has checked against its pixel limit before calling.
+ *
+ * The GIL is released while libjpeg runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+
+#define MARGIN 16
+
+#if !defined(JCS_EXTENSIONS)
+#error "libjpeg-turbo's colour-space extensions (JCS_EXT_BGR) are needed"
+#endif
+
+struct window_error {
+    struct jpeg_error_mgr pub;
+    jmp_buf jump;
+};
+
+static void window_error_exit(j_common_ptr cinfo) {
+    struct window_error *err = (struct window_error *)cinfo->err;
+    longjmp(err->jump, 1);
+}
+
+static void window_emit_message(j_common_ptr cinfo, int msg_level) {
+    /* a warning (level -1) marks damaged data: counted, never printed */
+    if (msg_level < 0) cinfo->err->num_warnings++;
+}
+
+static void window_output_message(j_common_ptr cinfo) { (void)cinfo; }
+
+/* The EXIF orientation in an APP1 marker: 1 when there is none, 0 when it cannot
+ * be read. */
+static unsigned exif_orientation(const JOCTET *p, unsigned len) {
+    if (len < 14 || memcmp(p, "Exif\0\0", 6) != 0) return 1;
+    p += 6;
+    len -= 6;
+    int little;
+    if (p[0] == 'I' && p[1] == 'I') little = 1;
+    else if (p[0] == 'M' && p[1] == 'M') little = 0;
+    else return 0;
+#define U16(q) (little ? (unsigned)((q)[0] | ((q)[1] << 8)) : (unsigned)(((q)[0] << 8) | (q)[1]))
+#define U32(q) (little ? ((unsigned long)(q)[0] | ((unsigned long)(q)[1] << 8) | \
+                          ((unsigned long)(q)[2] << 16) | ((unsigned long)(q)[3] << 24)) \
+                       : (((unsigned long)(q)[0] << 24) | ((unsigned long)(q)[1] << 16) | \
+                          ((unsigned long)(q)[2] << 8) | (unsigned long)(q)[3]))
+    unsigned long ifd = U32(p + 4);
+    if (ifd > len || len - ifd < 2) return 0;
+    unsigned count = U16(p + ifd);
+    if ((len - ifd - 2) / 12 < count) return 0;
+    for (unsigned i = 0; i < count; i++) {
+        const JOCTET *e = p + ifd + 2 + 12 * i;
+        if (U16(e) == 0x0112) return U16(e + 2) == 3 ? U16(e + 8) : 0;
+    }
+    return 1;
+#undef U16
+#undef U32
+}
+
+/* 1: written; 0: not exact or not possible (see the top of the file). */
+static int decode(const unsigned char *data, size_t size, unsigned char *out,
+                  Py_ssize_t out_len, long top, long left, long height, long width) {
+    struct jpeg_decompress_struct cinfo;
+    struct window_error err;
+    unsigned char *volatile row = NULL;
+    volatile int ok = 0;
+
+    memset(&cinfo, 0, sizeof(cinfo));
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = window_error_exit;
+    err.pub.emit_message = window_emit_message;
+    err.pub.output_message = window_output_message;
+    if (size < 4 || data[size - 2] != 0xFF || data[size - 1] != 0xD9) return 0;
+    if (setjmp(err.jump)) goto done;
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, data, (unsigned long)size);
+    jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
+    if (jpeg_read_header(&cinfo, TRUE) != JPEG_HEADER_OK) goto done;
+    if (cinfo.num_components != 3 || cinfo.jpeg_color_space != JCS_YCbCr ||
+        cinfo.data_precision != 8)
+        goto done;
+    for (jpeg_saved_marker_ptr m = cinfo.marker_list; m != NULL; m = m->next)
+        if (m->marker == JPEG_APP0 + 1 && exif_orientation(m->data, m->data_length) != 1)
+            goto done;
+    long image_w = (long)cinfo.image_width, image_h = (long)cinfo.image_height;
+    if ((Py_ssize_t)image_w * image_h * 3 != out_len) goto done;
+    if (top < 0 || left < 0 || height <= 0 || width <= 0 || top + height > image_h ||
+        left + width > image_w)
+        goto done;
+    cinfo.out_color_space = JCS_EXT_BGR;
+    jpeg_start_decompress(&cinfo);
+    if (cinfo.output_components != 3 || (long)cinfo.output_width != image_w) goto done;
+
+    long x0 = left > MARGIN ? left - MARGIN : 0;
+    long x1 = left + width + MARGIN < image_w ? left + width + MARGIN : image_w;
+    JDIMENSION xoff = (JDIMENSION)x0, cw = (JDIMENSION)(x1 - x0);
+    if (x0 > 0 || x1 < image_w) jpeg_crop_scanline(&cinfo, &xoff, &cw);
+    if ((long)xoff > left || (long)(xoff + cw) < left + width) goto done;
+    row = malloc((size_t)cinfo.output_width * 3);
+    if (row == NULL) goto done;
+
+    long y0 = top > MARGIN ? top - MARGIN : 0;
+    if (y0 > 0 && jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0) != (JDIMENSION)y0) goto done;
+    size_t row_bytes = (size_t)width * 3;
+    size_t from = (size_t)(left - (long)xoff) * 3;
+    for (long y = y0; y < top + height; y++) {
+        JSAMPROW rows[1] = {row};
+        if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) goto done;
+        if (y >= top) memcpy(out + ((size_t)y * image_w + left) * 3, row + from, row_bytes);
+    }
+    ok = err.pub.num_warnings == 0;
+done:
+    free(row);
+    jpeg_destroy_decompress(&cinfo);
+    return ok;
+}
+
+static PyObject *decode_window(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data, out;
+    long top, left, height, width;
+    if (!PyArg_ParseTuple(args, "y*w*llll", &data, &out, &top, &left, &height, &width))
+        return NULL;
+    int ok = 0;
+    if (PyBuffer_IsContiguous(&out, 'C')) {
+        Py_BEGIN_ALLOW_THREADS
+        ok = decode(data.buf, (size_t)data.len, out.buf, out.len, top, left, height, width);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_window", decode_window, METH_VARARGS,
+     "decode_window(data, out, top, left, height, width) -> bool: a window of a JPEG "
+     "into out (the whole image's BGR rows); False where it might differ from a full "
+     "decode."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_jpegwindow",
+    .m_doc = "A window of a JPEG, decoded with libjpeg-turbo's partial decompression.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__jpegwindow(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER",
+#ifdef LIBJPEG_TURBO_VERSION_NUMBER
+                                             LIBJPEG_TURBO_VERSION_NUMBER
+#else
+                                             0
+#endif
+                                             ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
