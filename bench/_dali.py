@@ -86,7 +86,7 @@ def _graph(recipe: Recipe, db: Path, roi: bool, fed: bool) -> tuple[Any, Any]:
         height, width = shape[0], shape[1]
     else:
         records = fn.reshape(records, src_dims=[2, 0, 1], layout="CHW")
-        shape = fn.shapes(records)  # C, H, W
+        shape = records.shape()  # C, H, W
         height, width = shape[1], shape[2]
 
     crop_args: dict[str, Any] = {}
