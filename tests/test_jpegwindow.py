@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import blobpipe
 from blobpipe._io import _image
-from blobpipe._io._image import Undecodable, decode_image, decode_window, window_decoding
+from blobpipe._io._image import Undecodable, decode_image, decode_window
 from blobpipe._io._wire import parse_datum
 from tests._helpers import key, write_lmdb
 
@@ -78,11 +78,11 @@ def window_of(data: bytes, flag: int, win: tuple[int, int, int, int]) -> tuple[b
         used.append(real(*args))
         return used[-1]
 
-    _image._jpegwindow.decode_window = spy  # type: ignore[union-attr]
+    jpegwindow.decode_window = spy
     try:
         got = decode_window(data, flag, lambda h, w: win)
     finally:
-        _image._jpegwindow.decode_window = real  # type: ignore[union-attr]
+        jpegwindow.decode_window = real
     assert isinstance(got, np.ndarray)
     top, left, height, width = win
     return bool(used and used[-1]), got[top : top + height, left : left + width]
@@ -94,7 +94,7 @@ def caffe_jpegs() -> list[bytes]:
 
 
 def test_this_installation_decodes_windows() -> None:
-    assert window_decoding()
+    assert blobpipe.jpeg_window_decoding()
     assert jpegwindow.LIBJPEG_TURBO_VERSION_NUMBER >= 1005000  # jpeg_crop_scanline
 
 
@@ -222,11 +222,9 @@ def test_damaged_jpegs_give_what_the_whole_decode_gives(
         assert got == want
     else:
         assert got.shape == want.shape
+        # (where a flip changed the image's size in its header, the same window of it)
         window = (slice(top, top + height), slice(left, left + width))
-        if got.shape[:2] == (48, 56):
-            assert np.array_equal(got[window], want[window])
-        else:  # the header was changed: a window of another image is not asked for
-            assert np.array_equal(got, want)
+        assert np.array_equal(got[window], want[window])
 
 
 def test_bad_arguments_never_write_out_of_bounds() -> None:

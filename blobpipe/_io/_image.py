@@ -43,7 +43,7 @@ __all__ = [
     "image_header",
     "imread_flag",
     "jpeg_frame",
-    "window_decoding",
+    "jpeg_window_decoding",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -125,19 +125,30 @@ def decode_image(
     return hwc[..., np.newaxis] if hwc.ndim == 2 else hwc
 
 
-try:  # compiled at install where libjpeg-turbo's headers are present
-    from . import _jpegwindow  # type: ignore[attr-defined]
-except ImportError:  # whole-image decoding only
-    _jpegwindow = None
-
+_UNLOADED: Any = object()
+# the compiled window decoder (None: not built here), loaded on first use like OpenCV
+_jpegwindow: Any = _UNLOADED
 # one growing block per thread for the windows' images (only the window is written)
 _scratch = threading.local()
 
 
-def window_decoding() -> bool:
-    """Whether crops of JPEG images are decoded alone (libjpeg-turbo's partial
-    decompression, see the module docstring) in this installation."""
-    return _jpegwindow is not None
+def _window_decoder() -> Any:
+    global _jpegwindow
+    if _jpegwindow is _UNLOADED:
+        try:  # compiled at install where libjpeg-turbo's headers are present
+            from . import _jpegwindow as module  # type: ignore[attr-defined]
+        except ImportError:  # whole-image decoding only
+            module = None
+        _jpegwindow = module
+    return _jpegwindow
+
+
+def jpeg_window_decoding() -> bool:
+    """Whether this installation decodes only the crop's window of a JPEG record when
+    a transform crops (libjpeg-turbo's partial decompression, built at install where
+    libjpeg-turbo's headers are present); where False, images are decoded whole with
+    OpenCV, which gives the same pixels."""
+    return _window_decoder() is not None
 
 
 def decode_window(
@@ -152,7 +163,8 @@ def decode_window(
     docstring), the result is an ``(H, W, 3)`` view of a block of this thread's whose
     window holds the pixels :func:`decode_image` would give, the rest unspecified,
     valid until this thread's next call; otherwise :func:`decode_image`'s result."""
-    if _jpegwindow is not None and flag in (1, -1):
+    decoder = _window_decoder()
+    if decoder is not None and flag in (1, -1):
         size = image_size(data)
         frame = None if isinstance(size, str) else size.frame
         if frame is not None and frame.components == 3 and frame.precision == 8:
@@ -164,7 +176,7 @@ def decode_window(
                 if block is None or len(block) < need:
                     block = _scratch.block = np.empty(need, np.uint8)
                 out = block[:need]
-                if _jpegwindow.decode_window(data, out, *win):
+                if decoder.decode_window(data, out, *win):
                     return out.reshape(h, w, 3)
     return decode_image(data, flag, max_pixels)
 
