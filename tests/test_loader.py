@@ -1023,6 +1023,29 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
     assert_matches(got, expected(db30, len(got), batch_size=4))
 
 
+@pytest.mark.anyio
+async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that fills quickly but is too large to share a chunk gains nothing from
+    one filler alone: every filler keeps filling such batches at once."""
+    probe = FillProbe(monkeypatch)
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 1)  # one batch a chunk
+    async with Loader(db30, 4, device="cpu", prefetch=4, workers=2, mode="wrap") as loader:
+        got = await collect(loader, 12)  # past the first fills, where a pipeline narrows
+        # the ring full again (3 slots ahead of the consumer's), no fill under way
+        await wait_until(lambda: len(probe.plans) >= 15 and probe.in_flight == 0, "fills")
+        probe.gate.clear()  # fills started from now on wait at the gate
+        got += await collect(loader, 2)  # two slots freed: one for each filler
+        try:
+            await wait_until(lambda: probe.in_flight >= 2, "two fills at once", within=10)
+        finally:
+            probe.gate.set()
+        assert loader.statistics().slots == 4  # no chunks: the ring never grew
+    assert_matches(got, expected(db30, len(got), batch_size=4))
+
+
 # -- statistics ------------------------------------------------------------------------------------
 
 

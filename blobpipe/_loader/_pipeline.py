@@ -4,12 +4,12 @@
 free slot from the ring, wait for the device work still reading it, number and
 plan the next batch (under one lock, so numbers follow plan order), fill it,
 issue its device work, post it to the hand-off by number. While batches are
-small, filler 0 alone fills them, a chunk of consecutive batches at a time
-(``_chunk.py``). A consumer takes the batches by number in these steps:
-:meth:`Pipeline.begin_next`, a take from :attr:`Pipeline.handoff` (waiting as its
-driver waits: ``_async`` on an event loop, ``_blocking`` in a thread),
-:meth:`Pipeline.arrived`, the wait for the batch's device event, and
-:meth:`Pipeline.deliver`.
+small (quick to fill, several to a chunk), filler 0 alone fills them, a chunk
+of consecutive batches at a time (``_chunk.py``). A consumer takes the batches
+by number in these steps: :meth:`Pipeline.begin_next`, a take from
+:attr:`Pipeline.handoff` (waiting as its driver waits: ``_async`` on an event
+loop, ``_blocking`` in a thread), :meth:`Pipeline.arrived`, the wait for the
+batch's device event, and :meth:`Pipeline.deliver`.
 
 Nothing here refers to the :class:`~blobpipe.Loader` that owns the pipeline or
 keeps an event-loop object: the Loader can be garbage collected while fillers
@@ -44,8 +44,9 @@ __all__ = ["SMALL_FILL", "Item", "Made", "Pipeline"]
 Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
 Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
-#: Seconds: a batch that fills in less is small: filler 0 alone fills such batches, a
-#: chunk at a time; batches that take longer keep every filler busy.
+#: Seconds: a batch that fills in less, and that a chunk holds more than one of, is
+#: small: filler 0 alone fills such batches, a chunk at a time; other batches keep every
+#: filler busy.
 SMALL_FILL = 0.001
 
 
@@ -311,7 +312,7 @@ class Pipeline:
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, exc)[1]
         finally:
-            self._filled(time.perf_counter() - t0, 1)
+            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan) > 1)
         return self._issue(slot, number, plan)
 
     def _issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
@@ -321,13 +322,15 @@ class Pipeline:
             return self._failed(number, exc)[1]
         return (slot, plan)
 
-    def _filled(self, seconds: float, batches: int) -> None:
+    def _filled(self, seconds: float, batches: int, chunkable: bool) -> None:
         """``batches`` batches took ``seconds`` to fill: the statistics, and whether
-        batches are small. Only filler 0 widens the pipeline (a chunk's batches are
-        all handed out before another filler plans one); any filler narrows it."""
+        batches are small: quick to fill, and ``chunkable`` (a chunk holds more than
+        one of them; a batch alone in its chunk gains nothing from one filler). Only
+        filler 0 widens the pipeline (a chunk's batches are all handed out before
+        another filler plans one); any filler narrows it."""
         each = seconds / batches
         self.counters.filled(seconds)
-        small = each < SMALL_FILL
+        small = each < SMALL_FILL and chunkable
         if small and self._wide.is_set():
             self._wide.clear()
         elif not small and not self._wide.is_set() and threading.current_thread() is self._first:
@@ -426,7 +429,7 @@ class Pipeline:
         failure of the batch the fill stopped at (those before it are in the chunk)."""
         t0 = time.perf_counter()
         error = chunk.fill(self.batches, numbered)
-        self._filled(time.perf_counter() - t0, len(numbered))
+        self._filled(time.perf_counter() - t0, len(numbered), True)
         if error is not None:
             return self._failed(numbered[len(chunk)][0], error)
         return stop
