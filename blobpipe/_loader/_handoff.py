@@ -70,6 +70,20 @@ class Handoff(Generic[T]):
         except RuntimeError:  # the event loop is gone (closing)
             pass
 
+    def post_many(self, items: list[tuple[int, T | End | Failure]]) -> None:
+        """:meth:`post` each ``(number, item)``, waking the consumer at most once (it
+        then finds them all): a chunk's batches cost it one wake-up."""
+        with self._lock:
+            self._items.update(items)
+            waiter = self._waiter
+            if waiter is None or waiter[0] not in self._items:
+                return
+            self._waiter = None
+        try:
+            waiter[1]()
+        except RuntimeError:  # the event loop is gone (closing)
+            pass
+
     def take(self, wake: Callable[[], object] | None = None) -> T | End | Failure | None:
         """The next item if it was posted; else None, and ``wake`` (if given) is
         called once when it is posted or the hand-off is closed."""

@@ -363,6 +363,7 @@ class Pipeline:
         if self.lifecycle.state is State.CLOSED:  # a slot may be the consumer's last
             self._ring.put_many(slots)
             return False
+        made: list[tuple[int, Item]] = []
         for i, slot in enumerate(slots):
             number, plan = chunk.next()
             try:
@@ -372,12 +373,13 @@ class Pipeline:
                 item = self._issue(slot, number, plan)
             except Exception as exc:
                 item = self._failed(number, exc)[1]
+            made.append((number, item))
             if not isinstance(item, tuple):  # nothing after a failed batch is delivered
                 chunk.clear()
                 self._ring.put_many(slots[i:])
-                self.handoff.post(number, item)
+                self.handoff.post_many(made)
                 return False
-            self.handoff.post(number, item)
+        self.handoff.post_many(made)  # one wake-up of the consumer for them all
         return True
 
     def _fill_one(self, number: int, plan: BatchPlan, stop: Stop | None) -> bool:
