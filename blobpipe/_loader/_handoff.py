@@ -56,23 +56,14 @@ class Handoff(Generic[T]):
         return self._next in self._items
 
     def post(self, number: int, item: T | End | Failure) -> None:
-        """Post item ``number``; wake the consumer if it waits for exactly this one."""
-        with self._lock:
-            self._items[number] = item
-            waiter = self._waiter
-            if waiter is None or waiter[0] != number:
-                return
-            self._waiter = None
-        # for the async form wake() schedules the wake-up on the event loop,
-        # without blocking this filler until it ran
-        try:
-            waiter[1]()
-        except RuntimeError:  # the event loop is gone (closing)
-            pass
+        """Post item ``number``; wake the consumer if it waits for this one."""
+        self.post_many([(number, item)])
 
     def post_many(self, items: list[tuple[int, T | End | Failure]]) -> None:
-        """:meth:`post` each ``(number, item)``, waking the consumer at most once (it
-        then finds them all): a chunk's batches cost it one wake-up."""
+        """Post each ``(number, item)``, waking the consumer at most once, if it waits
+        for one of them (it then finds them all): a chunk's batches cost it one
+        wake-up. For the async form the wake-up is scheduled on the event loop,
+        without blocking the posting filler until it ran."""
         with self._lock:
             self._items.update(items)
             waiter = self._waiter
