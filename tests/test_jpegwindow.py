@@ -161,7 +161,7 @@ def with_segment(data: bytes, segment: bytes) -> bytes:
 
 
 def test_what_cannot_be_promised_is_decoded_whole() -> None:
-    """Gray, EXIF-rotated, truncated and damaged JPEGs, and other formats, go to the
+    """CMYK, gray, EXIF-rotated, truncated and damaged JPEGs, and other formats, go to the
     whole-image decode: the same result as decode_image, whatever it is."""
     pix = photo(1, 64, 80)
     base = jpeg(pix)
@@ -169,6 +169,7 @@ def test_what_cannot_be_promised_is_decoded_whole() -> None:
     damaged = bytearray(base)
     damaged[len(base) // 2 : len(base) // 2 + 40] = b"\x00" * 40
     cases = {
+        "cmyk": (DATA / "jpeg" / "cmyk.jpg").read_bytes(),
         "gray": gray,
         "exif rotated": with_segment(base, exif(6)),
         "truncated": base[: len(base) * 2 // 3],
@@ -181,6 +182,9 @@ def test_what_cannot_be_promised_is_decoded_whole() -> None:
         out = np.zeros(64 * 80 * 3, np.uint8)
         if name in ("gray", "exif rotated", "truncated"):
             assert jpegwindow.decode_window(data, out, *win) is False, name
+        if name == "cmyk":  # 7×9, 4 components: refused though size and window fit
+            small = np.zeros(7 * 9 * 3, np.uint8)
+            assert jpegwindow.decode_window(data, small, 1, 1, 4, 4) is False
         for flag in (1, -1, 0):
             got = decode_window(data, flag, lambda h, w: win)
             want = decode_image(data, flag)
