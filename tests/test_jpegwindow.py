@@ -282,3 +282,15 @@ def test_batches_are_the_same_with_and_without_window_decoding(
     assert len(windowed) == 3
     for a, b in zip(windowed, whole, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_a_large_image_does_not_stay_in_the_threads_block() -> None:
+    """The per-thread block keeps images up to 32 MiB; a larger one's block goes with it."""
+    small = jpeg(photo(3, 40, 40))
+    used, _ = window_of(small, 1, (4, 4, 16, 16))
+    assert used
+    kept = _image._scratch.block
+    big = jpeg(np.full((3400, 3400, 3), 90, np.uint8))  # 34.7 MB decoded
+    used, got = window_of(big, 1, (1000, 2000, 64, 64))
+    assert used and (got == full(big, 1)[1000:1064, 2000:2064]).all()
+    assert _image._scratch.block is kept

@@ -128,8 +128,10 @@ def decode_image(
 _UNLOADED: Any = object()
 # the compiled window decoder (None: not built here), loaded on first use like OpenCV
 _jpegwindow: Any = _UNLOADED
-# one growing block per thread for the windows' images (only the window is written)
+# one growing block per thread for the windows' images (only the window is written),
+# kept up to this size; a larger image gets a block of its own, freed with its result
 _scratch = threading.local()
+_SCRATCH_KEEP = 32 << 20
 
 
 def _window_decoder() -> Any:
@@ -174,7 +176,9 @@ def decode_window(
                 need = h * w * 3
                 block = getattr(_scratch, "block", None)
                 if block is None or len(block) < need:
-                    block = _scratch.block = np.empty(need, np.uint8)
+                    block = np.empty(need, np.uint8)
+                    if need <= _SCRATCH_KEEP:
+                        _scratch.block = block
                 out = block[:need]
                 if decoder.decode_window(data, out, *win):
                     return out.reshape(h, w, 3)
