@@ -6,7 +6,7 @@ rows say so and are skipped.
 
 The pipeline is what a DALI user writes for a Caffe LMDB, with the settings that make
 its batches Caffe's (each checked against ``blobpipe.Transform`` given the same crop
-offsets and flips, :func:`check`):
+offsets and flips: :meth:`DaliPipeline.rows_of` with ``check_against_transform``):
 
 * ``fn.readers.caffe`` reads the records (``random_shuffle`` when the workload shuffles:
   DALI's own shuffle buffer; ``pad_last_batch`` so that an epoch is whole batches).
@@ -71,7 +71,7 @@ def _mean_chw(recipe: Recipe) -> np.ndarray | None:
 def _graph(recipe: Recipe, db: Path, roi: bool, fed: bool) -> tuple[Any, Any]:
     """The pipeline's outputs (data, label); inside a ``pipeline_def``. ``fed``: the crop
     offsets and flips come from external sources named "h0", "w0", "flip" (for
-    :func:`check`) instead of DALI's random generators."""
+    :meth:`DaliPipeline.rows_of`) instead of DALI's random generators."""
     from nvidia.dali import fn, math, types
 
     r = recipe
