@@ -64,10 +64,6 @@ def dali_version() -> str | None:
         return "unknown"
 
 
-def _mean_chw(recipe: Recipe) -> np.ndarray | None:
-    return Records(recipe).mean
-
-
 def _graph(recipe: Recipe, db: Path, roi: bool, fed: bool) -> tuple[Any, Any]:
     """The pipeline's outputs (data, label); inside a ``pipeline_def``. ``fed``: the crop
     offsets and flips come from external sources named "h0", "w0", "flip" (for
@@ -126,7 +122,7 @@ def _graph(recipe: Recipe, db: Path, roi: bool, fed: bool) -> tuple[Any, Any]:
         layout_in = "CHW"
 
     out_dtype = types.FLOAT if r.dtype == "float32" else types.UINT8
-    mean = _mean_chw(r)
+    mean = Records(r).mean  # the mean file as (C, H, W) float32, or None
     if mean is None:
         trivial = not crop_args and not r.mirror and not r.mean_value and r.scale == 1.0
         if trivial and r.dtype == "uint8" and layout_in == r.layout[1:]:

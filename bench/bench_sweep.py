@@ -205,7 +205,7 @@ def build(point: Point, prepared: Any, host: cs.AsyncHost) -> bw.Run:
     plain = rows[0].contender
     assert isinstance(plain, cs.PlainLoop)
     error = cs.check_against_transform(recipe, files.plain, lambda v, d: list(plain.rows_of(v, d)))
-    return bw.Run(workload, prepared, recipe, rows, plain_error=error)
+    return bw.Run(workload, prepared, recipe, rows, transform_errors={"plain": error})
 
 
 # per point name and contender: the CPU seconds per image of each later-epoch pass
