@@ -519,9 +519,11 @@ SHAPE = (2, 3, 4)
 
 
 @st.composite
-def _batch_record(draw: st.DrawFn) -> bytes:
-    """A record that is usually in convert_imageset's raw layout, sometimes not."""
-    kind = draw(st.sampled_from(["caffe", "caffe", "caffe", "no-encoded", "proto", "mutated"]))
+def _batch_record(draw: st.DrawFn, damaged: bool) -> bytes:
+    """A record that is usually in convert_imageset's raw layout, sometimes not; with
+    ``damaged``, sometimes one with a byte overwritten."""
+    kinds_ = ["caffe", "caffe", "caffe", "no-encoded", "proto"] + (["mutated"] if damaged else [])
+    kind = draw(st.sampled_from(kinds_))
     pixels = draw(st.binary(min_size=24, max_size=24))
     label = draw(st.integers(min_value=-(2**31), max_value=2**31 - 1))
     if kind == "caffe":
@@ -566,10 +568,24 @@ def _expected_kind(record: bytes) -> tuple[int, bytes | None, tuple[int, int, in
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(_batch_record(), min_size=1, max_size=12))
+@given(st.lists(_batch_record(damaged=False), min_size=1, max_size=12))
 def test_the_record_index_agrees_with_protobuf(records: list[bytes]) -> None:
     """The record index recognises convert_imageset's raw layout in one vectorised pass
     and parses every other record: either way it reads what protobuf reads."""
+    _index_agrees_with_protobuf(records)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_batch_record(damaged=True), min_size=1, max_size=12))
+def test_the_record_index_agrees_with_protobuf_on_damaged_records(records: list[bytes]) -> None:
+    """The same with records that have a byte overwritten: the index rejects what the
+    newest protobuf (upb) rejects. Older pure-Python parsers accept some malformed
+    bytes (a group tag of field 1 before the label, say), so .ci/run deselects this
+    test under them."""
+    _index_agrees_with_protobuf(records)
+
+
+def _index_agrees_with_protobuf(records: list[bytes]) -> None:
     index = RecordIndex.joined(records)
     loc = index.locate(np.arange(len(records)), SHAPE)
     for i, record in enumerate(records):
