@@ -12,6 +12,8 @@ from typing import Any
 import cv2
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blobpipe._errors import (
     ArgumentError,
@@ -1168,3 +1170,74 @@ def test_labels_as_int64_are_the_records_exact_labels(tmp_path: Path) -> None:
         assert next(iter(b)).label.tolist() == [float(np.float32(x)) for x in big]
     with pytest.raises(ValueError, match="label_dtype must be 'float32' or 'int64'"):
         Batches(db, 5, label_dtype="int32")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        Transform(scale=0.5),
+        Transform(mean_value=(10, 20, 30), scale=0.25),
+        Transform(crop_size=32),
+        Transform(crop_size=32, mirror=True, mean_value=(1, 2, 3)),
+        Transform(layout="NHWC", mirror=True),
+        Transform(dtype="uint8"),
+    ],
+    ids=["scale", "mean_scale", "crop", "crop_mirror_mean", "nhwc_mirror", "uint8"],
+)
+@pytest.mark.parametrize("phase", ["test", "train"])
+def test_raw_rows_in_runs_of_one_stride_equal_rows_one_at_a_time(
+    tmp_path: Path, transform: Transform, phase: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raw records that overflow a page lie one after another in key order, with a
+    page of the tree between them now and then: a batch is read as a few runs of
+    rows at one stride. Every row equals the record read alone (batch_size=1)."""
+    from blobpipe._io import _fill
+
+    runs_seen: list[int] = []
+    original = _fill._stride_runs
+
+    def spy(offsets: list[int], most: int) -> Any:
+        got = original(offsets, most)
+        if got is not None:
+            runs_seen.append(len(got))
+        return got
+
+    monkeypatch.setattr(_fill, "_stride_runs", spy)
+    db = raw_db(tmp_path / "big", 200, (3, 40, 40))
+    with Batches(db, 64, transform=transform, phase=phase, mode="epoch", seed=3) as b:
+        many = [x for _ in range(2) for x in islice(iter(b), 4)]  # two epochs
+    assert any(n >= 2 for n in runs_seen), runs_seen  # the runs path was taken
+    with Batches(db, 1, transform=transform, phase=phase, mode="epoch", seed=3) as b:
+        one = [x for _ in range(2) for x in islice(iter(b), 200)]
+    assert np.array_equal(
+        np.concatenate([x.data for x in many]), np.concatenate([x.data for x in one])
+    )
+    assert np.array_equal(
+        np.concatenate([x.label for x in many]), np.concatenate([x.label for x in one])
+    )
+
+
+@given(
+    offsets=st.lists(st.integers(0, 60), min_size=1, max_size=40).map(
+        lambda steps: np.cumsum(steps).tolist()
+    ),
+    most=st.integers(1, 40),
+)
+@settings(max_examples=300, deadline=None)
+def test_stride_runs_cover_the_rows_in_order_each_at_one_stride(
+    offsets: list[int], most: int
+) -> None:
+    from blobpipe._io._fill import _stride_runs
+
+    runs = _stride_runs(offsets, most)
+    if runs is None:  # more than `most` runs
+        assert len(_stride_runs(offsets, len(offsets)) or []) > most
+        return
+    assert len(runs) <= most
+    assert [lo for lo, _, _ in runs] == [0] + [hi for _, hi, _ in runs[:-1]]
+    assert runs[-1][1] == len(offsets)
+    for lo, hi, stride in runs:
+        assert [offsets[lo] + k * stride for k in range(hi - lo)] == offsets[lo:hi]
+    # greedy: a run ends only where the next row breaks its stride
+    for (lo, hi, stride), _ in zip(runs, runs[1:]):
+        assert hi - lo == 1 or offsets[hi] - offsets[hi - 1] != stride

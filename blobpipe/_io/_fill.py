@@ -45,6 +45,32 @@ from ._transform import Phase, RecordParams, Transform
 __all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix", "store_geometry"]
 
 _U1 = np.dtype(np.uint8)
+# Rows at one stride are taken as one strided view per run while a batch has at
+# most one run per this many rows (a kernel call per run); more runs than that:
+# a gather or a view per row.
+_ROWS_PER_RUN = 16
+
+
+def _stride_runs(offsets: list[int], most: int) -> list[tuple[int, int, int]] | None:
+    """``offsets`` split, from the first, into runs ``(lo, hi, stride)`` of rows
+    ``lo..hi`` each at ``stride`` bytes from the one before (a run's last row
+    ends it; a run of one row has stride 0); None when it takes more than
+    ``most`` runs."""
+    runs: list[tuple[int, int, int]] = []
+    n = len(offsets)
+    lo = 0
+    while lo < n:
+        if len(runs) == most:
+            return None
+        hi = lo + 1
+        stride = 0
+        if hi < n and offsets[hi] >= offsets[lo]:
+            stride = offsets[hi] - offsets[lo]
+            while hi < n and offsets[hi] - offsets[hi - 1] == stride:
+                hi += 1
+        runs.append((lo, hi, stride))
+        lo = hi
+    return runs
 
 
 class RecordSource(Protocol):
@@ -299,7 +325,8 @@ class Filler:
         out = data_out[start:stop]
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
-            apply(np, self._raw_rows(loc, shape, out), out, geometry, spec)
+            for lo, hi, src in self._raw_blocks(loc, shape, out):
+                apply(np, src, out[lo:hi], geometry.take(slice(lo, hi)), spec)
             if geometry_out is not None:
                 store_geometry(geometry_out, slice(start, stop), geometry)
         else:  # row by row: each decoded image transformed while it is in cache
@@ -393,25 +420,35 @@ class Filler:
                 path=self._path,
             )
 
-    def _raw_rows(self, loc: Located, shape: tuple[int, int, int], out: np.ndarray) -> Any:
-        """Raw rows of one shape as the kernel's source: one strided view of the
-        buffer when they lie at one stride, else (small rows) one gather, or (large
-        rows) a view per row."""
+    def _raw_blocks(
+        self, loc: Located, shape: tuple[int, int, int], out: np.ndarray
+    ) -> list[tuple[int, int, Any]]:
+        """Raw rows of one shape as the kernel's sources, ``(lo, hi, rows lo..hi)``:
+        one strided view of the buffer per run of rows that lie at one stride (all
+        of them, mostly: records in key order sit one after another), when the runs
+        are few; else one gather (small rows) or a view per row (large rows)."""
         offsets = loc.offset
         n = len(offsets)
         c, h, w = shape
         size = c * h * w
         buffer = loc.buffer
-        stride = int(offsets[1] - offsets[0]) if n > 1 else size
-        if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
+
+        def view(lo: int, hi: int, stride: int) -> np.ndarray:
             return np.ndarray(
-                (n, c, h, w), _U1, buffer=buffer, offset=int(offsets[0]),
+                (hi - lo, c, h, w), _U1, buffer=buffer, offset=int(offsets[lo]),
                 strides=(stride, h * w, w, 1),
             )  # fmt: skip
+
+        stride = int(offsets[1] - offsets[0]) if n > 1 else size
+        if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
+            return [(0, n, view(0, n, stride))]
+        runs = _stride_runs(offsets.tolist(), max(1, n // _ROWS_PER_RUN))
+        if runs is not None:
+            return [(lo, hi, view(lo, hi, step)) for lo, hi, step in runs]
         if prefers_block(out[0].nbytes):  # one gather: every size-byte window of the buffer
             windows = np.ndarray((len(buffer) - size + 1, size), _U1, buffer, 0, (1, 1))
-            return windows[offsets].reshape(n, c, h, w)
-        return [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()]
+            return [(0, n, windows[offsets].reshape(n, c, h, w))]
+        return [(0, n, [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()])]
 
     def _rows(self, plan: BatchPlan, loc: Located, start: int) -> Iterator[tuple[int, Any]]:
         """Each row's uncropped ``(C, H, W)`` pixels (None where they cannot be had),
