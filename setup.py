@@ -1,4 +1,9 @@
-"""The one compiled part, beside pyproject.toml (which holds everything else).
+"""The compiled parts, beside pyproject.toml (which holds everything else). Both are
+optional: where one does not build, NumPy or OpenCV does the same work, to the same bits.
+
+Caffe's transform of raw rows (``blobpipe/_io/_rowkernel.c``: crop, mirror, mean, scale
+and layout, each row with its own crop, in one call without the GIL) needs only a C
+compiler.
 
 Decoding only a JPEG crop's window (libjpeg-turbo's partial decompression,
 ``blobpipe/_io/_jpegwindow.c``) is built where libjpeg-turbo's headers are present
@@ -16,6 +21,13 @@ setup(
             sources=["blobpipe/_io/_jpegwindow.c"],
             libraries=["jpeg"],
             optional=True,
-        )
+        ),
+        Extension(
+            "blobpipe._io._rowkernel",
+            sources=["blobpipe/_io/_rowkernel.c"],
+            # no fused multiply-add: every step rounds to float32 as Caffe's does
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
     ]
 )

@@ -91,6 +91,19 @@ REF_CASES = {
 }
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def row_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Raw rows through the compiled row kernel (skipped where it was not built) and
+    through NumPy's path (the kernel taken away)."""
+    from blobpipe._io import _kernels
+
+    if request.param == "numpy":
+        monkeypatch.setattr(_kernels, "_rowkernel", None)
+    elif _kernels.row_kernel() is None:
+        pytest.skip("the compiled row kernel was not built (no C compiler at install)")
+    return str(request.param)
+
+
 @pytest.fixture
 def db30(tmp_path: Path) -> Path:
     """30 raw 3x10x12 records; record i has label i."""

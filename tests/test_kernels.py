@@ -46,7 +46,11 @@ def reference(
                     continue
                 r = np.float32(v)
                 if mean is not None:
-                    m = mean[k, 0, 0] if mean.shape[1] == 1 else mean[k, h_off + i, w_off + sj]
+                    m = (
+                        mean[k, 0, 0]
+                        if mean.shape[1:] == (1, 1)
+                        else mean[k, h_off + i, w_off + sj]
+                    )
                     r = np.float32(r - m)
                 if scale != 1:
                     r = np.float32(r * np.float32(scale))
@@ -229,4 +233,108 @@ def test_blocks_in_chunks_equal_caffe(
         apply(np, x, out, geo, spec)
     finally:
         kernels._CHUNK_BYTES = saved
+    assert np.array_equal(out, want)
+
+
+def _row_kernel_or_skip() -> None:
+    from blobpipe._io._kernels import row_kernel
+
+    if row_kernel() is None:
+        pytest.skip("the compiled row kernel was not built (no C compiler at install)")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    channels=st.sampled_from([1, 3, 4]),
+    height=st.integers(1, 12),
+    width=st.integers(1, 12),
+    crop_from=st.floats(0, 1),
+    mean=st.sampled_from([None, "file", "value"]),
+    scale=st.sampled_from([1.0, 0.017, 0.00390625, 3.5]),
+    layout=st.sampled_from(["NCHW", "NHWC"]),
+    dtype=st.sampled_from([np.float32, np.uint8]),
+    gaps=st.lists(st.integers(0, 40), min_size=7, max_size=7),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_row_kernel_equals_caffe(
+    n: int, channels: int, height: int, width: int, crop_from: float, mean: str | None,
+    scale: float, layout: str, dtype: Any, gaps: list[int], seed: int,
+) -> None:  # fmt: skip
+    """The compiled row kernel (raw rows anywhere in one buffer, each with its own
+    crop and flip) against the element-by-element reference, every arithmetic."""
+    from blobpipe._io._kernels import apply_raw
+
+    _row_kernel_or_skip()
+    rng = np.random.default_rng(seed)
+    shape = (channels, height, width)
+    size = channels * height * width
+    offsets = np.cumsum([g + (size if i else 0) for i, g in enumerate(gaps[:n])]).astype(np.int64)
+    buffer = rng.integers(0, 256, int(offsets[-1]) + size + int(rng.integers(0, 5)), np.uint8)
+    crop = int(crop_from * min(height, width))
+    if mean == "file":
+        m: np.ndarray | None = rng.uniform(0, 255, shape).astype(np.float32)
+    elif mean == "value":
+        m = rng.uniform(0, 255, (channels, 1, 1)).astype(np.float32)
+    else:
+        m = None
+    geo = draw_geometry(height, width, crop, True, True, rng.integers(0, 2**63, n, np.uint64))
+    rows = [buffer[o : o + size].reshape(shape) for o in offsets.tolist()]
+    want = np.stack(
+        [reference(rows[i], *geo.row(i), crop, m, scale, layout, dtype) for i in range(n)]
+    )
+    out = np.full(want.shape, 7, dtype)
+    spec = KernelSpec(crop, m, np.float32(scale), layout)  # type: ignore[arg-type]
+    assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
+    assert np.array_equal(out, want)
+
+
+def test_the_row_kernel_refuses_rows_outside_its_buffers() -> None:
+    from blobpipe._io._kernels import apply_raw
+
+    _row_kernel_or_skip()
+    shape = (3, 4, 5)
+    buffer = bytes(100)
+    out = np.zeros((1, 3, 4, 5), np.float32)
+    spec = KernelSpec(0, None, np.float32(1), "NCHW")
+    ok = Geometry.zeros(1)
+    for offset in (-1, 41, 10**12):
+        with pytest.raises(ValueError, match="outside the buffer"):
+            apply_raw(buffer, np.array([offset], np.int64), shape, out, ok, spec)
+    apply_raw(buffer, np.array([40], np.int64), shape, out, ok, spec)  # the last that fits
+    crop_spec = KernelSpec(3, None, np.float32(1), "NCHW")
+    far = Geometry(np.array([2], np.intp), np.array([0], np.intp), np.zeros(1, np.bool_))
+    with pytest.raises(ValueError, match="crop does not fit"):
+        apply_raw(
+            buffer,
+            np.array([0], np.int64),
+            shape,
+            np.zeros((1, 3, 3, 3), np.float32),
+            far,
+            crop_spec,
+        )
+    with pytest.raises(ValueError, match="out must hold"):
+        apply_raw(
+            buffer, np.array([0], np.int64), shape, np.zeros((2, 3, 4, 5), np.float32), ok, spec
+        )
+    # an output the kernel does not write (not contiguous, or float64): NumPy's path
+    assert not apply_raw(buffer, np.array([0], np.int64), shape, out[:, :, ::2], ok, spec)
+    assert not apply_raw(buffer, np.array([0], np.int64), shape, np.zeros((1, 3, 4, 5)), ok, spec)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 7), (2, 6, 1)])
+def test_a_mean_file_of_one_row_or_column_is_cropped_as_a_mean_file(
+    shape: tuple[int, int, int],
+) -> None:
+    """A mean file whose records are one pixel high (or wide) is still a mean file:
+    cropped at each row's offset, never taken for one value per channel."""
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 256, (4, *shape), dtype=np.uint8)
+    mean = rng.uniform(0, 255, shape).astype(np.float32)
+    geo = draw_geometry(shape[1], shape[2], 1, True, True, rng.integers(0, 2**63, 4, np.uint64))
+    want = np.stack(
+        [reference(x[i], *geo.row(i), 1, mean, 0.5, "NCHW", np.float32) for i in range(4)]
+    )
+    out = np.zeros(want.shape, np.float32)
+    apply(np, x, out, geo, KernelSpec(1, mean, np.float32(0.5), "NCHW"))
     assert np.array_equal(out, want)

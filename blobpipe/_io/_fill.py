@@ -36,7 +36,7 @@ from .._errors import BlobpipeError, DataError, ShapeError
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
 from ._image import Undecodable, decode_image, decode_window, imread_flag
 from ._index import Located, RecordIndex
-from ._kernels import Geometry, apply, prefers_block
+from ._kernels import Geometry, apply, apply_raw, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
 from ._records import BLOBPROTO, DATUM, ENCODED, PARSED, RAW, RecordKind, blob_record
@@ -325,8 +325,9 @@ class Filler:
         out = data_out[start:stop]
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
-            for lo, hi, src in self._raw_blocks(loc, shape, out):
-                apply(np, src, out[lo:hi], geometry.take(slice(lo, hi)), spec)
+            if not apply_raw(loc.buffer, loc.offset, shape, out, geometry, spec):
+                for lo, hi, src in self._raw_blocks(loc, shape, out):
+                    apply(np, src, out[lo:hi], geometry.take(slice(lo, hi)), spec)
             if geometry_out is not None:
                 store_geometry(geometry_out, slice(start, stop), geometry)
         else:  # row by row: each decoded image transformed while it is in cache
@@ -433,7 +434,7 @@ class Filler:
         size = c * h * w
         buffer = loc.buffer
 
-        def view(lo: int, hi: int, stride: int) -> np.ndarray:
+        def view(lo: int, hi: int, stride: int) -> Any:
             return np.ndarray(
                 (hi - lo, c, h, w), _U1, buffer=buffer, offset=int(offsets[lo]),
                 strides=(stride, h * w, w, 1),

@@ -10,6 +10,12 @@ Everything Caffe's transform does to pixels lives here, once:
   over ``xp`` (NumPy on the host, CuPy on a device). A single row is a block of
   one.
 
+Raw uint8 rows of one buffer (records read from the database's file map) go to
+:func:`apply_raw` first: the compiled row kernel (``_rowkernel.c``, built where a C
+compiler is present at install) does the same arithmetic for every row in one call
+without the GIL, each row with its own crop and flip; where it is absent,
+:func:`apply` does it with NumPy.
+
 The arithmetic is Caffe's, bit for bit: ``float32(x) - mean`` rounded to float32,
 then ``* scale`` rounded to float32 (``float32(x) * scale`` without a mean).
 
@@ -39,6 +45,7 @@ __all__ = [
     "Geometry",
     "KernelSpec",
     "apply",
+    "apply_raw",
     "block_rows",
     "check_geometry_out",
     "draw_geometry",
@@ -52,6 +59,8 @@ Layout = Literal["NCHW", "NHWC"]
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 _U64 = np.uint64
+_F4 = np.dtype(np.float32)
+_U1 = np.dtype(np.uint8)
 # Rows whose output is at least this large are gathered by the filler as views,
 # one per row, rather than copied into one block (prefers_block).
 _ROW_BYTES = 32 << 10
@@ -262,6 +271,63 @@ def apply(
         _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
 
 
+_UNLOADED: Any = object()
+_rowkernel: Any = _UNLOADED
+
+
+def row_kernel() -> Any:
+    """The compiled row kernel module, or None where it was not built."""
+    global _rowkernel
+    if _rowkernel is _UNLOADED:
+        try:
+            from . import _rowkernel as module  # type: ignore[attr-defined]
+        except ImportError:
+            module = None
+        _rowkernel = module
+    return _rowkernel
+
+
+def apply_raw(
+    buffer: Any,
+    offsets: npt.NDArray[np.int64],
+    shape: tuple[int, int, int],
+    out: np.ndarray,
+    geometry: Geometry,
+    spec: KernelSpec,
+) -> bool:
+    """:func:`apply` for raw rows of one host ``buffer``: row ``i``'s ``shape`` pixels
+    are the C-contiguous bytes at ``offsets[i]``. Done by the compiled row kernel in
+    one call (the GIL released); False, nothing written, where it is not built or
+    ``out`` is not a C-contiguous float32 or uint8 array (the caller then uses
+    :func:`apply`).
+
+    Raises:
+        ValueError: an offset or a crop outside the buffer or the record (the
+            caller has checked them; this is the kernel's own guard).
+    """
+    kernel = row_kernel()
+    if kernel is None or not out.flags.c_contiguous or out.dtype not in (_F4, _U1):
+        return False
+    mean = spec.mean if out.dtype == _F4 else None
+    if mean is not None:
+        mean = np.ascontiguousarray(mean, np.float32)
+    h_off, w_off, mirror = geometry.arrays()
+    kernel.transform_rows(
+        buffer,
+        np.ascontiguousarray(offsets, np.int64),
+        shape,
+        np.ascontiguousarray(h_off, np.intp),
+        np.ascontiguousarray(w_off, np.intp),
+        np.ascontiguousarray(mirror, np.bool_),
+        mean,
+        float(spec.scale),
+        out,
+        spec.crop,
+        spec.layout == "NHWC",
+    )
+    return True
+
+
 def _apply_block(
     xp: Any, src: Any, out: Any, geometry: Geometry, spec: KernelSpec, cropped: bool
 ) -> bool:
@@ -317,7 +383,7 @@ def _apply_one(
     if crop:
         if not cropped:
             src = src[..., h : h + crop, w : w + crop]
-        if mean is not None and mean.shape[1] != 1:
+        if mean is not None and mean.shape[1:] != (1, 1):
             mean = mean[:, h : h + crop, w : w + crop]
     flip_out = False
     if flip:
