@@ -84,7 +84,7 @@ def node_parts(n: int, nodes: int, seed: int) -> list[npt.NDArray[np.int64]]:
     """Each node's records (global indices, sorted), the same in every epoch: blocks
     of :data:`NODE_BLOCK` consecutive records permuted (seeded by ``seed``), their
     records cut into ``nodes`` stretches whose lengths differ by at most one."""
-    rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, 0x6E6F6465])))
+    rng = _rng([seed, 0x6E6F6465])
     blocks = -(-n // NODE_BLOCK)
     starts = rng.permutation(blocks).astype(np.int64) * NODE_BLOCK
     sizes = np.minimum(starts + NODE_BLOCK, n) - starts
@@ -111,8 +111,7 @@ def node_shard(
     node, local = divmod(rank, ranks_per_node)
     part = node_parts(n, nodes, seed)[node]
     m = len(part)
-    rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, epoch, node])))
-    ordered = part[_global_order(m, order, buffer_size, rng)]
+    ordered = part[_global_order(m, order, buffer_size, [seed, epoch, node])]
     if pad_shards and world > 1:
         per = n // world if pad_shards == "drop" else -(-n // world)
         if m == 0:
@@ -149,12 +148,19 @@ def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
     return int(ranks_per_node)
 
 
+def _rng(entropy: list[int]) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence(entropy)))
+
+
 def _global_order(
-    n: int, order: Order, buffer_size: int | None, rng: np.random.Generator
+    n: int, order: Order, buffer_size: int | None, entropy: list[int]
 ) -> npt.NDArray[np.int64]:
-    """One epoch's order of ``0..n-1`` of kind ``order``, drawn from ``rng``."""
+    """One epoch's order of ``0..n-1`` of kind ``order``, drawn from the generator
+    seeded by ``entropy`` (made only for an order that draws: ``numpy.random``,
+    some milliseconds to import, is not needed for key order)."""
     if order == "key":
         return np.arange(n, dtype=np.int64)
+    rng = _rng(entropy)
     if order == "shuffle":
         return rng.permutation(n).astype(np.int64)
     if order == "quasi":
@@ -307,8 +313,7 @@ class EpochOrder:
                 self._ranks_per_node, self._pad_shards,
             )  # fmt: skip
         else:
-            rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self._seed, epoch])))
-            glob = _global_order(n, self._order, self._buffer_size, rng)
+            glob = _global_order(n, self._order, self._buffer_size, [self._seed, epoch])
             order = np.ascontiguousarray(glob[self._shard_positions(n)])
         order.setflags(write=False)
         if len(self._orders) >= 2:
