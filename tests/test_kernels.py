@@ -338,3 +338,61 @@ def test_a_mean_file_of_one_row_or_column_is_cropped_as_a_mean_file(
     out = np.zeros(want.shape, np.float32)
     apply(np, x, out, geo, KernelSpec(1, mean, np.float32(0.5), "NCHW"))
     assert np.array_equal(out, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    sizes=st.lists(st.tuples(st.integers(4, 11), st.integers(4, 11)), min_size=4, max_size=4),
+    crop=st.integers(0, 4),
+    hwc=st.booleans(),
+    mean=st.sampled_from([None, "value", "file"]),
+    scale=st.sampled_from([1.0, 0.017, 3.5]),
+    layout=st.sampled_from(["NCHW", "NHWC"]),
+    dtype=st.sampled_from([np.float32, np.uint8]),
+    compiled=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rows_one_at_a_time_equal_caffe_compiled_or_not(
+    n: int, sizes: list[tuple[int, int]], crop: int, hwc: bool, mean: str | None,
+    scale: float, layout: str, dtype: Any, compiled: bool, seed: int,
+) -> None:  # fmt: skip
+    """A list of rows (decoded images: (C, H, W) views of (H, W, C) pixels, or
+    (C, H, W) arrays), each with its own crop and flip, through the compiled row
+    kernel and through NumPy: Caffe's values either way. A mean file needs one
+    record size; without a crop, so do the rows of one batch."""
+    import blobpipe._io._kernels as kernels
+
+    if compiled:
+        _row_kernel_or_skip()
+    rng = np.random.default_rng(seed)
+    if mean == "file" or not crop:
+        sizes = [sizes[0]] * n
+    rows = []
+    for h, w in sizes[:n]:
+        pixels = rng.integers(0, 256, (h, w, 3) if hwc else (3, h, w), dtype=np.uint8)
+        rows.append(pixels.transpose(2, 0, 1) if hwc else pixels)
+    h0, w0 = sizes[0]
+    m = None if mean is None else _mean(mean, (3, h0, w0))
+    words = rng.integers(0, 2**63, n, np.uint64)
+    geos = [
+        draw_geometry(r.shape[1], r.shape[2], crop, True, True, words[i : i + 1])
+        for i, r in enumerate(rows)
+    ]
+    geo = Geometry(
+        np.concatenate([g.h_off for g in geos]),
+        np.concatenate([g.w_off for g in geos]),
+        np.concatenate([g.mirror for g in geos]),
+    )
+    want = np.stack(
+        [reference(rows[i], *geo.row(i), crop, m, scale, layout, dtype) for i in range(n)]
+    )
+    out = np.full(want.shape, 7, dtype)
+    saved = kernels._rowkernel
+    if not compiled:
+        kernels._rowkernel = None
+    try:
+        apply(np, rows, out, geo, KernelSpec(crop, m, np.float32(scale), layout))  # type: ignore[arg-type]
+    finally:
+        kernels._rowkernel = saved
+    assert np.array_equal(out, want)

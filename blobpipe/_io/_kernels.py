@@ -266,8 +266,11 @@ def apply(
         return
     if not isinstance(src, (list, tuple)) and _apply_block(xp, src, out, geometry, spec, cropped):
         return
+    compiled = xp is np and not cropped and row_kernel() is not None
     for i in range(n):
         h, w, flip = geometry.row(i)
+        if compiled and _apply_image(src[i], out[i], h, w, flip, spec):
+            continue
         _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
 
 
@@ -325,6 +328,35 @@ def apply_raw(
         spec.crop,
         spec.layout == "NHWC",
     )
+    return True
+
+
+def _apply_image(chw: Any, out: Any, h: int, w: int, flip: bool, spec: KernelSpec) -> bool:
+    """One host row by the compiled row kernel: ``chw`` uint8 ``(C, H, W)``, its
+    pixels C-contiguous as ``(C, H, W)`` or as ``(H, W, C)`` (a decoded image's
+    transposed view); False, nothing written, for any other row or output."""
+    if (
+        not isinstance(chw, np.ndarray)
+        or chw.dtype != _U1
+        or chw.ndim != 3
+        or not isinstance(out, np.ndarray)
+        or out.dtype not in (_F4, _U1)
+        or not out.flags.c_contiguous
+    ):
+        return False
+    if chw.flags.c_contiguous:
+        pixels, hwc = chw, False
+    else:
+        pixels, hwc = chw.transpose(1, 2, 0), True
+        if not pixels.flags.c_contiguous:
+            return False
+    mean = spec.mean if out.dtype == _F4 else None
+    if mean is not None:
+        mean = np.ascontiguousarray(mean, np.float32)
+    _rowkernel.transform_image(
+        pixels, hwc, chw.shape, h, w, flip, mean, float(spec.scale), out, spec.crop,
+        spec.layout == "NHWC",
+    )  # fmt: skip
     return True
 
 

@@ -1,8 +1,8 @@
-/* Caffe's DataTransformer over raw uint8 rows of one buffer, each row with its
- * own crop offset and flip, in one call that releases the GIL.
+/* Caffe's DataTransformer over uint8 pixels, each record with its own crop
+ * offset and flip, without the GIL.
  *
  * transform_rows(src, offsets, shape, h_off, w_off, mirror, mean, scale, out,
- *                crop, nhwc) -> None
+ *                crop, nhwc) -> None: a batch of raw records
  *
  * src      a buffer (read only) holding the rows; row i's (C, H, W) pixels are
  *          C*H*W bytes at offsets[i], C-contiguous.
@@ -10,12 +10,19 @@
  * shape    (C, H, W) of every row.
  * h_off, w_off   intp buffers: row i's crop corner; mirror: bool (uint8) buffer.
  * mean     None, a float32 buffer of C values (one per channel), or of C*H*W
- *          values (the uncropped mean file, C-contiguous).
+ *          values (the uncropped mean file, C-contiguous (C, H, W)).
  * scale    the factor (a Python float, used as float32).
  * out      a writable C-contiguous buffer of n rows of C*crop*crop (crop: 0 is
  *          H and W), float32 (itemsize 4) or uint8 (itemsize 1: the pixels
  *          cropped and flipped, no arithmetic).
  * nhwc     0: rows are (C, h, w); 1: (h, w, C).
+ *
+ * transform_image(src, hwc, shape, h_off, w_off, flip, mean, scale, out, crop,
+ *                 nhwc) -> None: one record, e.g. a decoded image
+ *
+ * src      exactly the record's C*H*W pixels, C-contiguous as (C, H, W), or as
+ *          (H, W, C) when hwc is true (a decoded image); the other arguments as
+ *          above, for one row.
  *
  * The arithmetic is Caffe's, in float32, each step rounded:
  * (float)x - mean at the pixel's uncropped position, then * scale; without a
@@ -56,40 +63,43 @@ static void release(Buf *b) {
     }
 }
 
-/* One output row: the crop's cw pixels from s (stride 1 along the width) and
- * the mean at the same positions (m: a mean file's row, mstep 1; one value,
- * mstep 0), written forward at o + j * ostep, or reversed (flip). Each case is
- * its own loop so that the compiler vectorizes the contiguous ones; kept out of
- * line (the vectorizer does not look at these loops inlined into the caller). */
-#define EACH(STORE)                                                                  \
-    do {                                                                             \
-        if (has_mean && mstep) {                                                     \
-            if (has_scale) {                                                         \
-                for (int j = 0; j < cw; j++) STORE(((float)s[K(j)] - m[K(j)]) * scale);  \
-            } else {                                                                 \
-                for (int j = 0; j < cw; j++) STORE((float)s[K(j)] - m[K(j)]);           \
-            }                                                                        \
-        } else if (has_mean) {                                                       \
-            const float mv = m[0];                                                   \
-            if (has_scale) {                                                         \
-                for (int j = 0; j < cw; j++) STORE(((float)s[K(j)] - mv) * scale);      \
-            } else {                                                                 \
-                for (int j = 0; j < cw; j++) STORE((float)s[K(j)] - mv);                \
-            }                                                                        \
-        } else if (has_scale) {                                                      \
-            for (int j = 0; j < cw; j++) STORE((float)s[K(j)] * scale);                 \
-        } else {                                                                     \
-            for (int j = 0; j < cw; j++) STORE((float)s[K(j)]);                         \
-        }                                                                            \
+/* One output line: the crop's cw pixels from s (pixel j at s[j * sstep]) and
+ * the mean at the same positions (m: a mean file's line, mstep 1; one value,
+ * mstep 0), written at o + j * ostep, forward or reversed (flip). Each case is
+ * its own loop so that the compiler vectorizes the contiguous ones (sstep and
+ * ostep 1); kept out of line (the vectorizer does not look at these loops
+ * inlined into the caller). */
+#define EACH(STORE)                                                                      \
+    do {                                                                                 \
+        if (has_mean && mstep) {                                                         \
+            if (has_scale) {                                                             \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE(((float)s[S(j)] - m[K(j)]) * scale);  \
+            } else {                                                                     \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] - m[K(j)]);            \
+            }                                                                            \
+        } else if (has_mean) {                                                           \
+            const float mv = m[0];                                                       \
+            if (has_scale) {                                                             \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE(((float)s[S(j)] - mv) * scale);       \
+            } else {                                                                     \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] - mv);                 \
+            }                                                                            \
+        } else if (has_scale) {                                                          \
+            for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] * scale);                  \
+        } else {                                                                         \
+            for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)]);                          \
+        }                                                                                \
     } while (0)
 
-__attribute__((noinline)) static void row_f32(float *restrict o, ptrdiff_t ostep,
-                                              const uint8_t *restrict s,
-                                              const float *restrict m, int mstep, float scale,
-                                              int cw, int flip, int has_mean, int has_scale) {
+__attribute__((noinline)) static void line_f32(float *restrict o, ptrdiff_t ostep,
+                                               const uint8_t *restrict s, ptrdiff_t sstep,
+                                               const float *restrict m, int mstep, float scale,
+                                               ptrdiff_t cw, int flip, int has_mean,
+                                               int has_scale) {
 #define FORWARD(V) o[j] = (V)
 #define STRIDED(V) o[j * ostep] = (V)
-    if (ostep == 1) {
+#define S(j) K(j)
+    if (ostep == 1 && sstep == 1) {
         if (flip) {
 #define K(j) (cw - 1 - (j))
             EACH(FORWARD);
@@ -99,7 +109,11 @@ __attribute__((noinline)) static void row_f32(float *restrict o, ptrdiff_t ostep
             EACH(FORWARD);
 #undef K
         }
-    } else if (flip) {
+        return;
+    }
+#undef S
+#define S(j) (K(j) * sstep)
+    if (flip) {
 #define K(j) (cw - 1 - (j))
         EACH(STRIDED);
 #undef K
@@ -108,39 +122,126 @@ __attribute__((noinline)) static void row_f32(float *restrict o, ptrdiff_t ostep
         EACH(STRIDED);
 #undef K
     }
+#undef S
 #undef FORWARD
 #undef STRIDED
 }
 
-__attribute__((noinline)) static void row_u8(uint8_t *restrict o, ptrdiff_t ostep,
-                                             const uint8_t *restrict s, int cw, int flip) {
-    if (!flip && ostep == 1) {
+__attribute__((noinline)) static void line_u8(uint8_t *restrict o, ptrdiff_t ostep,
+                                              const uint8_t *restrict s, ptrdiff_t sstep, ptrdiff_t cw,
+                                              int flip) {
+    if (!flip && ostep == 1 && sstep == 1) {
         memcpy(o, s, (size_t)cw);
         return;
     }
-    for (int j = 0; j < cw; j++) o[j * ostep] = s[flip ? cw - 1 - j : j];
+    for (ptrdiff_t j = 0; j < cw; j++) o[j * ostep] = s[(flip ? cw - 1 - j : j) * sstep];
+}
+
+typedef struct {
+    Py_ssize_t C, H, W, ch, cw; /* record shape, crop window */
+    int hwc;                    /* source pixels (H, W, C) rather than (C, H, W) */
+    int nhwc;                   /* output rows (h, w, C) rather than (C, h, w) */
+    const float *mean;          /* NULL, C values, or C*H*W (a mean file) */
+    int mstep;                  /* 1: a mean file */
+    float scale;
+    int itemsize; /* of the output: 4 float32, 1 uint8 */
+} Spec;
+
+/* One record (s0: its first pixel) into one output row (o), crop corner (h0, w0);
+ * every index was checked by the caller. Runs without the GIL. */
+static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_ssize_t w0,
+                          int flip, void *o) {
+    const Py_ssize_t C = sp->C, H = sp->H, W = sp->W, ch = sp->ch, cw = sp->cw;
+    const ptrdiff_t sstep = sp->hwc ? (ptrdiff_t)C : 1;
+    const ptrdiff_t ostep = sp->nhwc ? (ptrdiff_t)C : 1;
+    if (!flip && !sp->hwc && !sp->nhwc && cw == W) {
+        /* whole lines of (C, H, W) into (C, h, W): a channel's lines are one run
+         * in the source, the mean file and the output */
+        for (Py_ssize_t c = 0; c < C; c++) {
+            const Py_ssize_t at = (c * H + h0) * W;
+            const Py_ssize_t o_at = c * ch * cw;
+            if (sp->itemsize == 1) {
+                memcpy((uint8_t *)o + o_at, s0 + at, (size_t)(ch * cw));
+            } else {
+                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
+                line_f32((float *)o + o_at, 1, s0 + at, 1, m, sp->mstep, sp->scale,
+                         ch * cw, 0, sp->mean != NULL, sp->scale != 1.0f);
+            }
+        }
+        return;
+    }
+    for (Py_ssize_t c = 0; c < C; c++) {
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            const Py_ssize_t at = (c * H + h0 + y) * W + w0; /* uncropped, (C, H, W) */
+            const uint8_t *s = s0 + (sp->hwc ? ((h0 + y) * W + w0) * C + c : at);
+            /* output: NCHW (c, y, 0); NHWC (y, 0, c) */
+            const Py_ssize_t o_at = sp->nhwc ? (y * cw) * C + c : (c * ch + y) * cw;
+            if (sp->itemsize == 1) {
+                line_u8((uint8_t *)o + o_at, ostep, s, sstep, cw, flip);
+            } else {
+                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
+                line_f32((float *)o + o_at, ostep, s, sstep, m, sp->mstep, sp->scale, cw,
+                         flip, sp->mean != NULL, sp->scale != 1.0f);
+            }
+        }
+    }
+}
+
+/* The spec from the arguments both entry points share; -1 with an exception set. */
+static int make_spec(Spec *sp, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssize_t crop,
+                     int hwc, int nhwc, Buf *mb, double scale, Buf *ob, Py_ssize_t rows) {
+    if (C <= 0 || H <= 0 || W <= 0 || crop < 0 || crop > H || crop > W) {
+        PyErr_SetString(PyExc_ValueError, "bad shape or crop");
+        return -1;
+    }
+    sp->C = C, sp->H = H, sp->W = W;
+    sp->ch = crop ? crop : H, sp->cw = crop ? crop : W;
+    sp->hwc = hwc, sp->nhwc = nhwc;
+    sp->itemsize = (int)ob->view.itemsize;
+    if ((sp->itemsize != 4 && sp->itemsize != 1) ||
+        ob->view.len != rows * C * sp->ch * sp->cw * sp->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+        return -1;
+    }
+    sp->mean = NULL;
+    sp->mstep = 0;
+    if (mb->held) {
+        if (mb->view.itemsize != 4 || (mb->view.len != C * 4 && mb->view.len != C * H * W * 4)) {
+            PyErr_SetString(PyExc_ValueError, "mean must be C or C*H*W float32 values");
+            return -1;
+        }
+        sp->mean = (const float *)mb->view.buf;
+        sp->mstep = mb->view.len == C * H * W * 4;
+    }
+    sp->scale = (float)scale;
+    return 0;
+}
+
+static int crop_fits(const Spec *sp, Py_ssize_t h0, Py_ssize_t w0, Py_ssize_t i) {
+    if (h0 < 0 || w0 < 0 || h0 > sp->H - sp->ch || w0 > sp->W - sp->cw) {
+        PyErr_Format(PyExc_ValueError, "row %zd's crop does not fit", i);
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *transform_rows(PyObject *self, PyObject *args) {
     PyObject *src_o, *off_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
     Py_ssize_t C, H, W, crop;
-    double scale_d;
+    double scale;
     int nhwc;
     if (!PyArg_ParseTuple(args, "OO(nnn)OOOOdOni", &src_o, &off_o, &C, &H, &W, &h_o, &w_o,
-                          &flip_o, &mean_o, &scale_d, &out_o, &crop, &nhwc))
+                          &flip_o, &mean_o, &scale, &out_o, &crop, &nhwc))
         return NULL;
     Buf src = {0}, off = {0}, hb = {0}, wb = {0}, fb = {0}, mb = {0}, ob = {0};
     PyObject *result = NULL;
+    Spec sp;
     if (get_buf(src_o, &src, PyBUF_SIMPLE, "src") || get_buf(off_o, &off, PyBUF_FORMAT, "offsets") ||
         get_buf(h_o, &hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &wb, PyBUF_FORMAT, "w_off") ||
         get_buf(flip_o, &fb, PyBUF_SIMPLE, "mirror") ||
         (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
         get_buf(out_o, &ob, PyBUF_WRITABLE | PyBUF_FORMAT, "out"))
         goto done;
-    if (C <= 0 || H <= 0 || W <= 0 || crop < 0 || crop > H || crop > W) {
-        PyErr_SetString(PyExc_ValueError, "bad shape or crop");
-        goto done;
-    }
     Py_ssize_t n = off.view.len / 8;
     if (off.view.itemsize != 8 || hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
         wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || hb.view.len / hb.view.itemsize != n ||
@@ -148,23 +249,7 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "offsets, h_off, w_off and mirror must be one per row");
         goto done;
     }
-    const Py_ssize_t ch = crop ? crop : H, cw = crop ? crop : W;
-    const Py_ssize_t row_px = C * ch * cw;
-    const int itemsize = (int)ob.view.itemsize;
-    if ((itemsize != 4 && itemsize != 1) || ob.view.len != n * row_px * itemsize) {
-        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
-        goto done;
-    }
-    const float *mean = NULL;
-    int mstep = 0; /* 1: a mean file (C, H, W); 0: one value per channel */
-    if (mb.held) {
-        if (mb.view.itemsize != 4 || (mb.view.len != C * 4 && mb.view.len != C * H * W * 4)) {
-            PyErr_SetString(PyExc_ValueError, "mean must be C or C*H*W float32 values");
-            goto done;
-        }
-        mean = (const float *)mb.view.buf;
-        mstep = mb.view.len == C * H * W * 4;
-    }
+    if (make_spec(&sp, C, H, W, crop, 0, nhwc, &mb, scale, &ob, n) < 0) goto done;
     const int64_t *offsets = (const int64_t *)off.view.buf;
     const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
     const uint8_t *flips = (const uint8_t *)fb.view.buf;
@@ -174,36 +259,14 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "row %zd lies outside the buffer", i);
             goto done;
         }
-        if (hs[i] < 0 || ws[i] < 0 || hs[i] > H - ch || ws[i] > W - cw) {
-            PyErr_Format(PyExc_ValueError, "row %zd's crop does not fit", i);
-            goto done;
-        }
+        if (!crop_fits(&sp, hs[i], ws[i], i)) goto done;
     }
-    const float scale = (float)scale_d;
-    const int has_scale = scale != 1.0f;
     const uint8_t *base = (const uint8_t *)src.view.buf;
+    const Py_ssize_t row_bytes = C * sp.ch * sp.cw * sp.itemsize;
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *s0 = base + offsets[i];
-        const Py_ssize_t h0 = hs[i], w0 = ws[i];
-        const int flip = flips[i] != 0;
-        for (Py_ssize_t c = 0; c < C; c++) {
-            for (Py_ssize_t y = 0; y < ch; y++) {
-                const Py_ssize_t at = (c * H + h0 + y) * W + w0; /* uncropped position */
-                const uint8_t *s = s0 + at;
-                /* output: NCHW (c, y, 0) step 1; NHWC (y, 0, c) step C */
-                Py_ssize_t o_at = nhwc ? (y * cw) * C + c : (c * ch + y) * cw;
-                ptrdiff_t ostep = nhwc ? (ptrdiff_t)C : 1;
-                if (itemsize == 1) {
-                    row_u8((uint8_t *)ob.view.buf + i * row_px + o_at, ostep, s, (int)cw, flip);
-                } else {
-                    const float *m = mean ? (mstep ? mean + at : mean + c) : NULL;
-                    row_f32((float *)ob.view.buf + i * row_px + o_at, ostep, s, m, mstep, scale,
-                            (int)cw, flip, mean != NULL, has_scale);
-                }
-            }
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0,
+                      (uint8_t *)ob.view.buf + i * row_bytes);
     Py_END_ALLOW_THREADS;
     Py_INCREF(Py_None);
     result = Py_None;
@@ -218,9 +281,44 @@ done:
     return result;
 }
 
+static PyObject *transform_image(PyObject *self, PyObject *args) {
+    PyObject *src_o, *mean_o, *out_o;
+    Py_ssize_t C, H, W, h0, w0, crop;
+    int hwc, flip, nhwc;
+    double scale;
+    if (!PyArg_ParseTuple(args, "Oi(nnn)nnpOdOni", &src_o, &hwc, &C, &H, &W, &h0, &w0, &flip,
+                          &mean_o, &scale, &out_o, &crop, &nhwc))
+        return NULL;
+    Buf src = {0}, mb = {0}, ob = {0};
+    PyObject *result = NULL;
+    Spec sp;
+    if (get_buf(src_o, &src, PyBUF_SIMPLE, "src") ||
+        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
+        get_buf(out_o, &ob, PyBUF_WRITABLE | PyBUF_FORMAT, "out"))
+        goto done;
+    if (make_spec(&sp, C, H, W, crop, hwc, nhwc, &mb, scale, &ob, 1) < 0) goto done;
+    if (src.view.len != C * H * W) {
+        PyErr_SetString(PyExc_ValueError, "src must hold the image's C*H*W pixels");
+        goto done;
+    }
+    if (!crop_fits(&sp, h0, w0, 0)) goto done;
+    Py_BEGIN_ALLOW_THREADS;
+    transform_one(&sp, (const uint8_t *)src.view.buf, h0, w0, flip, ob.view.buf);
+    Py_END_ALLOW_THREADS;
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release(&src);
+    release(&mb);
+    release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"transform_rows", transform_rows, METH_VARARGS,
-     "Caffe's transform of raw uint8 rows of one buffer (see the module source)."},
+     "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
+    {"transform_image", transform_image, METH_VARARGS,
+     "Caffe's transform of one uint8 image, (C, H, W) or (H, W, C) (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 
