@@ -937,6 +937,7 @@ def _child(argv: list[str]) -> int:
     # every contender: the plain loop makes its generator before it, and a training
     # script has it imported (torch imports it)
     import numpy.random  # noqa: F401
+
     if spec["key"] == "torch":
         import torch.utils.data  # noqa: F401  (imported before the clock, as a script does)
     if spec["key"].startswith("dali"):

@@ -345,6 +345,10 @@ def plot(runs: list[bw.Run], path: Path) -> str:
     ax.axhline(FIRST_TARGET, color="tab:orange", ls="--", lw=0.8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
+    ax.set_yscale("log")  # ratios: 0.5× and 2× lie as far from 1×
+    ticks = [0.25, 0.5, 0.75, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0]
+    ax.set_yticks(ticks, [f"{t:g}×" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("record bytes (stored value)")
     ax.set_ylabel("Loader (blocking, 2 workers) / plain loop")
     ax.set_title("blobpipe sweep: the Loader against the plain loop")

@@ -44,6 +44,7 @@ from ._io._encode import encode_float_datum as encode_float_datum
 from ._io._encode import encode_raw_datum as encode_raw_datum
 from ._io._image import jpeg_window_decoding as jpeg_window_decoding
 from ._io._kernels import Geometry as Geometry
+from ._io._kernels import compiled_row_kernel as compiled_row_kernel
 from ._io._lmdb import LmdbReader as LmdbReader
 from ._io._lmdb import ReadTransaction as ReadTransaction
 from ._io._prototxt import DataLayerConfig as DataLayerConfig

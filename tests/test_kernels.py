@@ -396,3 +396,13 @@ def test_rows_one_at_a_time_equal_caffe_compiled_or_not(
     finally:
         kernels._rowkernel = saved
     assert np.array_equal(out, want)
+
+
+def test_compiled_row_kernel_says_whether_the_module_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import blobpipe
+    import blobpipe._io._kernels as kernels
+
+    built = kernels.row_kernel() is not None
+    assert blobpipe.compiled_row_kernel() is built
+    monkeypatch.setattr(kernels, "_rowkernel", None)
+    assert blobpipe.compiled_row_kernel() is False

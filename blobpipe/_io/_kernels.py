@@ -48,6 +48,7 @@ __all__ = [
     "apply_raw",
     "block_rows",
     "check_geometry_out",
+    "compiled_row_kernel",
     "draw_geometry",
     "draw_word",
     "draw_words",
@@ -288,6 +289,14 @@ def row_kernel() -> Any:
             module = None
         _rowkernel = module
     return _rowkernel
+
+
+def compiled_row_kernel() -> bool:
+    """Whether this installation transforms raw records and decoded images with the
+    compiled row kernel (built at install where a C compiler is present: a batch's
+    rows in one call without the GIL); where False, NumPy does the same arithmetic,
+    to the same bits, slower."""
+    return row_kernel() is not None
 
 
 def apply_raw(
