@@ -136,8 +136,10 @@ class RecordIndex:
         if len(unknown):
             if hint is not None:
                 unknown = self._with_next(rows, unknown)
-            # sorted, once each (np.unique imports numpy.ma)
-            unknown = np.array(sorted(set(unknown.tolist())), np.intp)
+            # sorted, once each (np.unique imports numpy.ma); mostly they are already
+            # (key order)
+            if len(unknown) > 1 and not (unknown[1:] > unknown[:-1]).all():
+                unknown = np.array(sorted(set(unknown.tolist())), np.intp)
             got = classify(
                 self.buffer, self._value_offset[unknown], self._value_length[unknown], hint
             )

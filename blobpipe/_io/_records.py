@@ -294,14 +294,26 @@ def _match_raw(
     hl = len(header)
     rows = np.arange(len(offsets), dtype=np.intp)
     rest = []
-    for length in sorted(set(lengths.tolist())):
+    ordered = np.sort(lengths)
+    distinct = (
+        ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
+    )
+    for length in distinct.tolist():
         sel = lengths == length
         group = rows[sel]
         if length < hl + size + 2 or length > hl + size + 14:
             rest.append(group)
             continue
-        cols = np.concatenate([np.arange(hl), np.arange(hl + size, length)])
-        block = buffer[offsets[sel][:, np.newaxis] + cols]
+        starts = offsets[sel]
+        # each record's header and the bytes after its pixels: two gathers of
+        # contiguous windows (a row of bytes each), not one index per byte
+        block = np.concatenate(
+            [
+                _windows(buffer, hl)[starts],
+                _windows(buffer, length - hl - size)[starts + hl + size],
+            ],
+            axis=1,
+        )
         good, labels = _match_layout(block, header)
         rest.append(group[~good])
         group = group[good]
@@ -311,6 +323,15 @@ def _match_raw(
         out.label[group] = labels[good]
         out.kind[group] = RAW
     return np.concatenate(rest) if rest else rows[:0]
+
+
+def _windows(buffer: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
+    """Every ``width``-byte window of ``buffer`` as a row (a view: row ``i`` starts at
+    byte ``i``)."""
+    windows: npt.NDArray[np.uint8] = np.ndarray(
+        (len(buffer) - width + 1, width), np.uint8, buffer, 0, (1, 1)
+    )
+    return windows
 
 
 def _varint_column(
