@@ -149,7 +149,7 @@ CLONES static void line_u8(uint8_t *restrict o, ptrdiff_t ostep,
 /* One output line of each of three channels from (H, W, 3) pixels: the crop's cw
  * pixels at s (three bytes each), forward, into o0, o1, o2, with the mean at the
  * same positions (m0..m2: a mean file's lines, mstep 1; one value each, mstep 0).
- * A mirrored line is written forward, then reversed in place. */
+ * The caller mirrors a line afterwards (reversed_copy from a scratch line). */
 #define EACH3(E)                                                                         \
     do {                                                                                 \
         for (ptrdiff_t j = 0; j < cw; j++) {                                             \
