@@ -1249,3 +1249,32 @@ def test_stride_runs_cover_the_rows_in_order_each_at_one_stride(
     # greedy: a run ends only where the next row breaks its stride
     for lo, hi, stride in runs[:-1]:
         assert hi - lo == 1 or offsets[hi] - offsets[hi - 1] != stride
+
+
+@pytest.mark.parametrize("ext", [".jpg", ".png"])
+def test_images_decoded_before_skip_the_header_and_give_the_same_pixels(
+    tmp_path: Path, ext: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a crop, an image whose shape the index noted (it decoded in this
+    snapshot before) is decoded without reading its header again for the size check;
+    the pixels are the same in every epoch."""
+    from blobpipe._io import _image
+    from tests._helpers import encoded_db
+
+    db = encoded_db(tmp_path / "img", 12, ext, (3, 16, 20))
+    parsed: list[int] = []
+    original = _image.image_size
+
+    def spy(data: Any) -> Any:
+        parsed.append(len(data))
+        return original(data)
+
+    monkeypatch.setattr(_image, "image_size", spy)
+    t = Transform(scale=0.5)
+    with Batches(db, 4, transform=t, phase="test", mode="epoch") as b:
+        first = [x.data.copy() for x in b]
+        in_first = len(parsed)
+        second = [x.data.copy() for x in b]
+    assert in_first >= 12  # every image's header read once in the first epoch
+    assert len(parsed) - in_first <= 3  # later: at most each batch's first, to plan it
+    assert all(np.array_equal(a, c) for a, c in zip(first, second, strict=True))

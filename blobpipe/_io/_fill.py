@@ -486,8 +486,8 @@ class Filler:
                 image = buffer[offsets[r] : offsets[r] + lengths[r]].data
                 if crop:  # each image decoded while the one before is transformed
                     hwc = decode_window(image, self._flag, window(r))
-                else:
-                    hwc = decode_image(image, self._flag)
+                else:  # a shape noted in this snapshot: the bytes decoded before
+                    hwc = decode_image(image, self._flag, decoded_before=bool(loc.shape[r, 0]))
                 yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
             elif k == PARSED:
                 try:

@@ -82,13 +82,21 @@ def image_header(b: bytes | memoryview) -> tuple[int, int, JpegFrame | None] | N
 
 
 def decode_image(
-    data: bytes | memoryview, flag: int, max_pixels: int = DEFAULT_MAX_PIXELS
+    data: bytes | memoryview,
+    flag: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    *,
+    decoded_before: bool = False,
 ) -> npt.NDArray[np.uint8] | Undecodable:
     """One image as ``cv2.imdecode(data, flag)`` gives it, as an ``(H, W, C)`` uint8
     array (C = 1 for gray); or, where it cannot be had, why (see the module
-    docstring)."""
+    docstring). ``decoded_before``: these very bytes decoded before within
+    ``max_pixels`` (a record the index noted the shape of, in a snapshot that has not
+    changed), so their header is not read again for the size check."""
     if not len(data):
         return Undecodable("the record says encoded: true but holds no image bytes in data", True)
+    if decoded_before:
+        return _imdecode(data, flag)
     size = image_size(data)
     if isinstance(size, str):  # no decoder may be left to allocate what the bytes say
         who = "OpenCV cannot" if size == NO_SIGNATURE else "cannot"
@@ -103,6 +111,11 @@ def decode_image(
             f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
             False,
         )
+    return _imdecode(data, flag)
+
+
+def _imdecode(data: bytes | memoryview, flag: int) -> npt.NDArray[np.uint8] | Undecodable:
+    """``cv2.imdecode`` of bytes whose size was checked (see :func:`decode_image`)."""
     cv2 = _opencv()
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
