@@ -1278,3 +1278,22 @@ def test_images_decoded_before_skip_the_header_and_give_the_same_pixels(
     assert in_first >= 12  # every image's header read once in the first epoch
     assert len(parsed) - in_first <= 3  # later: at most each batch's first, to plan it
     assert all(np.array_equal(a, c) for a, c in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 8), (3, 96, 100)], ids=["small", "large"])
+def test_scattered_raw_rows_equal_rows_one_at_a_time(
+    tmp_path: Path, shape: tuple[int, int, int], row_kernel: str
+) -> None:
+    """Shuffled raw rows (no run of one stride): NumPy's path gathers small rows in one
+    call and takes large ones a view each, the compiled kernel takes them all at once;
+    every row equals the record read alone (batch_size=1)."""
+    db = raw_db(tmp_path / "scattered", 48, shape)
+    t = Transform(mean_value=(5, 6, 7), scale=0.5, mirror=True)
+    with Batches(db, 16, transform=t, phase="train", order="shuffle", seed=4, mode="epoch") as b:
+        many = list(b)
+    with Batches(db, 1, transform=t, phase="train", order="shuffle", seed=4, mode="epoch") as b:
+        one = list(b)
+    assert [k for x in many for k in x.keys] == [k for x in one for k in x.keys]
+    assert np.array_equal(
+        np.concatenate([x.data for x in many]), np.concatenate([x.data for x in one])
+    )

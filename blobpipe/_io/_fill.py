@@ -39,7 +39,16 @@ from ._index import Located, RecordIndex
 from ._kernels import Geometry, apply, apply_raw, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
-from ._records import BLOBPROTO, DATUM, ENCODED, PARSED, RAW, RecordKind, blob_record
+from ._records import (
+    BLOBPROTO,
+    DATUM,
+    ENCODED,
+    PARSED,
+    RAW,
+    RecordKind,
+    blob_record,
+    byte_windows,
+)
 from ._transform import Phase, RecordParams, Transform
 
 __all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix", "store_geometry"]
@@ -447,8 +456,7 @@ class Filler:
         if runs is not None:
             return [(lo, hi, view(lo, hi, step)) for lo, hi, step in runs]
         if prefers_block(out[0].nbytes):  # one gather: every size-byte window of the buffer
-            windows = np.ndarray((len(buffer) - size + 1, size), _U1, buffer, 0, (1, 1))
-            return [(0, n, windows[offsets].reshape(n, c, h, w))]
+            return [(0, n, byte_windows(buffer, size)[offsets].reshape(n, c, h, w))]
         return [(0, n, [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()])]
 
     def _rows(self, plan: BatchPlan, loc: Located, start: int) -> Iterator[tuple[int, Any]]:

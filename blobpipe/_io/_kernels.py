@@ -320,9 +320,7 @@ def apply_raw(
     kernel = row_kernel()
     if kernel is None or not out.flags.c_contiguous or out.dtype not in (_F4, _U1):
         return False
-    mean = spec.mean if out.dtype == _F4 else None
-    if mean is not None:
-        mean = np.ascontiguousarray(mean, np.float32)
+    mean = _kernel_mean(spec, out)
     h_off, w_off, mirror = geometry.arrays()
     kernel.transform_rows(
         buffer,
@@ -338,6 +336,14 @@ def apply_raw(
         spec.layout == "NHWC",
     )
     return True
+
+
+def _kernel_mean(spec: KernelSpec, out: np.ndarray) -> np.ndarray | None:
+    """The mean as the row kernel reads it (C-contiguous float32), or None: no mean,
+    or a uint8 output (pixels only)."""
+    if spec.mean is None or out.dtype != _F4:
+        return None
+    return np.ascontiguousarray(spec.mean, np.float32)
 
 
 def _apply_image(chw: Any, out: Any, h: int, w: int, flip: bool, spec: KernelSpec) -> bool:
@@ -359,9 +365,7 @@ def _apply_image(chw: Any, out: Any, h: int, w: int, flip: bool, spec: KernelSpe
         pixels, hwc = chw.transpose(1, 2, 0), True
         if not pixels.flags.c_contiguous:
             return False
-    mean = spec.mean if out.dtype == _F4 else None
-    if mean is not None:
-        mean = np.ascontiguousarray(mean, np.float32)
+    mean = _kernel_mean(spec, out)
     _rowkernel.transform_image(
         pixels, hwc, chw.shape, h, w, flip, mean, float(spec.scale), out, spec.crop,
         spec.layout == "NHWC",

@@ -309,8 +309,8 @@ def _match_raw(
         # contiguous windows (a row of bytes each), not one index per byte
         block = np.concatenate(
             [
-                _windows(buffer, hl)[starts],
-                _windows(buffer, length - hl - size)[starts + hl + size],
+                byte_windows(buffer, hl)[starts],
+                byte_windows(buffer, length - hl - size)[starts + hl + size],
             ],
             axis=1,
         )
@@ -325,9 +325,9 @@ def _match_raw(
     return np.concatenate(rest) if rest else rows[:0]
 
 
-def _windows(buffer: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
+def byte_windows(buffer: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
     """Every ``width``-byte window of ``buffer`` as a row (a view: row ``i`` starts at
-    byte ``i``)."""
+    byte ``i``): indexing it with byte offsets gathers whole windows at once."""
     windows: npt.NDArray[np.uint8] = np.ndarray(
         (len(buffer) - width + 1, width), np.uint8, buffer, 0, (1, 1)
     )
