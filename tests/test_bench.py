@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,11 @@ def test_bench_workloads_check_exit_status(workloads_quick: tuple[Path, str]) ->
     cmd = [sys.executable, str(BENCH / "bench_workloads.py"), "--quick", "--check"]
     cmd += ["--data-dir", str(tmp_path / "data"), "--workloads", "W5"]
     checked = subprocess.run(cmd, capture_output=True, text=True, timeout=80, check=False)
-    assert checked.returncode == (1 if "MISS" in checked.stdout else 0), checked.stderr[-4000:]
+    summary = re.search(r"(\d+) of (\d+) checked rows PASS, (\d+) MISS", checked.stdout)
+    assert summary is not None, checked.stdout[-4000:] + checked.stderr[-4000:]
+    missed = int(summary.group(3))
+    assert int(summary.group(1)) + missed == int(summary.group(2))
+    assert checked.returncode == (1 if missed else 0), checked.stderr[-4000:]
 
 
 @pytest.mark.slow
