@@ -29,7 +29,7 @@ from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._backends._emulated import EmulatedEvent
 from blobpipe._io._batches import ArrayBatch
-from blobpipe._loader._chunk import CHUNK_BATCHES, Chunk
+from blobpipe._loader._chunk import CHUNK_BATCHES, Chunk, chunk_batches
 from tests._helpers import (
     GatedBackend,
     encoded_db,
@@ -1023,15 +1023,32 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
     assert_matches(got, expected(db30, len(got), batch_size=4))
 
 
-@pytest.mark.anyio
-async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
+def test_a_chunk_takes_batches_up_to_its_batch_limit(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch that fills quickly but is too large to share a chunk gains nothing from
-    one filler alone: every filler keeps filling such batches at once."""
+    """A batch of at most CHUNK_BATCH_BYTES shares a chunk; one byte more goes alone
+    (its copy into a slot would cost more than the chunk saves it)."""
+    with Batches(db30, 4) as batches:
+        plan = batches.next_plan()
+    assert plan is not None
+    nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", nbytes)
+    assert chunk_batches(plan) == CHUNK_BATCHES
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", nbytes - 1)
+    assert chunk_batches(plan) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("limit", ["CHUNK_BYTES", "CHUNK_BATCH_BYTES"])
+async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
+    db30: Path, limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that fills quickly but is too large to share a chunk (more than the
+    chunk's bytes, or than the largest batch a chunk takes) gains nothing from one
+    filler alone: every filler keeps filling such batches at once."""
     probe = FillProbe(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 1)  # one batch a chunk
+    monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)  # one batch a chunk
     async with Loader(db30, 4, device="cpu", prefetch=4, workers=2, mode="wrap") as loader:
         got = await collect(loader, 12)  # past the first fills, where a pipeline narrows
         # the ring full again (3 slots ahead of the consumer's), no fill under way

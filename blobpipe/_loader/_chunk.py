@@ -37,7 +37,14 @@ from .._io._batches import Batches, BatchPlan
 from .._io._kernels import Geometry
 from .._io._plan import merged
 
-__all__ = ["CHUNK_BATCHES", "CHUNK_BYTES", "CHUNK_ROWS", "Chunk", "chunk_batches"]
+__all__ = [
+    "CHUNK_BATCHES",
+    "CHUNK_BATCH_BYTES",
+    "CHUNK_BYTES",
+    "CHUNK_ROWS",
+    "Chunk",
+    "chunk_batches",
+]
 
 #: The most output bytes filled in one chunk (beyond the ring's slots).
 CHUNK_BYTES = 2 << 20
@@ -46,14 +53,23 @@ CHUNK_ROWS = 1024
 #: The most batches in one chunk (beyond this the per-batch costs outside the fill
 #: dominate).
 CHUNK_BATCHES = 16
+#: The largest batch (output bytes) a chunk takes. A chunk saves each batch its
+#: per-call costs (tens of µs, whatever its size) and costs it a copy into its slot
+#: (about 0.15 µs a KiB on the benchmark machine) and the second filler; above
+#: this the copy costs more than it saves and every filler fills a batch each
+#: (measured both sides: docs/performance.md).
+CHUNK_BATCH_BYTES = 512 << 10
 
 
 def chunk_batches(plan: BatchPlan) -> int:
     """How many batches like ``plan`` one chunk holds (1: no chunk; always for a plan
-    with other sources read in lockstep, which go into their slots directly)."""
+    with other sources read in lockstep, which go into their slots directly, and for
+    a batch of more than :data:`CHUNK_BATCH_BYTES`)."""
     if plan.extra:
         return 1
     nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
+    if nbytes > CHUNK_BATCH_BYTES:
+        return 1
     rows = max(len(plan), 1)
     return max(1, min(CHUNK_BYTES // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
 
