@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -655,3 +656,72 @@ def test_records_in_key_order_are_classified_ahead(
     rest = index.locate(np.arange(96, 400, dtype=np.intp), image(0).shape)
     assert (rest.kind == RAW).all() and rest.label.tolist() == list(range(96, 400))
     assert len(passes) == 4  # nothing left to classify
+
+
+def _index_of(tmp_path: Path, count: int) -> Any:
+    import blobpipe._io._index as index_module
+
+    items = [(key(i), blobpipe.encode_raw_datum(image(i), i)) for i in range(count)]
+    db = write_lmdb(tmp_path / "db", items)
+    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
+    extents = value_extents(file, [k for k, _ in items])
+    assert extents is not None
+    return index_module.RecordIndex(file, extents.offsets, extents.lengths)
+
+
+def test_threads_reading_consecutive_batches_classify_each_record_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fillers reading consecutive batches at once (key order) do not classify
+    the same range ahead twice: the second waits for the first's pass and finds its
+    records known; every record is classified exactly once, and right."""
+    import threading
+
+    import blobpipe._io._index as index_module
+
+    classified: list[int] = []
+    inside = threading.Event()
+    real = index_module.classify
+
+    def classify(buffer: Any, offsets: Any, *args: Any) -> Any:
+        classified.extend(offsets.tolist())
+        inside.set()
+        time.sleep(0.05)  # the other thread asks meanwhile
+        return real(buffer, offsets, *args)
+
+    monkeypatch.setattr(index_module, "classify", classify)
+    index = _index_of(tmp_path, 300)
+    shape = image(0).shape
+    got: dict[int, Any] = {}
+
+    def read(first: int) -> None:
+        got[first] = index.locate(np.arange(first, first + 32, dtype=np.intp), shape)
+
+    one = threading.Thread(target=read, args=(0,))
+    one.start()
+    assert inside.wait(10)
+    two = threading.Thread(target=read, args=(32,))
+    two.start()
+    one.join(10)
+    two.join(10)
+    assert len(classified) == len(set(classified)) == 300  # once each, all ahead
+    for first, located in got.items():
+        assert (located.kind == RAW).all()
+        assert located.label.tolist() == list(range(first, first + 32))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_while_another_thread_classifies_leaves_the_child_free(tmp_path: Path) -> None:
+    """The classify lock held by a parent's thread at the fork does not block the
+    child: it classifies with a lock of its own."""
+    index = _index_of(tmp_path, 64)
+    index._classifying.acquire()  # as if another thread were classifying at the fork
+    try:
+
+        def child() -> bool:
+            got = index.locate(np.arange(0, 64, dtype=np.intp), image(0).shape)
+            return bool((got.kind == RAW).all()) and got.label.tolist() == list(range(64))
+
+        assert in_forked_child(child) == 0
+    finally:
+        index._classifying.release()

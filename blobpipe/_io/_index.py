@@ -18,13 +18,18 @@ values of one batch range (an index of that range, used once).
   reason).
 
 Records are classified the first time a batch reads them, by
-:func:`~._records.classify` (a whole range at once). A record's fields are
-written before its kind, so a thread that sees a kind sees its fields (threads
-that classify the same record write the same values).
+:func:`~._records.classify` (a whole range at once), one thread at a time: a
+filler that finds records unknown takes the index's lock and classifies those
+still unknown then, so fillers reading consecutive batches do not classify the
+same range ahead twice (the second waits for the first, then finds its records
+known). A record's fields are written before its kind, so a thread that sees a
+kind without the lock sees its fields.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -83,6 +88,10 @@ class RecordIndex:
         self._length = np.zeros(n, np.int64)
         self._shape = np.zeros((n, 3), np.int32)
         self._label = np.zeros(n, np.int32)  # Caffe's int32 labels, exactly
+        # one classify at a time (module docstring); a fork's child gets its own lock
+        # (another thread of the parent may have held it at the fork)
+        self._classifying = threading.Lock()
+        self._pid = os.getpid()
 
     @classmethod
     def joined(cls, values: Sequence[bytes | memoryview | None]) -> RecordIndex:
@@ -132,22 +141,11 @@ class RecordIndex:
         first record's); records of that shape in convert_imageset's layout are
         recognised in one pass.
         """
-        unknown = rows[self._kind[rows] == UNKNOWN]
-        if len(unknown):
-            if hint is not None:
-                unknown = self._with_next(rows, unknown)
-            # sorted, once each (np.unique imports numpy.ma); mostly they are already
-            # (key order)
-            if len(unknown) > 1 and not (unknown[1:] > unknown[:-1]).all():
-                unknown = np.array(sorted(set(unknown.tolist())), np.intp)
-            got = classify(
-                self.buffer, self._value_offset[unknown], self._value_length[unknown], hint
-            )
-            self._offset[unknown] = got.offset
-            self._length[unknown] = got.length
-            self._shape[unknown] = got.shape
-            self._label[unknown] = got.label
-            self._kind[unknown] = got.kind  # last: a thread that sees a kind sees its fields
+        if (self._kind[rows] == UNKNOWN).any():
+            if self._pid != os.getpid():
+                self._classifying, self._pid = threading.Lock(), os.getpid()
+            with self._classifying:
+                self._classify(rows, hint)
         return Located(
             self.buffer,
             self._kind[rows],
@@ -156,6 +154,25 @@ class RecordIndex:
             self._shape[rows],
             self._label[rows],
         )
+
+    def _classify(self, rows: npt.NDArray[np.intp], hint: tuple[int, int, int] | None) -> None:
+        """Classify the records of ``rows`` still unknown (and those ahead of them: see
+        :meth:`_with_next`); under ``_classifying``."""
+        unknown = rows[self._kind[rows] == UNKNOWN]
+        if not len(unknown):  # another thread classified them while this one waited
+            return
+        if hint is not None:
+            unknown = self._with_next(rows, unknown)
+        # sorted, once each (np.unique imports numpy.ma); mostly they are already
+        # (key order)
+        if len(unknown) > 1 and not (unknown[1:] > unknown[:-1]).all():
+            unknown = np.array(sorted(set(unknown.tolist())), np.intp)
+        got = classify(self.buffer, self._value_offset[unknown], self._value_length[unknown], hint)
+        self._offset[unknown] = got.offset
+        self._length[unknown] = got.length
+        self._shape[unknown] = got.shape
+        self._label[unknown] = got.label
+        self._kind[unknown] = got.kind  # last: a thread that sees a kind sees its fields
 
     def _with_next(
         self, rows: npt.NDArray[np.intp], unknown: npt.NDArray[np.intp]
