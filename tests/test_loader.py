@@ -12,6 +12,7 @@ import gc
 import re
 import subprocess
 import sys
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -862,13 +863,14 @@ def test_worker_error_blocking_form(corrupt_db: tuple[Path, int]) -> None:
             next(it)
 
 
-@pytest.mark.parametrize("bad_batch", [0, 1, 6, 15])
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("bad_batch", [0, 1, 6, 15, 18])
 def test_a_bad_record_in_a_chunk_fails_its_own_batch(
-    tmp_path: Path, bad_batch: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, bad_batch: int, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small batches are filled a chunk at a time; a record that fails fails its own
-    batch: every batch before it arrives intact and in order, then its error, naming
-    its key."""
+    """Small batches are filled a chunk at a time (by every filler, each its own
+    chunk); a record that fails fails its own batch: every batch before it arrives
+    intact and in order, then its error, naming its key."""
     chunks = 0
     original = Chunk.fill
 
@@ -888,7 +890,7 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
     db = write_lmdb(tmp_path / "bad", items)
     got: list[Got] = []
     with (
-        Loader(db, 4, device="cpu", workers=1, mode="epoch") as loader,
+        Loader(db, 4, device="cpu", workers=workers, mode="epoch") as loader,
         pytest.raises(DataError) as info,
     ):
         got.extend(Got.of(batch) for batch in loader)
@@ -896,7 +898,8 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
     assert len(got) == bad_batch
     for k, g in enumerate(got):
         assert g.label.tolist() == list(range(4 * k, 4 * k + 4))
-    assert chunks > 0 or bad_batch == 0  # the path under test (batch 0 fills alone)
+    # the path under test (the first batches fill alone, one per filler)
+    assert chunks > 0 or bad_batch < workers
 
 
 # -- memory: no steady-state allocations, backpressure -------------------------------------------
@@ -1021,6 +1024,106 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
         assert probe.calls < len(probe.plans)  # chunks: fewer fills than batches
         assert get_pool(backend, "host").statistics().used_bytes == used
     assert_matches(got, expected(db30, len(got), batch_size=4))
+
+
+def test_fillers_fill_chunks_at_once_and_hand_them_out_in_order(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every filler fills a chunk of small batches at once; whichever finishes first,
+    chunks take their slots in number order (a later chunk holding the slots an
+    earlier one waits for would deadlock), so batches arrive in order, the same as
+    Batches makes them: here the first chunks wait until the next one was filled."""
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
+    original = Chunk.fill
+    cond = threading.Condition()
+    in_flight = [0, 0]  # now, most at once
+    finished: list[int] = []  # each chunk's first batch number, as its fill finished
+    waited_in_vain = 0
+
+    def fill(self: Chunk, batches: Any, numbered: Any) -> Any:
+        nonlocal waited_in_vain
+        first = numbered[0][0]
+        with cond:
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight)
+            waits = len(finished) < 4 and (first // len(numbered)) % 2 == 0
+            # until a later chunk (the other filler's) was filled
+            if waits and not cond.wait_for(lambda: any(f > first for f in finished), 5):
+                waited_in_vain += 1
+        try:
+            return original(self, batches, numbered)
+        finally:
+            with cond:
+                in_flight[0] -= 1
+                finished.append(first)
+                cond.notify_all()
+
+    monkeypatch.setattr(Chunk, "fill", fill)
+    n = 1 + 6 * CHUNK_BATCHES  # past the first fills, in chunks, wrapping past the end
+    with Loader(db30, 4, device="cpu", workers=2, mode="wrap") as loader:
+        got = [Got.of(batch) for batch in islice(loader, n)]
+    assert_matches(got, expected(db30, n, batch_size=4))
+    assert waited_in_vain == 0 and in_flight[1] == 2  # two chunks filled at once
+    assert finished != sorted(finished)  # a later chunk was ready first, and waited
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunks_filled_in_any_order_arrive_in_order(
+    db30: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small batches, several fillers, each chunk's fill taking a random time (some
+    chunks of few batches: a small ring), closed mid-stream: the batches arrive in
+    order, as Batches makes them, and the close returns."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCHES", rng.choice([2, 3, 16]))
+    original = Chunk.fill
+    delays = [rng.choice([0.0, 0.0, 0.001, 0.005]) for _ in range(1000)]
+
+    def fill(self: Chunk, batches: Any, numbered: Any) -> Any:
+        time.sleep(delays[numbered[0][0] % len(delays)])
+        return original(self, batches, numbered)
+
+    monkeypatch.setattr(Chunk, "fill", fill)
+    n = rng.randrange(20, 80)
+    workers, prefetch = rng.choice([(2, 2), (2, 4), (3, 3), (3, 6)])
+    with Loader(db30, 4, device="cpu", workers=workers, prefetch=prefetch, mode="wrap") as loader:
+        got = [Got.of(batch) for batch in islice(loader, n)]
+    assert_matches(got, expected(db30, n, batch_size=4))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_batches_turning_small_and_large_again_arrive_in_order(
+    db30: Path, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every other epoch fills slowly (large batches: every filler fills one at a
+    time), the others quickly (small: every filler fills chunks): the pipeline
+    narrows and widens again and again (widening only once every chunk planned is
+    handed out), and the batches arrive in order, as Batches makes them."""
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 0.01)
+    original = Batches.fill
+
+    def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
+        slow = sum(int(plan.epochs[row]) % 2 for row in range(0, len(plan), 4))
+        time.sleep(0.05 * slow)  # a batch of an odd epoch: a chunk of them is large too
+        original(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(Batches, "fill", fill)
+    widened = 0
+    widen = blobpipe._loader._pipeline.Pipeline._widen_once_handed_out
+
+    def counted(self: Any) -> bool:
+        nonlocal widened
+        widened += 1
+        return widen(self)
+
+    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_widen_once_handed_out", counted)
+    n = 6 * 8  # 6 epochs of 30 records in batches of 4 (wrapping)
+    with Loader(db30, 4, device="cpu", workers=workers, prefetch=3, mode="wrap") as loader:
+        got = [Got.of(batch) for batch in islice(loader, n)]
+        grown = loader.statistics().slots
+    assert_matches(got, expected(db30, n, batch_size=4))
+    assert grown > 3 and widened >= 2  # chunks were handed out, then every filler ran
 
 
 def test_a_chunk_takes_batches_up_to_its_batch_limit(

@@ -1,23 +1,25 @@
 """Small batches filled several at once: a chunk, handed to ring slots together.
 
 A batch of small records costs more in per-call Python (planning it, locating
-its records, one kernel call) than in work on its rows, and with one GIL a
-second filler thread does not help. So while batches are small, filler 0 plans
-consecutive batches together (:meth:`Batches.next_plans`, up to :data:`CHUNK_BYTES`
-of output, :data:`CHUNK_ROWS` rows or :data:`CHUNK_BATCHES` batches), fills them in
-one :meth:`Batches.fill` of their :func:`merged` plan into a scratch array, waits
-until the ring has a free slot for each (one wake-up per chunk) and copies each
-batch's rows into its slot: the per-call costs are paid once per chunk, the copy
-is a memcpy of the batch.
+its records, one kernel call) than in work on its rows. So while batches are
+small, each filler plans consecutive batches together (:meth:`Batches.next_plans`,
+up to :data:`CHUNK_BYTES` of output, :data:`CHUNK_ROWS` rows or
+:data:`CHUNK_BATCHES` batches, each batch at most :data:`CHUNK_BATCH_BYTES`),
+fills them in one :meth:`Batches.fill` of their :func:`merged` plan into a
+scratch array, waits for its chunk's turn and until the ring has a free slot
+for each (one wake-up per chunk), and copies each batch's rows into its slot:
+the per-call costs are paid once per chunk, the copy is a memcpy of the batch,
+and the fillers fill their chunks at once.
 
 Invariants:
 
 * a chunk's batches are numbered consecutively under the plan lock and posted
-  in that order; while a chunk has batches left nothing else is planned (only
-  filler 0 runs while batches are small, and only filler 0 widens the pipeline,
-  once its chunk is empty), so no later batch can hold the slot an earlier one
-  waits for;
-* the rows filled ahead of the ring are at most one chunk;
+  in that order; chunks take their slots in number order (a chunk waits for
+  its :attr:`Chunk.turn`: every chunk planned before it handed out), and the
+  pipeline widens (every filler taking a slot before it plans) only once every
+  chunk planned is handed out, so no later batch can hold the slot an earlier
+  one waits for;
+* the rows filled ahead of the ring are at most one chunk per filler;
 * rows are filled exactly as filling each plan alone fills them (the merged
   plan's rows are the plans' rows end to end); when the merged fill raises, the
   plans are filled one by one, so the batches before the failing one are
@@ -80,6 +82,9 @@ class Chunk:
     def __init__(self) -> None:
         # (number, plan, data rows, label rows, geometry rows)
         self._left: deque[tuple[int, BatchPlan, np.ndarray, np.ndarray, Geometry]] = deque()
+        # the number the chunk was planned at: its place in the order chunks take
+        # slots in (the pipeline's; None once handed out)
+        self.turn: int | None = None
 
     def __len__(self) -> int:
         """Batches filled and not handed to a slot yet."""

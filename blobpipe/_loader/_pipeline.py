@@ -4,8 +4,9 @@
 free slot from the ring, wait for the device work still reading it, number and
 plan the next batch (under one lock, so numbers follow plan order), fill it,
 issue its device work, post it to the hand-off by number. While batches are
-small (quick to fill, several to a chunk), filler 0 alone fills them, a chunk
-of consecutive batches at a time (``_chunk.py``). A consumer takes the batches
+small (quick to fill, several to a chunk), each filler fills a chunk of
+consecutive batches at a time, and chunks take their slots in number order
+(``_chunk.py``). A consumer takes the batches
 by number in these steps: :meth:`Pipeline.begin_next`, a take from
 :attr:`Pipeline.handoff` (waiting as its driver waits: ``_async`` on an event
 loop, ``_blocking`` in a thread), :meth:`Pipeline.arrived`, the wait for the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import heapq
 import os
 import threading
 import time
@@ -45,8 +47,7 @@ Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
 Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
 #: Seconds: a batch that fills in less, and that a chunk holds more than one of, is
-#: small: filler 0 alone fills such batches, a chunk at a time; other batches keep every
-#: filler busy.
+#: small: the fillers fill such batches a chunk at a time; other batches one at a time.
 SMALL_FILL = 0.001
 
 
@@ -90,11 +91,15 @@ class Pipeline:
         self._planned = 0  # the number of the next batch planned
         self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
         # set while batches take SMALL_FILL or more to fill: every filler runs;
-        # clear (small batches): filler 0 alone, a chunk at a time (see _filler)
+        # clear (small batches): each filler a chunk at a time (see _filler)
         self._wide = threading.Event()
         self._wide.set()
-        self._widen = False  # filler 0 sets _wide once its chunk is handed out
-        self._first: threading.Thread | None = None  # filler 0
+        self._widen = False  # a filler sets _wide once every chunk is handed out
+        # chunks take their slots in number order: the first numbers of the chunks
+        # planned and not handed out yet (a heap), and the condition their fillers
+        # wait on for their turn
+        self._turns = threading.Condition(threading.Lock())
+        self._unhanded: list[int] = []
         self._threads: list[threading.Thread] = []
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
@@ -120,7 +125,6 @@ class Pipeline:
             )
             for k in range(self._n_fillers)
         ]
-        self._first = self._threads[0] if self._threads else None
         for thread in self._threads:
             thread.start()
         _close_at_exit(self)
@@ -160,8 +164,9 @@ class Pipeline:
         self.recycle_current()  # the consumer lets its batch go
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
-        self._wide.set()  # parked fillers see the pipeline is closed
         self._ring.stop()
+        with self._turns:  # fillers waiting for their chunk's turn see the close
+            self._turns.notify_all()
         return True
 
     def wait_fillers(self) -> None:
@@ -228,22 +233,18 @@ class Pipeline:
                 self.release()
 
     def _filler(self, k: int) -> None:
-        """Filler ``k``'s loop; returns once the pipeline is not OPEN (filler 0: and
-        its chunk handed out).
+        """Filler ``k``'s loop; returns once the pipeline is not OPEN and its chunk
+        is handed out.
 
         Whatever it raises is posted as a failure at the next batch number, so
         the consumer gets it in order, as itself, never as an exception group.
-        While batches are small (``_wide`` clear), only filler 0 fills, a chunk of
-        batches at a time (``_chunk.py``): more threads would spend the time on
-        the GIL.
+        While batches are small (``_wide`` clear), it fills a chunk of batches at
+        a time (``_chunk.py``), in turn with the other fillers' chunks.
         """
         self.backend.bind_thread()  # works for this device only: no switch, no other context
-        chunk = Chunk() if k == 0 else None
+        chunk = Chunk()
         while self.lifecycle.state is State.OPEN or chunk:
-            if k and not self._wide.is_set():
-                self._wide.wait()  # set again by filler 0, or by close
-                continue
-            if chunk is not None and (chunk or not self._wide.is_set()):
+            if chunk or not self._wide.is_set():
                 if not self._chunk_step(chunk):
                     return
                 continue
@@ -325,38 +326,53 @@ class Pipeline:
     def _filled(self, seconds: float, batches: int, chunkable: bool) -> None:
         """``batches`` batches took ``seconds`` to fill: the statistics, and whether
         batches are small: quick to fill, and ``chunkable`` (a chunk holds more than
-        one of them; a batch alone in its chunk gains nothing from one filler). Only
-        filler 0 widens the pipeline (a chunk's batches are all handed out before
-        another filler plans one); any filler narrows it."""
+        one of them; a batch alone in its chunk gains nothing from it). Any filler
+        narrows the pipeline at once; widening waits until every chunk planned is
+        handed out (:meth:`_widen_once_handed_out`)."""
         each = seconds / batches
         self.counters.filled(seconds)
         small = each < SMALL_FILL and chunkable
         if small and self._wide.is_set():
             self._wide.clear()
-        elif not small and not self._wide.is_set() and threading.current_thread() is self._first:
+        elif not small and not self._wide.is_set():
             self._widen = True
 
     def _chunk_step(self, chunk: Chunk) -> bool:
-        """Filler 0 while batches are small: fill a chunk when it is empty, then hand
-        out as many of its batches as the ring has free slots for, taken together
-        (the consumer wakes the filler once for them all). False when the pipeline
-        stopped or a batch failed."""
+        """A filler while batches are small: fill a chunk when it is empty, then, in
+        its turn, hand out as many of its batches as the ring has free slots for,
+        taken together (the consumer wakes the filler once for them all). False
+        when the pipeline stopped or a batch failed."""
         if not chunk:
             if self._widen:  # the last chunk's batches were large: every filler runs
-                self._widen = False
-                self._wide.set()
-                return True
+                return self._widen_once_handed_out()
             numbered, stop = self._plan_chunk()
             if len(numbered) == 1:  # one batch: straight into a slot
                 return self._fill_one(*numbered[0], stop)
             if numbered:
+                chunk.turn = numbered[0][0]
                 stop = self._fill_chunk(chunk, numbered, stop)
                 # room for this chunk while the consumer is on the last one
                 self._ring.grow(2 * len(numbered) + 1)
             if stop is not None and stop[1] is not None:
                 self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
             if not chunk:
+                self._end_turn(chunk)
                 return stop is not None and isinstance(stop[1], End)
+        handed = False
+        try:
+            handed = self._hand_out(chunk)
+        finally:
+            if not handed:
+                chunk.clear()
+            if not chunk:
+                self._end_turn(chunk)
+        return handed
+
+    def _hand_out(self, chunk: Chunk) -> bool:
+        """Chunk ``chunk``'s batches into free slots (as many as the ring has), in its
+        turn; False when the pipeline stopped or a batch failed."""
+        if not self._await_turn(chunk):
+            return False
         slots = self._ring.take_many(len(chunk))
         if slots is None:
             return False
@@ -375,16 +391,58 @@ class Pipeline:
                 item = self._failed(number, exc)[1]
             made.append((number, item))
             if not isinstance(item, tuple):  # nothing after a failed batch is delivered
-                chunk.clear()
                 self._ring.put_many(slots[i:])
                 self.handoff.post_many(made)
                 return False
         self.handoff.post_many(made)  # one wake-up of the consumer for them all
         return True
 
+    def _await_turn(self, chunk: Chunk | int) -> bool:
+        """Wait until ``chunk`` (or the batch of that number planned alone) is the
+        first planned and not handed out: chunks take their slots in number order (a
+        later chunk holding the slots an earlier one waits for would wait for it
+        forever). False once closed."""
+        first = chunk if isinstance(chunk, int) else chunk.turn
+        with self._turns:
+            while self._unhanded[0] != first:
+                if self.lifecycle.state is State.CLOSED:
+                    return False
+                self._turns.wait()
+        return self.lifecycle.state is not State.CLOSED
+
+    def _end_turn(self, chunk: Chunk | int) -> None:
+        """``chunk`` (or the batch of that number planned alone) is handed out, or
+        never will be: the next one's turn."""
+        first = chunk if isinstance(chunk, int) else chunk.turn
+        if first is None:
+            return
+        if not isinstance(chunk, int):
+            chunk.turn = None
+        with self._turns:
+            self._unhanded.remove(first)
+            heapq.heapify(self._unhanded)
+            self._turns.notify_all()
+
+    def _widen_once_handed_out(self) -> bool:
+        """Every filler runs, once every chunk planned is handed out (a filler taking a
+        slot before it plans would hold slots an earlier chunk waits for). False
+        once closed."""
+        with self._turns:
+            while self._unhanded:
+                if self.lifecycle.state is State.CLOSED:
+                    return False
+                self._turns.wait()
+            if self._widen:
+                self._widen = False
+                self._wide.set()
+        return True
+
     def _fill_one(self, number: int, plan: BatchPlan, stop: Stop | None) -> bool:
         """Batch ``number`` filled straight into a free slot, posted, then ``stop``."""
-        slot = self._ring.take()
+        try:
+            slot = self._ring.take() if self._await_turn(number) else None
+        finally:
+            self._end_turn(number)
         if slot is None:
             return False
         try:
@@ -405,6 +463,8 @@ class Pipeline:
             if not isinstance(planned, BatchPlan):
                 return [], (number, planned)
             numbered = [(number, planned)]
+            with self._turns:
+                heapq.heappush(self._unhanded, number)
             want = chunk_batches(planned)
             if want == 1:
                 return numbered, None

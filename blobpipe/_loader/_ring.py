@@ -145,7 +145,7 @@ class Ring:
     """Slots and the queue of free ones, shared by the fillers.
 
     Fillers :meth:`take` a free slot (blocking) or several at once
-    (:meth:`take_many`: filler 0 handing out a chunk of small batches); the
+    (:meth:`take_many`: a filler handing out a chunk of small batches); the
     consumer :meth:`put` s back the slot of a batch it moved past, waking a filler
     only once as many slots as it waits for are free; :meth:`stop` wakes every
     waiting filler with None. The ring starts with ``size`` slots and may
