@@ -1,5 +1,7 @@
 """One rank of the two-"node" torchrun test (``test_scale_order.py``): reads two epochs
-of ``argv[1]`` with ``shard_mode="node"`` and prints one JSON line of what it read."""
+of ``argv[1]`` with ``shard_mode="node"`` and writes what it read as JSON to
+``argv[2]/rank<N>.json`` (a file per rank: the ranks of a node share torchrun's
+stdout, where their lines can interleave)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def main() -> None:
         "batches": [len(e) for e in epochs],
         "all_batches": counts,
     }
-    print("RESULT " + json.dumps(line), flush=True)
+    with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(line, f)
     dist.destroy_process_group()
 
 

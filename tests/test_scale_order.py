@@ -206,9 +206,10 @@ def free_port() -> int:
 
 
 def launch_two_nodes(
-    root: Path, db: Path, env: dict[str, str], port: int
+    root: Path, db: Path, out: Path, env: dict[str, str], port: int
 ) -> list[tuple[int, str, str]]:
-    """torchrun as node 0 and node 1 (two ranks each) on loopback; (status, stdout, stderr)."""
+    """torchrun as node 0 and node 1 (two ranks each) on loopback, each rank writing
+    its result into ``out``; (status, stdout, stderr)."""
     procs = [
         subprocess.Popen(
             [
@@ -222,6 +223,7 @@ def launch_two_nodes(
                 f"--master_port={port}",
                 str(root / "tests" / "_node_rank.py"),
                 str(db),
+                str(out),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -251,18 +253,15 @@ def test_two_torchrun_nodes_keep_their_parts(tmp_path: Path) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
-    for _ in range(3):  # a port taken between choosing it and binding it: choose again
-        outs = launch_two_nodes(root, db, env, free_port())
+    for attempt in range(3):  # a port taken between choosing it and binding it: again
+        out = tmp_path / f"results{attempt}"
+        out.mkdir()
+        outs = launch_two_nodes(root, db, out, env, free_port())
         if not any("address already in use" in err.lower() for _, _, err in outs):
             break
-    for code, out, err in outs:
-        assert code == 0, out + err
-    results = [
-        json.loads(line[len("RESULT ") :])
-        for _, out, _ in outs
-        for line in out.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    for code, stdout, err in outs:
+        assert code == 0, stdout + err
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     per_node: dict[int, list[set[int]]] = {0: [set(), set()], 1: [set(), set()]}
     for r in results:
