@@ -9,10 +9,10 @@ same tests run on CUDA under the ``gpu`` marker.
 from __future__ import annotations
 
 import gc
+import random
 import re
 import subprocess
 import sys
-import random
 import threading
 import time
 from dataclasses import dataclass
