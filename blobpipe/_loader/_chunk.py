@@ -57,8 +57,8 @@ CHUNK_ROWS = 1024
 CHUNK_BATCHES = 16
 #: The largest batch (output bytes) a chunk takes. A chunk saves each batch its
 #: per-call costs (tens of µs, whatever its size) and costs it a copy into its slot
-#: (about 0.15 µs a KiB on the benchmark machine) and the second filler; above
-#: this the copy costs more than it saves and every filler fills a batch each
+#: (about 0.16 µs a KiB on the benchmark machine); above this the copy costs more
+#: than it saves, and each filler fills one batch at a time straight into its slot
 #: (measured both sides: docs/performance.md).
 CHUNK_BATCH_BYTES = 512 << 10
 
