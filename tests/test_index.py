@@ -725,3 +725,46 @@ def test_a_fork_while_another_thread_classifies_leaves_the_child_free(tmp_path: 
         assert in_forked_child(child) == 0
     finally:
         index._classifying.release()
+
+
+@pytest.mark.parametrize("ext", [".jpg", ".png"])
+def test_encoded_rows_of_the_batch_shape_and_others_crop_as_each_record_alone(
+    tmp_path: Path, ext: str
+) -> None:
+    """A TRAIN batch of encoded images, some of the batch's record shape (one crop
+    draw serves them) and some of other sizes (a draw each): every row equals the
+    record decoded whole, cropped and flipped by its own record_params, with
+    Caffe's arithmetic, and the geometry written out is those params."""
+    sizes = [(12, 14), (12, 14), (16, 12), (12, 14), (11, 11), (12, 14)]
+
+    def pixels(i: int) -> np.ndarray:
+        h, w = sizes[i % len(sizes)]
+        return np.ascontiguousarray(image(i, (3, h, w)).transpose(1, 2, 0))
+
+    def encode(i: int) -> bytes:
+        ok, buf = cv2.imencode(ext, pixels(i))
+        assert ok
+        return blobpipe.encode_encoded_datum(buf.tobytes(), i)
+
+    count = 12
+    path = write_lmdb(tmp_path / "db", [(key(i), encode(i)) for i in range(count)])
+    t = Transform(crop_size=10, mirror=True, mean_value=(3, 2, 1), scale=0.5)
+    mean = np.array([3, 2, 1], np.float32)[:, None, None]
+    with Batches(path, count, transform=t, phase="train", seed=4) as b:
+        for _ in range(2):  # the second time from the index, the shapes known
+            plan = b.next_plan()
+            assert plan is not None
+            data = np.empty(plan.data_shape, np.float32)
+            geometry = Geometry.zeros(count)
+            b.fill(plan, data, np.empty(count, np.float32), geometry_out=geometry)
+            for row in range(count):
+                i = int(plan.indices[row])
+                _, buf = cv2.imencode(ext, pixels(i))
+                chw = cv2.imdecode(buf, cv2.IMREAD_COLOR).transpose(2, 0, 1)
+                p = t.record_params(chw.shape, phase="train", word=int(plan.words[row]))
+                assert geometry.row(row) == (p.h_off, p.w_off, p.mirror)
+                crop = chw[:, p.h_off : p.h_off + 10, p.w_off : p.w_off + 10]
+                if p.mirror:
+                    crop = crop[:, :, ::-1]
+                want = (crop.astype(np.float32) - mean) * np.float32(0.5)
+                assert np.array_equal(data[row], want), row

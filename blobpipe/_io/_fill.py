@@ -36,7 +36,7 @@ from .._errors import BlobpipeError, DataError, ShapeError
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
 from ._image import Undecodable, decode_image, decode_window, imread_flag
 from ._index import Located, RecordIndex
-from ._kernels import Geometry, apply, apply_raw, prefers_block
+from ._kernels import Geometry, apply, apply_one, apply_raw, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
 from ._records import (
@@ -347,16 +347,29 @@ class Filler:
             ).arrays()
             expected = plan.data_shape[1:]
             learned: list[tuple[int, tuple[int, ...]]] = []
+            # rows of the batch's record shape (all, mostly) take their crops and
+            # flips from one draw for the whole range; a record's fit depends on
+            # its shape and dtype alone, so each is checked once
+            fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
+            shared: Geometry | None = None
+            kinds = loc.kind.tolist()
             for r, chw in self._rows(plan, loc, start):
-                if chw is None or not self._fits(chw, expected):
+                fit = None if chw is None else (chw.shape, chw.dtype)
+                if fit is None or (fit not in fits and not self._fits(chw, expected)):
                     # the checked path raises; a row it fills after all is done
                     p = self._checked_row(plan, data_out, label_out, start + r)
                     h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
                     continue
-                one = t.geometry(chw.shape, self._phase, words[r : r + 1])
-                h_off[r], w_off[r], mirror[r] = one.row(0)
-                apply(np, [chw], out[r : r + 1], one, spec)
-                if loc.kind[r] == ENCODED:
+                fits.add(fit)
+                if chw.shape == shape:
+                    if shared is None:
+                        shared = t.geometry(shape, self._phase, words)
+                    hh, ww, flip = shared.row(r)
+                else:
+                    hh, ww, flip = t.geometry(chw.shape, self._phase, words[r : r + 1]).row(0)
+                h_off[r], w_off[r], mirror[r] = hh, ww, flip
+                apply_one(chw, out[r], hh, ww, flip, spec)
+                if kinds[r] == ENCODED:
                     learned.append((r, chw.shape))
             if persistent and learned:
                 at = np.fromiter((r for r, _ in learned), np.intp, len(learned))
@@ -469,7 +482,8 @@ class Filler:
         first = plan.first_decoded if start == 0 else None
         t = self._transform
         crop = t.crop_size
-        words = plan.words[start:]
+        words = plan.words[start : start + len(kinds)]
+        shared: list[Geometry] = []  # the draw for images of the batch's record shape
 
         def window(r: int) -> Callable[[int, int], tuple[int, int, int, int] | None]:
             """The crop row ``r`` will take of an image of a given size (what the
@@ -478,7 +492,12 @@ class Filler:
             def of(h: int, w: int) -> tuple[int, int, int, int] | None:
                 if crop > h or crop > w:
                     return None  # the checked path names the error
-                h_off, w_off, _ = t.geometry((3, h, w), self._phase, words[r : r + 1]).row(0)
+                if (3, h, w) == plan.record_shape:  # one draw for the range's rows
+                    if not shared:
+                        shared.append(t.geometry(plan.record_shape, self._phase, words))
+                    h_off, w_off, _ = shared[0].row(r)
+                else:
+                    h_off, w_off, _ = t.geometry((3, h, w), self._phase, words[r : r + 1]).row(0)
                 return h_off, w_off, crop, crop
 
             return of

@@ -45,6 +45,7 @@ __all__ = [
     "Geometry",
     "KernelSpec",
     "apply",
+    "apply_one",
     "apply_raw",
     "block_rows",
     "check_geometry_out",
@@ -273,6 +274,21 @@ def apply(
         if compiled and _apply_image(src[i], out[i], h, w, flip, spec):
             continue
         _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
+
+
+def apply_one(
+    chw: np.ndarray, out: np.ndarray, h: int, w: int, flip: bool, spec: KernelSpec
+) -> None:
+    """One host row: ``chw`` (a ``(C, H, W)`` uint8 or float32 array, e.g. a decoded
+    image's transposed view) into ``out`` (its output row), cropped at ``(h, w)``,
+    flipped when ``flip``: :func:`apply` of one row without its per-call checks, by
+    the compiled row kernel where it takes the row, else NumPy (the same bits).
+
+    The caller has checked the shapes and that the crop fits.
+    """
+    if row_kernel() is not None and _apply_image(chw, out, h, w, flip, spec):
+        return
+    _apply_one(np, chw, out, h, w, flip, spec, False, batched=False)
 
 
 _UNLOADED: Any = object()
