@@ -625,6 +625,17 @@ def test_records_in_a_named_sub_database_are_a_clear_error(tmp_path: Path) -> No
         next(iter(b))
 
 
+def _index_of(tmp_path: Path, count: int) -> Any:
+    import blobpipe._io._index as index_module
+
+    items = [(key(i), blobpipe.encode_raw_datum(image(i), i)) for i in range(count)]
+    db = write_lmdb(tmp_path / "db", items)
+    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
+    extents = value_extents(file, [k for k, _ in items])
+    assert extents is not None
+    return index_module.RecordIndex(file, extents.offsets, extents.lengths)
+
+
 def test_records_in_key_order_are_classified_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -641,12 +652,7 @@ def test_records_in_key_order_are_classified_ahead(
         return real(buffer, offsets, *args)
 
     monkeypatch.setattr(index_module, "classify", classify)
-    items = [(key(i), blobpipe.encode_raw_datum(image(i), i)) for i in range(400)]
-    db = write_lmdb(tmp_path / "db", items)
-    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
-    extents = value_extents(file, [k for k, _ in items])
-    assert extents is not None
-    index = index_module.RecordIndex(file, extents.offsets, extents.lengths)
+    index = _index_of(tmp_path, 400)
     for first in (0, 32, 64):  # batch firsts, read one by one to plan the batches
         index.locate(np.array([first], np.intp))
     assert passes == [1, 1, 1]
@@ -656,17 +662,6 @@ def test_records_in_key_order_are_classified_ahead(
     rest = index.locate(np.arange(96, 400, dtype=np.intp), image(0).shape)
     assert (rest.kind == RAW).all() and rest.label.tolist() == list(range(96, 400))
     assert len(passes) == 4  # nothing left to classify
-
-
-def _index_of(tmp_path: Path, count: int) -> Any:
-    import blobpipe._io._index as index_module
-
-    items = [(key(i), blobpipe.encode_raw_datum(image(i), i)) for i in range(count)]
-    db = write_lmdb(tmp_path / "db", items)
-    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
-    extents = value_extents(file, [k for k, _ in items])
-    assert extents is not None
-    return index_module.RecordIndex(file, extents.offsets, extents.lengths)
 
 
 def test_threads_reading_consecutive_batches_classify_each_record_once(

@@ -1147,8 +1147,8 @@ async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
     db30: Path, limit: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch that fills quickly but is too large to share a chunk (more than the
-    chunk's bytes, or than the largest batch a chunk takes) gains nothing from one
-    filler alone: every filler keeps filling such batches at once."""
+    chunk's bytes, or than the largest batch a chunk takes) goes straight into its
+    slot: every filler keeps filling such batches at once, a batch each."""
     probe = FillProbe(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
     monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)  # one batch a chunk

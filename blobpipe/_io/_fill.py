@@ -348,12 +348,12 @@ class Filler:
             expected = plan.data_shape[1:]
             learned: list[tuple[int, tuple[int, ...]]] = []
             # rows of the batch's record shape (all, mostly) take their crops and
-            # flips from one draw for the whole range; a record's fit depends on
-            # its shape and dtype alone, so each is checked once
+            # flips from one draw for the whole range (the windows decoded too); a
+            # record's fit depends on its shape and dtype alone: checked once each
+            shared = t.geometry(shape, self._phase, words)
             fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
-            shared: Geometry | None = None
             kinds = loc.kind.tolist()
-            for r, chw in self._rows(plan, loc, start):
+            for r, chw in self._rows(plan, loc, start, shared):
                 fit = None if chw is None else (chw.shape, chw.dtype)
                 if fit is None or (fit not in fits and not self._fits(chw, expected)):
                     # the checked path raises; a row it fills after all is done
@@ -362,8 +362,6 @@ class Filler:
                     continue
                 fits.add(fit)
                 if chw.shape == shape:
-                    if shared is None:
-                        shared = t.geometry(shape, self._phase, words)
                     hh, ww, flip = shared.row(r)
                 else:
                     hh, ww, flip = t.geometry(chw.shape, self._phase, words[r : r + 1]).row(0)
@@ -472,9 +470,13 @@ class Filler:
             return [(0, n, byte_windows(buffer, size)[offsets].reshape(n, c, h, w))]
         return [(0, n, [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()])]
 
-    def _rows(self, plan: BatchPlan, loc: Located, start: int) -> Iterator[tuple[int, Any]]:
+    def _rows(
+        self, plan: BatchPlan, loc: Located, start: int, shared: Geometry
+    ) -> Iterator[tuple[int, Any]]:
         """Each row's uncropped ``(C, H, W)`` pixels (None where they cannot be had),
-        encoded images decoded one at a time, as the caller asks for the next."""
+        encoded images decoded one at a time, as the caller asks for the next; under
+        a crop, an image of the batch's record shape decodes the window of its row
+        of ``shared`` (the range's draw for that shape)."""
         buffer = loc.buffer
         offsets = loc.offset.tolist()
         lengths = loc.length.tolist()
@@ -482,8 +484,7 @@ class Filler:
         first = plan.first_decoded if start == 0 else None
         t = self._transform
         crop = t.crop_size
-        words = plan.words[start : start + len(kinds)]
-        shared: list[Geometry] = []  # the draw for images of the batch's record shape
+        words = plan.words[start:]
 
         def window(r: int) -> Callable[[int, int], tuple[int, int, int, int] | None]:
             """The crop row ``r`` will take of an image of a given size (what the
@@ -492,10 +493,8 @@ class Filler:
             def of(h: int, w: int) -> tuple[int, int, int, int] | None:
                 if crop > h or crop > w:
                     return None  # the checked path names the error
-                if (3, h, w) == plan.record_shape:  # one draw for the range's rows
-                    if not shared:
-                        shared.append(t.geometry(plan.record_shape, self._phase, words))
-                    h_off, w_off, _ = shared[0].row(r)
+                if (3, h, w) == plan.record_shape:
+                    h_off, w_off, _ = shared.row(r)
                 else:
                     h_off, w_off, _ = t.geometry((3, h, w), self._phase, words[r : r + 1]).row(0)
                 return h_off, w_off, crop, crop

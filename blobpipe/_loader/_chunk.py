@@ -82,9 +82,9 @@ class Chunk:
     def __init__(self) -> None:
         # (number, plan, data rows, label rows, geometry rows)
         self._left: deque[tuple[int, BatchPlan, np.ndarray, np.ndarray, Geometry]] = deque()
-        # the number the chunk was planned at: its place in the order chunks take
-        # slots in (the pipeline's; None once handed out)
-        self.turn: int | None = None
+        # the number the chunk was planned from: its place in the order chunks take
+        # slots in (the pipeline's), until its last batch is handed out
+        self.turn = 0
 
     def __len__(self) -> int:
         """Batches filled and not handed to a slot yet."""

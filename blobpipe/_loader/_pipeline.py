@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import heapq
 import os
 import threading
 import time
@@ -96,8 +95,8 @@ class Pipeline:
         self._wide.set()
         self._widen = False  # a filler sets _wide once every chunk is handed out
         # chunks take their slots in number order: the first numbers of the chunks
-        # planned and not handed out yet (a heap), and the condition their fillers
-        # wait on for their turn
+        # planned and not handed out yet (at most one per filler), and the condition
+        # their fillers wait on for their turn
         self._turns = threading.Condition(threading.Lock())
         self._unhanded: list[int] = []
         self._threads: list[threading.Thread] = []
@@ -356,7 +355,8 @@ class Pipeline:
             if stop is not None and stop[1] is not None:
                 self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
             if not chunk:
-                self._end_turn(chunk)
+                if numbered:
+                    self._end_turn(chunk.turn)
                 return stop is not None and isinstance(stop[1], End)
         handed = False
         try:
@@ -365,13 +365,13 @@ class Pipeline:
             if not handed:
                 chunk.clear()
             if not chunk:
-                self._end_turn(chunk)
+                self._end_turn(chunk.turn)
         return handed
 
     def _hand_out(self, chunk: Chunk) -> bool:
         """Chunk ``chunk``'s batches into free slots (as many as the ring has), in its
         turn; False when the pipeline stopped or a batch failed."""
-        if not self._await_turn(chunk):
+        if not self._await_turn(chunk.turn):
             return False
         slots = self._ring.take_many(len(chunk))
         if slots is None:
@@ -397,30 +397,23 @@ class Pipeline:
         self.handoff.post_many(made)  # one wake-up of the consumer for them all
         return True
 
-    def _await_turn(self, chunk: Chunk | int) -> bool:
-        """Wait until ``chunk`` (or the batch of that number planned alone) is the
-        first planned and not handed out: chunks take their slots in number order (a
-        later chunk holding the slots an earlier one waits for would wait for it
-        forever). False once closed."""
-        first = chunk if isinstance(chunk, int) else chunk.turn
+    def _await_turn(self, first: int) -> bool:
+        """Wait until the chunk planned from batch ``first`` (or that batch, planned
+        alone) is the earliest planned and not handed out: chunks take their slots in
+        number order (a later chunk holding the slots an earlier one waits for would
+        wait for it forever). False once closed."""
         with self._turns:
-            while self._unhanded[0] != first:
+            while min(self._unhanded) != first:
                 if self.lifecycle.state is State.CLOSED:
                     return False
                 self._turns.wait()
         return self.lifecycle.state is not State.CLOSED
 
-    def _end_turn(self, chunk: Chunk | int) -> None:
-        """``chunk`` (or the batch of that number planned alone) is handed out, or
-        never will be: the next one's turn."""
-        first = chunk if isinstance(chunk, int) else chunk.turn
-        if first is None:
-            return
-        if not isinstance(chunk, int):
-            chunk.turn = None
+    def _end_turn(self, first: int) -> None:
+        """The chunk planned from batch ``first`` is handed out, or never will be: the
+        next one's turn."""
         with self._turns:
             self._unhanded.remove(first)
-            heapq.heapify(self._unhanded)
             self._turns.notify_all()
 
     def _widen_once_handed_out(self) -> bool:
@@ -464,7 +457,7 @@ class Pipeline:
                 return [], (number, planned)
             numbered = [(number, planned)]
             with self._turns:
-                heapq.heappush(self._unhanded, number)
+                self._unhanded.append(number)
             want = chunk_batches(planned)
             if want == 1:
                 return numbered, None
