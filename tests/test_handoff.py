@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from blobpipe._loader._handoff import End, Failure, Handoff
 
 
@@ -40,3 +42,50 @@ def test_post_many_to_a_closed_event_loop_does_not_raise() -> None:
     assert h.take(gone) is None
     h.post_many([(0, "a")])
     assert h.take() == "a"
+
+
+def test_wait_returns_when_the_next_item_is_posted_and_not_for_a_later_one() -> None:
+    h: Handoff[str] = Handoff()
+    assert h.wait(0.01) is False  # nothing posted: the timeout passes
+    poster = threading.Timer(0.05, h.post_many, [[(1, "b"), (0, "a")]])
+    h.post(2, "c")  # a later number does not end the wait
+    poster.start()
+    assert h.wait(30) is True
+    poster.join()
+    assert [h.take(), h.take(), h.take()] == ["a", "b", "c"]
+    assert h.wait(0) is False  # number 3 is not there
+    h.post(3, "d")
+    assert h.wait(0) is True  # already there: no waiting
+    assert h.take() == "d"
+
+
+def test_a_timed_out_wait_leaves_no_waiter_behind() -> None:
+    """A post after a wait gave up wakes nobody (a stale wake would end a later wait early)."""
+    h: Handoff[str] = Handoff()
+    assert h.wait(0.001) is False
+    wakes: list[int] = []
+    h.post(0, "a")
+    assert h.take(lambda: wakes.append(0)) == "a"
+    assert wakes == []
+
+
+def test_a_closed_handoff_wakes_at_once() -> None:
+    """A consumer that starts waiting after the close (another thread closed the
+    loader meanwhile) is woken at once instead of waiting forever."""
+    h: Handoff[str] = Handoff()
+    h.post(0, "a")
+    h.close()
+    assert h.take() is None  # the posted items went with the close
+    wakes: list[int] = []
+    assert h.take(lambda: wakes.append(0)) is None
+    assert wakes == [0]
+    assert h.wait() is True
+
+
+def test_close_ends_a_wait_in_another_thread() -> None:
+    h: Handoff[str] = Handoff()
+    closer = threading.Timer(0.05, h.close)
+    closer.start()
+    assert h.wait() is True
+    closer.join()
+    assert h.take() is None

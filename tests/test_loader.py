@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import pytest
@@ -1300,6 +1301,54 @@ async def test_cancel_reaches_a_consumer_that_never_awaits(db30: Path) -> None:
                     pass
         assert scope.cancelled_caught
     assert seen < 8  # the epoch has 8 batches; cancellation stopped it early
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("budget", [0.0, 0.05])
+async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every(
+    db30: Path, budget: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer whose next batch is slow to come waits in the loop's thread at most
+    YIELD_EVERY (0: not at all), then through the event loop, where other tasks run:
+    here the batch comes only once another task has run 20 times while it waits."""
+    monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", 0)  # a fill a batch
+    probe = FillProbe(monkeypatch)
+    opened_by: list[str] = []
+
+    def open_gate(by: str) -> None:
+        if not probe.gate.is_set():
+            opened_by.append(by)
+            probe.gate.set()
+
+    # a loop kept from other tasks until the batch comes would wait for this
+    fallback = threading.Timer(20, open_gate, ["timer"])
+    fallback.start()
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.lowlevel.checkpoint()
+            if not probe.gate.is_set() and probe.in_flight:
+                ticks += 1
+                if ticks == 20:
+                    open_gate("heartbeat")
+
+    try:
+        async with (
+            anyio.create_task_group() as tg,
+            Loader(db30, 4, device="cpu", prefetch=1, workers=1) as loader,
+        ):
+            got = [Got.of(await anext(loader))]  # the wait since the last turn: none
+            probe.gate.clear()  # the fill of batch 1 starts when batch 0 is let go
+            tg.start_soon(heartbeat)
+            got.append(Got.of(await anext(loader)))
+            tg.cancel_scope.cancel()
+    finally:
+        fallback.cancel()
+    assert opened_by == ["heartbeat"]
+    assert_matches(got, expected(db30, 2, batch_size=4))
 
 
 @pytest.mark.anyio

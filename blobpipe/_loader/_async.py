@@ -22,14 +22,15 @@ from .._backends import wait_event
 from ._batch import Batch
 from ._handoff import threadsafe_caller
 from ._lifecycle import State
-from ._pipeline import Pipeline
+from ._pipeline import Item, Pipeline
 
 __all__ = ["YIELD_EVERY", "AsyncForm"]
 
-#: Seconds: the longest ``async for`` keeps its event loop from other tasks while
-#: batches are ready (every call still checks for cancellation). A turn of the loop
-#: costs more than a small batch and lets a busy filler take the GIL, so it is not
-#: taken per batch (docs/performance.md).
+#: Seconds: the longest ``async for`` keeps its event loop from other tasks, while
+#: batches are ready and while it waits for one in the loop's thread (every call
+#: still checks for cancellation). A turn of the loop costs more than a small batch
+#: and lets a busy filler take the GIL, and a wake-up through the loop takes several
+#: turns, so neither is taken per batch (docs/performance.md).
 YIELD_EVERY = 0.005
 
 _F = TypeVar("_F", bound="AsyncForm")
@@ -95,10 +96,10 @@ class AsyncForm:
         if pipe.lifecycle.state is State.UNOPENED:
             await self.open()
         # Every call is a cancellation point, so a consumer whose body never
-        # awaits can still be cancelled (and time out): waiting for a batch is a
-        # checkpoint; a batch already there gets one when the loop last ran
-        # other tasks at least YIELD_EVERY ago, else a cancellation check only
-        # (a turn of the event loop per batch costs more than a small batch).
+        # awaits can still be cancelled (and time out), and the event loop runs
+        # other tasks at least every YIELD_EVERY: a batch already there gets a
+        # checkpoint when the loop last ran other tasks at least YIELD_EVERY ago,
+        # else a cancellation check only.
         t0 = pipe.begin_next()
         handoff = pipe.handoff
         if handoff.ready():
@@ -110,19 +111,7 @@ class AsyncForm:
                 await anyio.lowlevel.checkpoint_if_cancelled()
         item = handoff.take()
         if item is None:
-            event = anyio.Event()
-            call_soon = self._threadsafe_caller()
-            item = handoff.take(lambda: call_soon(event.set))
-            if item is None:
-                try:
-                    await event.wait()
-                finally:
-                    handoff.forget_waiter()
-                item = pipe.taken()
-            else:
-                # it arrived meanwhile and is taken: a cancellation now would lose
-                # it, so this call's checkpoint is a shielded one
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+            item = await self._wait(pipe, t0)
         made = pipe.arrived(item, t0)
         if made is None:
             raise StopAsyncIteration
@@ -133,6 +122,31 @@ class AsyncForm:
             with anyio.CancelScope(shield=True):
                 await wait_event(done)
         return pipe.deliver(*made, t0)
+
+    async def _wait(self, pipe: Pipeline, t0: float) -> Item:
+        """The next batch (or end, or failure), which was not there: waited for in
+        the event loop's thread while the loop's YIELD_EVERY lasts (one wake-up of
+        this thread), then through the event loop (a checkpoint)."""
+        handoff = pipe.handoff
+        here = YIELD_EVERY - (t0 - self._yielded)
+        if here > 0:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            if handoff.wait(here):
+                return pipe.taken()
+        event = anyio.Event()
+        call_soon = self._threadsafe_caller()
+        item = handoff.take(lambda: call_soon(event.set))
+        if item is None:
+            try:
+                await event.wait()
+            finally:
+                handoff.forget_waiter()
+            self._yielded = time.perf_counter()
+            return pipe.taken()
+        # it arrived meanwhile and is taken: a cancellation now would lose it, so
+        # this call's checkpoint is a shielded one
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        return item
 
     def _threadsafe_caller(self) -> Callable[[Callable[[], object]], object]:
         """The running event loop's thread-safe caller (cached per loop)."""

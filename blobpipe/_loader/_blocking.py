@@ -6,7 +6,6 @@ fillers and the device work.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -66,14 +65,8 @@ class BlockingForm:
         handoff = pipe.handoff
         item = handoff.take()
         if item is None:
-            event = threading.Event()
-            item = handoff.take(event.set)
-            if item is None:
-                try:
-                    event.wait()
-                finally:
-                    handoff.forget_waiter()
-                item = pipe.taken()
+            handoff.wait()
+            item = pipe.taken()
         made = pipe.arrived(item, t0)
         if made is None:
             raise StopIteration

@@ -44,6 +44,7 @@ class Handoff(Generic[T]):
         self._lock = threading.Lock()
         self._items: dict[int, T | End | Failure] = {}
         self._next = 0  # the number the consumer takes next
+        self._closed = False  # under _lock; a closed hand-off wakes a waiter at once
         # the consumer waiting for the next number: (number, wake), under _lock
         self._waiter: tuple[int, Callable[[], object]] | None = None
 
@@ -77,14 +78,35 @@ class Handoff(Generic[T]):
 
     def take(self, wake: Callable[[], object] | None = None) -> T | End | Failure | None:
         """The next item if it was posted; else None, and ``wake`` (if given) is
-        called once when it is posted or the hand-off is closed."""
+        called once when it is posted or the hand-off is closed (at once if it was)."""
         with self._lock:
             item = self._items.pop(self._next, None)
-            if item is None and wake is not None:
+            closed = self._closed
+            if item is None and wake is not None and not closed:
                 self._waiter = (self._next, wake)
         if item is not None:
             self._next += 1
+        elif wake is not None and closed:
+            wake()
         return item
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the next item is posted or the hand-off is
+        closed (True), or for at most ``timeout`` seconds (False when it passed).
+
+        One lock acquired twice is the whole mechanism: no event loop, a single
+        release of the GIL while waiting.
+        """
+        woken = threading.Lock()
+        woken.acquire()
+        with self._lock:
+            if self._next in self._items or self._closed:
+                return True
+            self._waiter = (self._next, woken.release)
+        try:
+            return woken.acquire(timeout=-1 if timeout is None else timeout)
+        finally:
+            self.forget_waiter()
 
     def forget_waiter(self) -> None:
         """The consumer stopped waiting (woken, or cancelled)."""
@@ -95,6 +117,7 @@ class Handoff(Generic[T]):
         """Drop the posted items and wake a waiting consumer (it finds nothing)."""
         with self._lock:
             self._items.clear()
+            self._closed = True
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter[1]()
