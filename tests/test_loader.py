@@ -1352,6 +1352,23 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("device", ["host", "emulated"])
+async def test_open_is_a_checkpoint_and_starts_nothing_when_cancelled(
+    db30: Path, device: str
+) -> None:
+    """With or without a device warm-up, entering a loader in a cancelled scope is
+    cancelled before any filler starts; the loader can still be closed."""
+    loader = Loader(db30, 4, device=make_backend(device))
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        async with loader:
+            pytest.fail("the loader was entered in a cancelled scope")
+    assert scope.cancelled_caught
+    assert not [t for t in threading.enumerate() if t.name.startswith("blobpipe-filler")]
+    await loader.aclose()
+
+
+@pytest.mark.anyio
 async def test_aclose_from_a_nested_scope_inside_async_with(db30: Path) -> None:
     backend = make_backend("host")
     pools = PoolWatch(backend)

@@ -55,14 +55,18 @@ class AsyncForm:
 
     async def open(self) -> None:
         """Start the pipeline; prefer ``async with``, which also calls :meth:`aclose`.
-        The device warm-up runs in a worker thread; the fillers are plain threads, so
-        :meth:`aclose` (or ``close``) may run in any task or thread.
+        The device transform's warm-up (when there is one) runs in a worker thread;
+        the fillers are plain threads, so :meth:`aclose` (or ``close``) may run in
+        any task or thread. A checkpoint either way.
 
         Raises:
             StateError: the loader was opened before.
         """
         pipe = self._pipe
-        await anyio.to_thread.run_sync(pipe.device.warm_up)
+        if pipe.device.on_device:
+            await anyio.to_thread.run_sync(pipe.device.warm_up)
+        else:  # nothing to warm up: no worker thread (a first epoch pays for one)
+            await anyio.lowlevel.checkpoint()
         pipe.start()
 
     async def aclose(self) -> None:
