@@ -130,19 +130,13 @@ class AsyncForm:
     async def _wait(self, pipe: Pipeline, t0: float) -> Item:
         """The next batch (or end, or failure), which was not there: waited for in
         the event loop's thread while the loop's YIELD_EVERY lasts (one wake-up of
-        this thread; when it has run out, after one turn of the loop, which renews
-        it), then through the event loop (a checkpoint)."""
+        this thread), then through the event loop (a checkpoint)."""
         handoff = pipe.handoff
         here = YIELD_EVERY - (t0 - self._yielded)
         if here > 0:
             await anyio.lowlevel.checkpoint_if_cancelled()
-        else:  # the loop's turn is due: one turn (cheaper than a wake-up through it)
-            await anyio.lowlevel.checkpoint()
-            self._yielded = time.perf_counter()
-            here = YIELD_EVERY
-            pipe.lifecycle.check_iterable()
-        if handoff.wait(here):
-            return pipe.taken()
+            if handoff.wait(here):
+                return pipe.taken()
         event = anyio.Event()
         call_soon = self._threadsafe_caller()
         item = handoff.take(lambda: call_soon(event.set))
