@@ -722,9 +722,10 @@ def test_a_fork_while_another_thread_classifies_leaves_the_child_free(tmp_path: 
         index._classifying.release()
 
 
+@pytest.mark.parametrize("gray", [False, True])
 @pytest.mark.parametrize("ext", [".jpg", ".png"])
 def test_encoded_rows_of_the_batch_shape_and_others_crop_as_each_record_alone(
-    tmp_path: Path, ext: str
+    tmp_path: Path, ext: str, gray: bool
 ) -> None:
     """A TRAIN batch of encoded images, some of the batch's record shape (one crop
     draw serves them) and some of other sizes (a draw each): every row equals the
@@ -743,8 +744,9 @@ def test_encoded_rows_of_the_batch_shape_and_others_crop_as_each_record_alone(
 
     count = 12
     path = write_lmdb(tmp_path / "db", [(key(i), encode(i)) for i in range(count)])
-    t = Transform(crop_size=10, mirror=True, mean_value=(3, 2, 1), scale=0.5)
-    mean = np.array([3, 2, 1], np.float32)[:, None, None]
+    means = (3,) if gray else (3, 2, 1)
+    t = Transform(crop_size=10, mirror=True, mean_value=means, scale=0.5, force_gray=gray)
+    mean = np.array(means, np.float32)[:, None, None]
     with Batches(path, count, transform=t, phase="train", seed=4) as b:
         for _ in range(2):  # the second time from the index, the shapes known
             plan = b.next_plan()
@@ -755,7 +757,10 @@ def test_encoded_rows_of_the_batch_shape_and_others_crop_as_each_record_alone(
             for row in range(count):
                 i = int(plan.indices[row])
                 _, buf = cv2.imencode(ext, pixels(i))
-                chw = cv2.imdecode(buf, cv2.IMREAD_COLOR).transpose(2, 0, 1)
+                if gray:
+                    chw = cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE)[None]
+                else:
+                    chw = cv2.imdecode(buf, cv2.IMREAD_COLOR).transpose(2, 0, 1)
                 p = t.record_params(chw.shape, phase="train", word=int(plan.words[row]))
                 assert geometry.row(row) == (p.h_off, p.w_off, p.mirror)
                 crop = chw[:, p.h_off : p.h_off + 10, p.w_off : p.w_off + 10]

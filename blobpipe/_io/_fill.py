@@ -493,7 +493,7 @@ class Filler:
             def of(h: int, w: int) -> tuple[int, int, int, int] | None:
                 if crop > h or crop > w:
                     return None  # the checked path names the error
-                if (3, h, w) == plan.record_shape:
+                if (h, w) == plan.record_shape[1:]:  # a crop depends on (h, w) alone
                     h_off, w_off, _ = shared.row(r)
                 else:
                     h_off, w_off, _ = t.geometry((3, h, w), self._phase, words[r : r + 1]).row(0)
