@@ -8,12 +8,14 @@ Every contender offers two measurements, both returning a :class:`Sample`:
   libraries imported before the clock starts: nothing an earlier pass left in the
   process (pooled batch memory, started threads, one-time checks, warm caches) helps
   it, as nothing helps a job's first epoch;
-* ``later()``: an epoch of a pipeline kept open across epochs (opened by ``start()``,
-  its own first epoch untimed). For the pipelines that work in the background
-  (blobpipe, torch workers) one call runs two epochs back to back and times the
-  second, from the end of the first: the pipeline meets that epoch exactly as it
-  would in training, whatever it prefetched (or not) across the boundary, and
-  nothing it did while the benchmark ran other contenders is counted.
+* ``later(epochs=1)``: later epochs of a pipeline kept open across epochs (opened by
+  ``start()``, its own first epoch untimed), ``epochs`` of them back to back, timed
+  together. For the pipelines that work in the background (blobpipe, torch workers,
+  DALI) one call runs one more epoch first, untimed, and the timing starts at its
+  end: the pipeline meets the timed epochs exactly as it would in training, whatever
+  it prefetched (or not) across the boundary, and nothing it did while the benchmark
+  ran other contenders is counted. Several epochs a pass make a small database's
+  pass long enough to measure (the sweep).
 
 Contenders (``Recipe`` says what each record goes through, Caffe's ``DataTransformer``):
 
@@ -201,6 +203,18 @@ class Sample:
     first_batch: np.ndarray | None = None
 
 
+def timed(
+    epoch: Callable[[bool], tuple[int, np.ndarray | None]], keep: bool, epochs: int
+) -> Sample:
+    """``epochs`` passes of ``epoch(keep)`` back to back, timed together (the first
+    pass's first batch kept when ``keep``)."""
+    t0 = time.perf_counter()
+    images, first = epoch(keep)
+    for _ in range(epochs - 1):
+        images += epoch(False)[0]
+    return Sample(images, time.perf_counter() - t0, first)
+
+
 class Contender:
     """A way to turn a workload into batches (see the module docstring)."""
 
@@ -229,7 +243,8 @@ class Contender:
         """A first epoch in this process."""
         raise NotImplementedError
 
-    def later(self, keep: bool = False) -> Sample:
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        """``epochs`` later epochs back to back, timed together (see the module docstring)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -491,10 +506,8 @@ class PlainLoop(Contender):
         self.keys = _list_keys(self.env) if self.recipe.shuffle else None
         self._epoch(self.env, self.keys, False)
 
-    def later(self, keep: bool = False) -> Sample:
-        t0 = time.perf_counter()
-        images, batch = self._epoch(self.env, self.keys, keep)
-        return Sample(images, time.perf_counter() - t0, batch)
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        return timed(lambda k: self._epoch(self.env, self.keys, k), keep, epochs)
 
     def close(self) -> None:
         self.env = None  # shared: see close_shared_envs
@@ -599,11 +612,9 @@ class TorchRecipe(Contender):
         self.kept = self._loader(keys, persistent=True)
         self._epoch(self.kept, False)
 
-    def later(self, keep: bool = False) -> Sample:
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
         self._epoch(self.kept, False)
-        t0 = time.perf_counter()
-        images, batch = self._epoch(self.kept, keep)
-        return Sample(images, time.perf_counter() - t0, batch)
+        return timed(lambda k: self._epoch(self.kept, k), keep, epochs)
 
     def close(self) -> None:
         self.kept = None  # its workers end with it
@@ -704,11 +715,10 @@ class BatchesLoop(Contender):
         self.batches = self._open(self.files.loader)
         self._epoch(self.batches, False)
 
-    def later(self, keep: bool = False) -> Sample:
-        assert self.batches is not None
-        t0 = time.perf_counter()
-        images, batch = self._epoch(self.batches, keep)
-        return Sample(images, time.perf_counter() - t0, batch)
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        batches = self.batches
+        assert batches is not None
+        return timed(lambda k: self._epoch(batches, k), keep, epochs)
 
     def close(self) -> None:
         if self.batches is not None:
@@ -735,11 +745,13 @@ class LoaderAsync(Contender):
             images, batch = await _consume_async(loader, keep)
         return Sample(images, time.perf_counter() - t0, batch)
 
-    async def _later(self, keep: bool) -> Sample:
+    async def _later(self, keep: bool, epochs: int) -> Sample:
         assert self.loader is not None
         await _consume_async(self.loader, False)
         t0 = time.perf_counter()
         images, batch = await _consume_async(self.loader, keep)
+        for _ in range(epochs - 1):
+            images += (await _consume_async(self.loader, False))[0]
         return Sample(images, time.perf_counter() - t0, batch)
 
     def first_here(self, keep: bool = False) -> Sample:
@@ -752,8 +764,8 @@ class LoaderAsync(Contender):
         self.loader = self.kept.__enter__()
         self.host.portal.call(_consume_async, self.loader, False)
 
-    def later(self, keep: bool = False) -> Sample:
-        sample: Sample = self.host.portal.call(self._later, keep)
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        sample: Sample = self.host.portal.call(self._later, keep, epochs)
         return sample
 
     def close(self) -> None:
@@ -788,12 +800,11 @@ class LoaderBlocking(Contender):
         self.loader.__enter__()
         _consume(self.loader, False)
 
-    def later(self, keep: bool = False) -> Sample:
-        assert self.loader is not None
-        _consume(self.loader, False)
-        t0 = time.perf_counter()
-        images, batch = _consume(self.loader, keep)
-        return Sample(images, time.perf_counter() - t0, batch)
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        loader = self.loader
+        assert loader is not None
+        _consume(loader, False)
+        return timed(lambda k: _consume(loader, k), keep, epochs)
 
     def close(self) -> None:
         if self.loader is not None:
@@ -831,11 +842,12 @@ class Memcpy(Contender):
     def first_here(self, keep: bool = False) -> Sample:
         return self.later(keep)
 
-    def later(self, keep: bool = False) -> Sample:
-        t0 = time.perf_counter()
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        return timed(self._copy, keep, epochs)
+
+    def _copy(self, keep: bool) -> tuple[int, np.ndarray | None]:
         np.copyto(self.dst, self.src)
-        dt = time.perf_counter() - t0
-        return Sample(len(self.src), dt, self.dst[: self.batch].copy() if keep else None)
+        return len(self.src), self.dst[: self.batch].copy() if keep else None
 
 
 class DecodeOnly(Contender):
@@ -854,11 +866,13 @@ class DecodeOnly(Contender):
     def first_here(self, keep: bool = False) -> Sample:
         return self.later(keep)
 
-    def later(self, keep: bool = False) -> Sample:
-        t0 = time.perf_counter()
+    def later(self, keep: bool = False, epochs: int = 1) -> Sample:
+        return timed(self._decode, keep, epochs)
+
+    def _decode(self, keep: bool) -> tuple[int, np.ndarray | None]:
         for f in self.files:
             cv2.imdecode(f, cv2.IMREAD_COLOR)
-        return Sample(len(self.files), time.perf_counter() - t0, None)
+        return len(self.files), None
 
 
 # -- first epochs in a fresh process ------------------------------------------------------------

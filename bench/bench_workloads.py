@@ -290,6 +290,8 @@ class Run:
     # the same crops and flips ("plain": the plain loop's and the torch recipe's per-record
     # work; "dali", "dali-roi": DALI's pipelines that run)
     transform_errors: dict[str, float] = field(default_factory=dict)
+    # later epochs timed together in one later pass (the sweep's small databases)
+    later_epochs: int = 1
 
     @property
     def plain_error(self) -> float | None:
@@ -412,11 +414,12 @@ def parallel_headroom(n: int = 32) -> float:
 
 def run_pass(run: Run, row: Row, kind: str, keep: bool) -> None:
     c = row.contender
-    sample = c.first(keep) if kind == "first" else c.later(keep)
-    if sample.images != run.prepared.count:
+    epochs = 1 if kind == "first" else run.later_epochs
+    sample = c.first(keep) if kind == "first" else c.later(keep, epochs)
+    if sample.images != epochs * run.prepared.count:
         raise RuntimeError(
             f"{run.workload.name} {c.label} ({kind}): {sample.images} images, "
-            f"expected {run.prepared.count}"
+            f"expected {epochs * run.prepared.count}"
         )
     row.rates[kind].append(sample.images / sample.seconds)
     if sample.first_batch is not None:

@@ -147,7 +147,8 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         "bench_sweep.py", tmp_path, "--json", str(out), "--plot", str(png), "--markdown"
     )
     text = proc.stdout
-    assert "| point | record B | plain later img/s | async first | async later |" in text
+    header = "| point | record B | epochs | plain later img/s | async first | async later |"
+    assert header in text
     assert "points PASS" in text
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_sweep" and doc["quick"] and doc["rounds"] == 1
@@ -158,6 +159,9 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         # the plain loop computes what Caffe (blobpipe.Transform) computes
         assert point["plain_vs_transform_max_abs_diff"] == pytest.approx(0, abs=1e-3)
         assert point["result"] in ("PASS", "MISS")
+        # a later pass times several epochs of a small database (every pass checked
+        # to deliver that many epochs' images)
+        assert 1 <= point["later_epochs_per_pass"] <= 16
         for key in ("plain", "async", "blocking", "blocking1"):
             for kind in ("first", "later"):
                 sample = point["contenders"][key][kind]
