@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import blobpipe
 from blobpipe._errors import (
     ArgumentError,
     DatabaseNotFoundError,
@@ -24,6 +25,7 @@ from blobpipe._errors import (
 )
 from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._kernels import Geometry
+from blobpipe._io._plan import merged
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -736,6 +738,122 @@ def test_fill_checks_outputs(db10: Path) -> None:
         ok.mirror.setflags(write=False)
         with pytest.raises(ValueError, match=r"geometry_out.mirror is read-only"):
             b.fill(plan, data, label, geometry_out=ok)
+
+
+def _parts_source(tmp_path: Path, kind: str) -> tuple[Any, dict[str, Any]]:
+    """A source and Batches options for each way rows are filled."""
+    train = {"phase": "train", "mode": "wrap"}
+    crop = Transform(crop_size=6, mirror=True, mean_value=(1, 2, 3), scale=0.5)
+    if kind == "raw":
+        return raw_db(tmp_path / "raw", 30), {"mode": "wrap"}
+    if kind == "raw-shuffled-crop":
+        return raw_db(tmp_path / "raw", 30), {**train, "order": "shuffle", "transform": crop}
+    if kind == "raw-nhwc-uint8":
+        t = Transform(crop_size=6, mirror=True, dtype="uint8", layout="NHWC")
+        return raw_db(tmp_path / "raw", 30), {**train, "transform": t}
+    if kind in ("jpeg-crop", "png-sizes"):
+        ext = ".jpg" if kind == "jpeg-crop" else ".png"
+
+        def record(i: int) -> bytes:
+            hw = (10, 12) if kind == "jpeg-crop" else (10 + i % 3, 12 + i % 2)
+            return encoded_datum(image(i, (3, *hw)).transpose(1, 2, 0).copy(), ext, i)
+
+        db = write_lmdb(tmp_path / kind, ((f"{i:04d}".encode(), record(i)) for i in range(30)))
+        return db, {**train, "order": "shuffle", "transform": crop}
+    if kind == "blobproto":
+        db = tmp_path / "blobs"
+        values = (
+            np.full((2, 3, 4), i, np.float32) + np.arange(24).reshape(2, 3, 4) for i in range(30)
+        )
+        blobpipe.write_lmdb(db, values, record="blobproto")
+        return db, {"mode": "wrap"}
+    assert kind == "concat"
+    dbs = [raw_db(tmp_path / "a", 13), raw_db(tmp_path / "b", 17)]
+    return dbs, {**train, "order": "shuffle", "transform": crop}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["raw", "raw-shuffled-crop", "raw-nhwc-uint8", "jpeg-crop", "png-sizes", "blobproto", "concat"],
+)
+def test_fill_parts_fills_each_part_as_fill_does(tmp_path: Path, kind: str) -> None:
+    """A plan merged from consecutive batches' (or one plan) filled into several parts
+    gives each part what filling its own plan (its rows) gives: data, labels, crops
+    and flips; across an epoch's end, for every kind of record and source."""
+    source, options = _parts_source(tmp_path, kind)
+    with Batches(source, 4, **options) as one, Batches(source, 4, **options) as many:
+        merged_fills = 0
+        for _ in range(4):  # 16 batches of 4: past the end of the 30 records
+            plans = [many.next_plan() for _ in range(4)]
+            want = [one.next_plan() for _ in range(4)]
+            assert all(p is not None for p in plans + want)
+            expected = []
+            for plan in want:
+                assert plan is not None
+                data = np.empty(plan.data_shape, plan.dtype)
+                label = np.empty(len(plan), plan.label_dtype)
+                geometry = Geometry.zeros(len(plan))
+                one.fill(plan, data, label, geometry_out=geometry)
+                expected.append((data, label, geometry))
+            whole = merged([p for p in plans if p is not None])
+            if whole is None:  # first records of different shapes: each plan in parts
+                cases = [(p, [(0, 1), (1, 4)]) for p in plans if p is not None]
+            else:
+                merged_fills += 1
+                cases = [(whole, [(4 * k, 4 * k + 4) for k in range(4)])]
+            got = []
+            for plan, spans in cases:
+                parts = [
+                    (
+                        np.full((b - a, *plan.data_shape[1:]), 77, plan.dtype),
+                        np.full(b - a, -1, plan.label_dtype),
+                        Geometry.zeros(b - a),
+                    )
+                    for a, b in spans
+                ]
+                many.fill_parts(plan, parts)
+                got += parts
+            got_rows = [np.concatenate([g[i] for g in got]) for i in range(2)]
+            assert np.array_equal(got_rows[0], np.concatenate([e[0] for e in expected]))
+            assert np.array_equal(got_rows[1], np.concatenate([e[1] for e in expected]))
+            for name in ("h_off", "w_off", "mirror"):
+                a = np.concatenate([getattr(g[2], name) for g in got])
+                b = np.concatenate([getattr(e[2], name) for e in expected])
+                assert np.array_equal(a, b), name
+        assert merged_fills > 0 or kind == "png-sizes"
+
+
+def test_fill_parts_checks_its_parts(tmp_path: Path, db10: Path) -> None:
+    with Batches(db10, 4) as b:
+        plan = b.next_plan()
+        assert plan is not None
+        row = plan.data_shape[1:]
+
+        def part(n: int, shape: tuple[int, ...] | None = None, dtype: Any = np.float32) -> Any:
+            return (np.empty(shape or (n, *row), dtype), np.empty(n, np.float32), None)
+
+        with pytest.raises(ValueError, match="the parts hold 3 rows; the plan has 4"):
+            b.fill_parts(plan, [part(1), part(2)])
+        with pytest.raises(ShapeError, match=r"a part's data has shape \(2, 3, 6, 7\)"):
+            b.fill_parts(plan, [part(2), part(2, (2, 3, 6, 7))])
+        with pytest.raises(ShapeError, match=r"a part's data .* dtype float64"):
+            b.fill_parts(plan, [part(2), part(2, dtype=np.float64)])
+        bad_label = (np.empty((2, *row), np.float32), np.empty(2, np.int64), None)
+        with pytest.raises(ShapeError, match=r"a part's labels have shape \(2,\) dtype int64"):
+            b.fill_parts(plan, [part(2), bad_label])
+        bad_geometry = (np.empty((2, *row), np.float32), np.empty(2, np.float32), Geometry.zeros(3))
+        with pytest.raises(ShapeError, match=r"geometry_out.h_off has shape \(3,\)"):
+            b.fill_parts(plan, [part(2), bad_geometry])
+    images = raw_db(tmp_path / "images", 6, (3, 4, 5))
+    labels = tmp_path / "labels"
+    blobpipe.write_lmdb(
+        labels, (np.zeros((1, 4, 5), np.float32) for _ in range(6)), record="blobproto"
+    )
+    with Batches({"data": images, "label": labels}, 2) as b:
+        plan = b.next_plan()
+        assert plan is not None and plan.extra
+        with pytest.raises(ValueError, match="other sources read in lockstep is filled with fill"):
+            b.fill_parts(plan, [part(2)])
 
 
 def test_open_reader_source_is_not_closed(db10: Path) -> None:

@@ -161,7 +161,9 @@ _CUT_IN_PLACE = """
             reader.get(keys[-1])
         else:
             if how == "loader":
-                it = blobpipe.Loader(db, 16, device="cpu", mode="epoch", shuffle=True, prefetch=2)
+                # batches of 4: the ring (grown for chunks of small batches) holds
+                # fewer rows than an epoch, so the next epoch reads after the cut
+                it = blobpipe.Loader(db, 4, device="cpu", mode="epoch", shuffle=True, prefetch=2)
             else:
                 it = blobpipe.Batches(db, 16, mode="epoch", order="shuffle")
             with it:

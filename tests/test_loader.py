@@ -31,7 +31,7 @@ from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._backends._emulated import EmulatedEvent
 from blobpipe._io._batches import ArrayBatch
-from blobpipe._loader._chunk import CHUNK_BATCHES, Chunk, chunk_batches
+from blobpipe._loader._chunk import CHUNK_BATCHES, CHUNK_BYTES, chunk_batches
 from tests._helpers import (
     GatedBackend,
     encoded_db,
@@ -135,7 +135,8 @@ async def collect_into(loader: Loader, got: list[Got]) -> None:
 
 
 class FillProbe:
-    """Wraps ``Batches.fill``: counts calls, the batches filled, the calls in flight.
+    """Wraps ``Batches.fill`` and ``Batches.fill_parts``: counts calls, the batches
+    filled, the calls in flight.
 
     A fill of small batches may be a chunk of several (a merged plan of ``batch_size``
     rows each): :attr:`plans` holds each batch's first row, ``(epoch, position)``.
@@ -154,27 +155,30 @@ class FillProbe:
         self.gate = threading.Event()  # fills wait here while a test keeps it shut
         self.gate.set()
         self._lock = threading.Lock()
-        original = Batches.fill
         probe = self
 
-        def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
-            with probe._lock:
-                probe.calls += 1
-                probe.in_flight += 1
-                probe.max_in_flight = max(probe.max_in_flight, probe.in_flight)
-                for row in range(0, len(plan), batch_size):  # one per batch
-                    probe.plans.add((int(plan.epochs[row]), int(plan.positions[row])))
-            probe.started.set()
-            try:
-                probe.gate.wait(30)
-                if probe.sleep:
-                    time.sleep(probe.sleep)
-                original(self, plan, *args, **kwargs)
-            finally:
+        def wrapped(original: Any) -> Any:
+            def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
                 with probe._lock:
-                    probe.in_flight -= 1
+                    probe.calls += 1
+                    probe.in_flight += 1
+                    probe.max_in_flight = max(probe.max_in_flight, probe.in_flight)
+                    for row in range(0, len(plan), batch_size):  # one per batch
+                        probe.plans.add((int(plan.epochs[row]), int(plan.positions[row])))
+                probe.started.set()
+                try:
+                    probe.gate.wait(30)
+                    if probe.sleep:
+                        time.sleep(probe.sleep)
+                    original(self, plan, *args, **kwargs)
+                finally:
+                    with probe._lock:
+                        probe.in_flight -= 1
 
-        monkeypatch.setattr(Batches, "fill", fill)
+            return fill
+
+        monkeypatch.setattr(Batches, "fill", wrapped(Batches.fill))
+        monkeypatch.setattr(Batches, "fill_parts", wrapped(Batches.fill_parts))
 
     async def wait_filling(self) -> None:
         """Return once a fill is in flight (it sleeps ``sleep`` seconds in its thread)."""
@@ -873,14 +877,15 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
     chunk); a record that fails fails its own batch: every batch before it arrives
     intact and in order, then its error, naming its key."""
     chunks = 0
-    original = Chunk.fill
+    pipeline = blobpipe._loader._pipeline.Pipeline
+    original = pipeline._fill_chunk
 
-    def fill(self: Chunk, *args: Any) -> Any:
+    def fill(self: Any, *args: Any) -> Any:
         nonlocal chunks
         chunks += 1
         return original(self, *args)
 
-    monkeypatch.setattr(Chunk, "fill", fill)
+    monkeypatch.setattr(pipeline, "_fill_chunk", fill)
     # every fill counts as small, however loaded the machine: chunks from batch 1 on
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)
     bad = 4 * bad_batch + 2
@@ -1000,9 +1005,10 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
 async def test_small_batches_fill_at_most_one_chunk_ahead(
     db30: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small batches are filled a chunk at a time and handed to slots together: the
-    producer runs at most the ring and one chunk ahead of the consumer, stops there,
-    and what arrives is what Batches makes."""
+    """Small batches are filled a chunk at a time, straight into slots the chunk
+    holds: the producer fills at most the ring ahead of the consumer, stops there
+    (the next chunk planned, waiting for its slots), and what arrives is what
+    Batches makes."""
     probe = FillProbe(monkeypatch)
     backend = make_backend(device)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
@@ -1010,8 +1016,8 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
     got: list[Got] = []
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1, mode="wrap") as loader:
         # batch 0 alone, then chunks of CHUNK_BATCHES (the ring grown to hold two and
-        # the consumer's batch): two chunks in slots and the third filled, waiting
-        full = 1 + 3 * CHUNK_BATCHES
+        # the consumer's batch): two chunks in slots, the third waiting for slots
+        full = 1 + 2 * CHUNK_BATCHES
         await wait_until(lambda: len(probe.plans) >= full and probe.in_flight == 0, "fills")
         await stays(lambda: len(probe.plans) == full, f"{full} batches filled")
         slots = loader.statistics().slots
@@ -1019,7 +1025,7 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
         used = 0
         for i in range(3 * slots):
             got.append(Got.of(await anext(loader)))
-            assert len(probe.plans) <= len(got) + slots + CHUNK_BATCHES
+            assert len(probe.plans) <= len(got) + slots
             if i == slots + CHUNK_BATCHES:  # every slot filled by now: the steady state
                 used = get_pool(backend, "host").statistics().used_bytes
         assert probe.calls < len(probe.plans)  # chunks: fewer fills than batches
@@ -1035,13 +1041,14 @@ def test_fillers_fill_chunks_at_once_and_hand_them_out_in_order(
     earlier one waits for would deadlock), so batches arrive in order, the same as
     Batches makes them: here the first chunks wait until the next one was filled."""
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
-    original = Chunk.fill
+    pipeline = blobpipe._loader._pipeline.Pipeline
+    original = pipeline._fill_chunk
     cond = threading.Condition()
     in_flight = [0, 0]  # now, most at once
     finished: list[int] = []  # each chunk's first batch number, as its fill finished
     waited_in_vain = 0
 
-    def fill(self: Chunk, batches: Any, numbered: Any) -> Any:
+    def fill(self: Any, numbered: Any, slots: Any) -> Any:
         nonlocal waited_in_vain
         first = numbered[0][0]
         with cond:
@@ -1052,14 +1059,14 @@ def test_fillers_fill_chunks_at_once_and_hand_them_out_in_order(
             if waits and not cond.wait_for(lambda: any(f > first for f in finished), 5):
                 waited_in_vain += 1
         try:
-            return original(self, batches, numbered)
+            return original(self, numbered, slots)
         finally:
             with cond:
                 in_flight[0] -= 1
                 finished.append(first)
                 cond.notify_all()
 
-    monkeypatch.setattr(Chunk, "fill", fill)
+    monkeypatch.setattr(pipeline, "_fill_chunk", fill)
     n = 1 + 6 * CHUNK_BATCHES  # past the first fills, in chunks, wrapping past the end
     with Loader(db30, 4, device="cpu", workers=2, mode="wrap") as loader:
         got = [Got.of(batch) for batch in islice(loader, n)]
@@ -1078,14 +1085,15 @@ def test_chunks_filled_in_any_order_arrive_in_order(
     rng = random.Random(seed)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
     monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCHES", rng.choice([2, 3, 16]))
-    original = Chunk.fill
+    pipeline = blobpipe._loader._pipeline.Pipeline
+    original = pipeline._fill_chunk
     delays = [rng.choice([0.0, 0.0, 0.001, 0.005]) for _ in range(1000)]
 
-    def fill(self: Chunk, batches: Any, numbered: Any) -> Any:
+    def fill(self: Any, numbered: Any, slots: Any) -> Any:
         time.sleep(delays[numbered[0][0] % len(delays)])
-        return original(self, batches, numbered)
+        return original(self, numbered, slots)
 
-    monkeypatch.setattr(Chunk, "fill", fill)
+    monkeypatch.setattr(pipeline, "_fill_chunk", fill)
     n = rng.randrange(20, 80)
     workers, prefetch = rng.choice([(2, 2), (2, 4), (3, 3), (3, 6)])
     with Loader(db30, 4, device="cpu", workers=workers, prefetch=prefetch, mode="wrap") as loader:
@@ -1099,57 +1107,61 @@ def test_batches_turning_small_and_large_again_arrive_in_order(
 ) -> None:
     """Every other epoch fills slowly (large batches: every filler fills one at a
     time), the others quickly (small: every filler fills chunks): the pipeline
-    narrows and widens again and again (widening only once every chunk planned is
-    handed out), and the batches arrive in order, as Batches makes them."""
+    narrows and widens again and again (widening only once every chunk planned has
+    its slots), and the batches arrive in order, as Batches makes them."""
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 0.01)
-    original = Batches.fill
 
-    def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
-        slow = sum(int(plan.epochs[row]) % 2 for row in range(0, len(plan), 4))
-        time.sleep(0.05 * slow)  # a batch of an odd epoch: a chunk of them is large too
-        original(self, plan, *args, **kwargs)
+    def slowed(original: Any) -> Any:
+        def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
+            slow = sum(int(plan.epochs[row]) % 2 for row in range(0, len(plan), 4))
+            time.sleep(0.05 * slow)  # a batch of an odd epoch: a chunk of them is large too
+            original(self, plan, *args, **kwargs)
 
-    monkeypatch.setattr(Batches, "fill", fill)
+        return fill
+
+    monkeypatch.setattr(Batches, "fill", slowed(Batches.fill))
+    monkeypatch.setattr(Batches, "fill_parts", slowed(Batches.fill_parts))
     widened = 0
-    widen = blobpipe._loader._pipeline.Pipeline._widen_once_handed_out
+    widen = blobpipe._loader._pipeline.Pipeline._widen_once_slotted
 
     def counted(self: Any) -> bool:
         nonlocal widened
         widened += 1
         return widen(self)
 
-    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_widen_once_handed_out", counted)
+    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_widen_once_slotted", counted)
     n = 6 * 8  # 6 epochs of 30 records in batches of 4 (wrapping)
     with Loader(db30, 4, device="cpu", workers=workers, prefetch=3, mode="wrap") as loader:
         got = [Got.of(batch) for batch in islice(loader, n)]
         grown = loader.statistics().slots
     assert_matches(got, expected(db30, n, batch_size=4))
-    assert grown > 3 and widened >= 2  # chunks were handed out, then every filler ran
+    assert grown > 3 and widened >= 2  # chunks took slots, then every filler ran
 
 
-def test_a_chunk_takes_batches_up_to_its_batch_limit(
+def test_a_chunk_takes_as_many_batches_as_its_bytes_hold(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch of at most CHUNK_BATCH_BYTES shares a chunk; one byte more goes alone
-    (its copy into a slot would cost more than the chunk saves it)."""
+    """A chunk holds as many batches as CHUNK_BYTES does (at most CHUNK_BATCHES); a
+    batch of more than half of it goes alone."""
     with Batches(db30, 4) as batches:
         plan = batches.next_plan()
     assert plan is not None
     nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", nbytes)
-    assert chunk_batches(plan) == CHUNK_BATCHES
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", nbytes - 1)
+    assert chunk_batches(plan) == min(CHUNK_BATCHES, CHUNK_BYTES // nbytes)
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 3 * nbytes - 1)
+    assert chunk_batches(plan) == 2
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 2 * nbytes - 1)
     assert chunk_batches(plan) == 1
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("limit", ["CHUNK_BYTES", "CHUNK_BATCH_BYTES"])
+@pytest.mark.parametrize("limit", ["CHUNK_BYTES", "CHUNK_ROWS"])
 async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
     db30: Path, limit: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch that fills quickly but is too large to share a chunk (more than the
-    chunk's bytes, or than the largest batch a chunk takes) goes straight into its
-    slot: every filler keeps filling such batches at once, a batch each."""
+    """A batch that fills quickly but is too large to share a chunk (more than half
+    the chunk's bytes, or rows) goes straight into its slot: every filler keeps
+    filling such batches at once, a batch each."""
     probe = FillProbe(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
     monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)  # one batch a chunk
@@ -1312,7 +1324,7 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
     YIELD_EVERY (0: not at all), then through the event loop, where other tasks run:
     here the batch comes only once another task has run 20 times while it waits."""
     monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BATCH_BYTES", 0)  # a fill a batch
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 0)  # a fill a batch
     probe = FillProbe(monkeypatch)
     opened_by: list[str] = []
 

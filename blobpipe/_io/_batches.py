@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +55,7 @@ from .._errors import (
     StateError,
     UnsupportedOperationError,
 )
-from ._fill import RecordSource
+from ._fill import Part, RecordSource, part_of
 from ._kernels import Geometry, check_geometry_out
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
@@ -698,13 +698,63 @@ class Batches:
         if start == stop:
             return
         self._check_open()
-        self._filler.fill(plan, data_out, label_out, start, stop, geometry_out)
+        self._filler.fill(plan, start, [part_of(data_out, label_out, start, stop, geometry_out)])
         if not plan.has_label:
             label_out[start:stop] = 0
         if outs:
             scratch = np.empty(n, plan.label_dtype)  # other sources' labels: not delivered
             for filler, part, out in outs:
-                filler.fill(part, out, scratch, start, stop, None)
+                filler.fill(part, start, [part_of(out, scratch, start, stop, None)])
+
+    def fill_parts(
+        self, plan: BatchPlan, parts: Sequence[tuple[np.ndarray, np.ndarray, Geometry | None]]
+    ) -> None:
+        """Read, decode and transform every row of ``plan`` into several outputs, in
+        order: ``parts[k] = (data, label, geometry)`` takes the next ``len(label)``
+        rows (``data`` of shape ``(len(label), *plan.data_shape[1:])``, ``geometry``
+        a :class:`Geometry` of as many rows, or None), written as :meth:`fill` writes
+        them. A plan merged from consecutive batches' (``_plan.merged``) is filled
+        straight into each batch's own arrays, its per-call costs paid once.
+
+        Raises:
+            ArgumentError: the parts do not hold the plan's rows, or the plan has
+                other sources read in lockstep (fill those with :meth:`fill`).
+            ArgumentTypeError, ShapeError: an output array as in :meth:`fill`.
+            DataError: as :meth:`fill`.
+        """
+        if plan.extra:
+            raise ArgumentError(
+                "fill_parts: a plan with other sources read in lockstep is filled with fill"
+            )
+        if sum(len(label) for _, label, _ in parts) != len(plan):
+            raise ArgumentError(
+                f"fill_parts: the parts hold {sum(len(label) for _, label, _ in parts)} rows; "
+                f"the plan has {len(plan)}"
+            )
+        row_shape = plan.data_shape[1:]
+        checked = []
+        for data, label, geometry in parts:
+            m = len(label)
+            if data.shape != (m, *row_shape) or data.dtype != plan.dtype:
+                raise ShapeError(
+                    f"a part's data has shape {data.shape} dtype {data.dtype}; for its {m} "
+                    f"rows the plan needs shape {(m, *row_shape)} dtype {plan.dtype}"
+                )
+            if label.shape != (m,) or label.dtype != plan.label_dtype:
+                raise ShapeError(
+                    f"a part's labels have shape {label.shape} dtype {label.dtype}; the plan "
+                    f"needs shape ({m},) dtype {plan.label_dtype}"
+                )
+            if geometry is not None:
+                check_geometry_out(geometry, m)
+            checked.append(Part(data, label, geometry))
+        if len(plan) == 0:
+            return
+        self._check_open()
+        self._filler.fill(plan, 0, checked)
+        if not plan.has_label:
+            for part in checked:
+                part.label[:] = 0
 
     def make_batch(self, plan: BatchPlan) -> ArrayBatch:
         """Allocate arrays for ``plan`` and fill them (single thread).

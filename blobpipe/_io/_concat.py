@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fill import Filler, store_geometry
+from ._fill import Filler, Part, store_geometry
 from ._kernels import Geometry
 from ._plan import BatchPlan
 from ._records import RecordKind
@@ -52,34 +52,31 @@ class ConcatFiller:
         k, local = self._where(index)
         return self._parts[k].first(local)
 
-    def fill(
-        self,
-        plan: BatchPlan,
-        data_out: np.ndarray,
-        label_out: np.ndarray,
-        start: int,
-        stop: int,
-        geometry_out: Geometry | None,
-    ) -> None:
-        """Rows ``[start:stop]`` of ``plan``, each from its own database."""
-        indices = plan.indices[start:stop]
+    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+        """Rows of ``plan`` from ``start`` on into ``parts``, each row from its own
+        database."""
+        for part in parts:
+            self._fill_part(plan, start, part)
+            start += len(part.label)
+
+    def _fill_part(self, plan: BatchPlan, start: int, part: Part) -> None:
+        indices = plan.indices[start : start + len(part.label)]
         which = np.searchsorted(self._starts, indices, side="right") - 1
         for k in np.unique(which).tolist():
-            rows = np.flatnonzero(which == k)  # relative to start
+            rows = np.flatnonzero(which == k)  # relative to start: the part's rows
             sub = plan.take(start + rows, indices[rows] - self._starts[k])
             n = len(rows)
             first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == n:  # one run: straight into the batch
-                a, b = start + first, start + first + n
-                run = geometry_out.take(slice(a, b)) if geometry_out is not None else None
-                self._parts[k].fill(sub, data_out[a:b], label_out[a:b], 0, n, run)
+            if last - first + 1 == n:  # one run: straight into the part
+                a, b = first, first + n
+                run = part.geometry.take(slice(a, b)) if part.geometry is not None else None
+                self._parts[k].fill(sub, 0, [Part(part.data[a:b], part.label[a:b], run)])
                 continue
-            data = np.empty((n, *data_out.shape[1:]), data_out.dtype)
-            label = np.empty(n, label_out.dtype)
-            geometry = Geometry.zeros(n) if geometry_out is not None else None
-            self._parts[k].fill(sub, data, label, 0, n, geometry)
-            at = start + rows
-            data_out[at] = data
-            label_out[at] = label
-            if geometry_out is not None and geometry is not None:
-                store_geometry(geometry_out, at, geometry)
+            data = np.empty((n, *part.data.shape[1:]), part.data.dtype)
+            label = np.empty(n, part.label.dtype)
+            geometry = Geometry.zeros(n) if part.geometry is not None else None
+            self._parts[k].fill(sub, 0, [Part(data, label, geometry)])
+            part.data[rows] = data
+            part.label[rows] = label
+            if part.geometry is not None and geometry is not None:
+                store_geometry(part.geometry, rows, geometry)

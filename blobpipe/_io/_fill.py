@@ -1,6 +1,8 @@
 """Filling batch rows: the one path from stored records to transformed rows.
 
-For rows ``[start:stop]`` of a plan, :meth:`Filler.fill`
+For consecutive rows of a plan, from ``start`` on, written into one or several
+:class:`Part` s (each its own arrays: a merged plan's batches straight into their
+slots), :meth:`Filler.fill`
 
 1. locates the records in the record index (``_index.py``): the LMDB data file
    mapped read-only when it can be, else the joined values of these rows;
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +53,7 @@ from ._records import (
 )
 from ._transform import Phase, RecordParams, Transform
 
-__all__ = ["Filler", "RecordSource", "RowFiller", "shape_fix", "store_geometry"]
+__all__ = ["Filler", "Part", "RecordSource", "RowFiller", "part_of", "shape_fix", "store_geometry"]
 
 _U1 = np.dtype(np.uint8)
 # Rows at one stride are taken as one strided view per run while a batch has at
@@ -117,6 +119,23 @@ def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
     )
 
 
+class Part(NamedTuple):
+    """Consecutive rows of a fill, written to arrays of their own: ``data`` and
+    ``label`` hold ``len(label)`` rows, ``geometry`` (or None) their crops and flips."""
+
+    data: np.ndarray
+    label: np.ndarray
+    geometry: Geometry | None
+
+
+def part_of(
+    data_out: np.ndarray, label_out: np.ndarray, start: int, stop: int, geometry: Geometry | None
+) -> Part:
+    """Rows ``[start:stop]`` of whole-plan outputs, as one part (views)."""
+    rows = slice(start, stop)
+    return Part(data_out[rows], label_out[rows], None if geometry is None else geometry.take(rows))
+
+
 def store_geometry(out: Geometry, rows: slice | npt.NDArray[np.intp], geometry: Geometry) -> None:
     """``geometry``'s rows written into rows ``rows`` of ``out`` (a slice or an index
     array of ``len(geometry)`` rows)."""
@@ -145,17 +164,10 @@ class RowFiller(Protocol):
         """The shape of record ``index``, and its pixels and label if decoded."""
         ...
 
-    def fill(
-        self,
-        plan: BatchPlan,
-        data_out: np.ndarray,
-        label_out: np.ndarray,
-        start: int,
-        stop: int,
-        geometry_out: Geometry | None,
-    ) -> None:
-        """Rows ``[start:stop]`` of ``plan`` into the outputs (``geometry_out``: the
-        rows' crop offsets and flips, at the same rows)."""
+    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+        """Rows of ``plan`` from ``start`` on into ``parts``, in order: each part
+        takes as many rows as it holds (its ``geometry``: their crop offsets and
+        flips)."""
         ...
 
     def close(self) -> None:
@@ -303,19 +315,14 @@ class Filler:
 
     # -- filling ------------------------------------------------------------------------------
 
-    def fill(
-        self,
-        plan: BatchPlan,
-        data_out: np.ndarray,
-        label_out: np.ndarray,
-        start: int,
-        stop: int,
-        geometry_out: Geometry | None,
-    ) -> None:
-        """Rows ``[start:stop]`` of ``plan`` into the outputs (checked by the caller)."""
+    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+        """Rows of ``plan`` from ``start`` on into ``parts`` (checked by the caller):
+        the records located, the crops drawn and the checks made once for them all."""
         if self.kind == BLOBPROTO:
-            self._fill_blobs(plan, data_out, start, stop, geometry_out)
+            for a, part in _spans(start, parts):
+                self._fill_blobs(plan, part, a)
             return
+        stop = start + sum(len(part.label) for part in parts)
         n = stop - start
         index = self.index()
         persistent = index is not None
@@ -327,24 +334,30 @@ class Filler:
         c, h, w = plan.record_shape  # a Datum's
         shape = (c, h, w)
         loc = index.locate(rows, shape)
-        label_out[start:stop] = loc.label
+        spans = [(a - start, part) for a, part in _spans(start, parts)]
+        for a, part in spans:
+            part.label[:] = loc.label[a : a + len(part.label)]
         t = self._transform
         spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = plan.words[start:stop]
-        out = data_out[start:stop]
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
-            if not apply_raw(loc.buffer, loc.offset, shape, out, geometry, spec):
-                for lo, hi, src in self._raw_blocks(loc, shape, out):
-                    apply(np, src, out[lo:hi], geometry.take(slice(lo, hi)), spec)
-            if geometry_out is not None:
-                store_geometry(geometry_out, slice(start, stop), geometry)
+            for a, part in spans:
+                m = len(part.label)
+                g = geometry if m == n else geometry.take(slice(a, a + m))
+                offsets = loc.offset[a : a + m]
+                if not apply_raw(loc.buffer, offsets, shape, part.data, g, spec):
+                    for lo, hi, src in _raw_blocks(loc.buffer, offsets, shape, part.data):
+                        apply(np, src, part.data[lo:hi], g.take(slice(lo, hi)), spec)
+                if part.geometry is not None:
+                    store_geometry(part.geometry, slice(None), g)
         else:  # row by row: each decoded image transformed while it is in cache
-            # each row's crop and flip, set below (or its checked path raises), in
-            # place in geometry_out's rows (views) when it is given
-            h_off, w_off, mirror = (
-                Geometry.zeros(n) if geometry_out is None else geometry_out.take(slice(start, stop))
-            ).arrays()
+            # each row's crop and flip, set below (or its checked path raises), then
+            # stored in the parts' geometry
+            drawn = Geometry.zeros(n)
+            h_off, w_off, mirror = drawn.arrays()
+            # row r's part and its row there
+            where = [(part, r) for _, part in spans for r in range(len(part.label))]
             expected = plan.data_shape[1:]
             learned: list[tuple[int, tuple[int, ...]]] = []
             # rows of the batch's record shape (all, mostly) take their crops and
@@ -354,10 +367,11 @@ class Filler:
             fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
             kinds = loc.kind.tolist()
             for r, chw in self._rows(plan, loc, start, shared):
+                part, at = where[r]
                 fit = None if chw is None else (chw.shape, chw.dtype)
                 if fit is None or (fit not in fits and not self._fits(chw, expected)):
                     # the checked path raises; a row it fills after all is done
-                    p = self._checked_row(plan, data_out, label_out, start + r)
+                    p, part.label[at] = self._checked_row(plan, start + r, part.data[at])
                     h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
                     continue
                 fits.add(fit)
@@ -366,28 +380,27 @@ class Filler:
                 else:
                     hh, ww, flip = t.geometry(chw.shape, self._phase, words[r : r + 1]).row(0)
                 h_off[r], w_off[r], mirror[r] = hh, ww, flip
-                apply_one(chw, out[r], hh, ww, flip, spec)
+                apply_one(chw, part.data[at], hh, ww, flip, spec)
                 if kinds[r] == ENCODED:
                     learned.append((r, chw.shape))
+            for a, part in spans:
+                if part.geometry is not None:
+                    store_geometry(
+                        part.geometry, slice(None), drawn.take(slice(a, a + len(part.label)))
+                    )
             if persistent and learned:
-                at = np.fromiter((r for r, _ in learned), np.intp, len(learned))
-                index.note_shapes(rows[at], np.array([s for _, s in learned], np.int32))
+                noted = np.fromiter((r for r, _ in learned), np.intp, len(learned))
+                index.note_shapes(rows[noted], np.array([s for _, s in learned], np.int32))
         if persistent:
             self._check_snapshot(index)
 
-    def _fill_blobs(
-        self,
-        plan: BatchPlan,
-        data_out: np.ndarray,
-        start: int,
-        stop: int,
-        geometry_out: Geometry | None,
-    ) -> None:
-        """BlobProto rows ``[start:stop]``: each record's values, through the kernel
-        unless the transform is the identity."""
+    def _fill_blobs(self, plan: BatchPlan, part: Part, start: int) -> None:
+        """BlobProto rows from ``start`` on into ``part``: each record's values,
+        through the kernel unless the transform is the identity."""
         rows = []
         shape = plan.record_shape
-        for r in range(start, stop):
+        n = len(part.label)
+        for r in range(start, start + n):
             first = plan.first_decoded if r == 0 else None
             values = first[0] if first is not None else self._blob(int(plan.indices[r]))
             if values.shape != shape:
@@ -399,16 +412,15 @@ class Filler:
                     key=plan.keys[r],
                 )
             rows.append(values)
-        out = data_out[start:stop]
+        out = part.data
         t = self._transform
-        n = stop - start
         if t.is_identity:
             for r, values in enumerate(rows):
                 out[r] = values
             geometry = Geometry.zeros(n)
         else:
             chw = shape[-3:]
-            words = plan.words[start:stop]
+            words = plan.words[start : start + n]
             geometry = t.geometry(chw, self._phase, words)
             spec = t.kernel_spec(chw)
             if len(shape) == 3:
@@ -417,8 +429,8 @@ class Filler:
                 items = shape[0]
                 for r, values in enumerate(rows):
                     apply(np, values, out[r], geometry.take([r] * items), spec)
-        if geometry_out is not None:
-            store_geometry(geometry_out, slice(start, stop), geometry)
+        if part.geometry is not None:
+            store_geometry(part.geometry, slice(None), geometry)
         index = self.index()
         if index is not None:
             self._check_snapshot(index)
@@ -440,35 +452,6 @@ class Filler:
                 "new one to read the new data",
                 path=self._path,
             )
-
-    def _raw_blocks(
-        self, loc: Located, shape: tuple[int, int, int], out: np.ndarray
-    ) -> list[tuple[int, int, Any]]:
-        """Raw rows of one shape as the kernel's sources, ``(lo, hi, rows lo..hi)``:
-        one strided view of the buffer per run of rows that lie at one stride (all
-        of them, mostly: records in key order sit one after another), when the runs
-        are few; else one gather (small rows) or a view per row (large rows)."""
-        offsets = loc.offset
-        n = len(offsets)
-        c, h, w = shape
-        size = c * h * w
-        buffer = loc.buffer
-
-        def view(lo: int, hi: int, stride: int) -> Any:
-            return np.ndarray(
-                (hi - lo, c, h, w), _U1, buffer=buffer, offset=int(offsets[lo]),
-                strides=(stride, h * w, w, 1),
-            )  # fmt: skip
-
-        stride = int(offsets[1] - offsets[0]) if n > 1 else size
-        if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
-            return [(0, n, view(0, n, stride))]
-        runs = _stride_runs(offsets.tolist(), max(1, n // _ROWS_PER_RUN))
-        if runs is not None:
-            return [(lo, hi, view(lo, hi, step)) for lo, hi, step in runs]
-        if prefers_block(out[0].nbytes):  # one gather: every size-byte window of the buffer
-            return [(0, n, byte_windows(buffer, size)[offsets].reshape(n, c, h, w))]
-        return [(0, n, [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()])]
 
     def _rows(
         self, plan: BatchPlan, loc: Located, start: int, shared: Geometry
@@ -552,16 +535,11 @@ class Filler:
             get = fast_get() if fast_get is not None else txn.get
             return [_bytes(_try(get, k)) for k in keys]
 
-    def _checked_row(
-        self,
-        plan: BatchPlan,
-        data_out: np.ndarray,
-        label_out: np.ndarray,
-        row: int,
-    ) -> RecordParams:
-        """Row ``row`` read, checked and transformed record by record: raises the
-        error that names it (the only reason a row comes here); returns the crop and
-        flip it used if the record turns out fine after all."""
+    def _checked_row(self, plan: BatchPlan, row: int, out: np.ndarray) -> tuple[RecordParams, int]:
+        """Row ``row`` read, checked and transformed into ``out`` record by record:
+        raises the error that names it (the only reason a row comes here); returns
+        the crop and flip it used and its label if the record turns out fine after
+        all."""
         t = self._transform
         key = plan.keys[row]
         first = plan.first_decoded if row == 0 else None
@@ -583,13 +561,48 @@ class Filler:
                 )
             word = int(plan.words[row])
             params = t.record_params(chw.shape, phase=self._phase, word=word)
-            t.apply_into(chw, data_out[row], params=params)
+            t.apply_into(chw, out, params=params)
         except DataError:
             raise
         except BlobpipeError as exc:
             raise DataError(str(exc), path=self._path, key=key) from exc
-        label_out[row] = label
-        return params
+        return params, label
+
+
+def _raw_blocks(
+    buffer: Any, offsets: npt.NDArray[np.int64], shape: tuple[int, int, int], out: np.ndarray
+) -> list[tuple[int, int, Any]]:
+    """Raw rows of one shape at ``offsets`` of ``buffer`` as the kernel's sources,
+    ``(lo, hi, rows lo..hi)``: one strided view of the buffer per run of rows that
+    lie at one stride (all of them, mostly: records in key order sit one after
+    another), when the runs are few; else one gather (small rows) or a view per row
+    (large rows)."""
+    n = len(offsets)
+    c, h, w = shape
+    size = c * h * w
+
+    def view(lo: int, hi: int, stride: int) -> Any:
+        return np.ndarray(
+            (hi - lo, c, h, w), _U1, buffer=buffer, offset=int(offsets[lo]),
+            strides=(stride, h * w, w, 1),
+        )  # fmt: skip
+
+    stride = int(offsets[1] - offsets[0]) if n > 1 else size
+    if stride >= 0 and (n < 3 or (np.diff(offsets) == stride).all()):
+        return [(0, n, view(0, n, stride))]
+    runs = _stride_runs(offsets.tolist(), max(1, n // _ROWS_PER_RUN))
+    if runs is not None:
+        return [(lo, hi, view(lo, hi, step)) for lo, hi, step in runs]
+    if prefers_block(out[0].nbytes):  # one gather: every size-byte window of the buffer
+        return [(0, n, byte_windows(buffer, size)[offsets].reshape(n, c, h, w))]
+    return [(0, n, [buffer[o : o + size].reshape(c, h, w) for o in offsets.tolist()])]
+
+
+def _spans(start: int, parts: Sequence[Part]) -> Iterator[tuple[int, Part]]:
+    """Each part with the plan row it starts at (parts hold consecutive rows)."""
+    for part in parts:
+        yield start, part
+        start += len(part.label)
 
 
 def _try(get: Callable[[bytes], Any], key: bytes) -> Any:

@@ -1,25 +1,25 @@
-"""Small batches filled several at once: a chunk, handed to ring slots together.
+"""Small batches filled several at once: a chunk, straight into ring slots.
 
 A batch of small records costs more in per-call Python (planning it, locating
-its records, one kernel call) than in work on its rows. So while batches are
-small, each filler plans consecutive batches together (:meth:`Batches.next_plans`,
-up to :data:`CHUNK_BYTES` of output, :data:`CHUNK_ROWS` rows or
-:data:`CHUNK_BATCHES` batches, each batch at most :data:`CHUNK_BATCH_BYTES`),
-fills them in one :meth:`Batches.fill` of their :func:`merged` plan into a
-scratch array, waits for its chunk's turn and until the ring has a free slot
-for each (one wake-up per chunk), and copies each batch's rows into its slot:
-the per-call costs are paid once per chunk, the copy is a memcpy of the batch,
-and the fillers fill their chunks at once.
+its records, one kernel call, a hand-off to the consumer) than in work on its
+rows. So while batches are small, each filler plans consecutive batches
+together (:meth:`Batches.next_plans`, up to :data:`CHUNK_BYTES` of output,
+:data:`CHUNK_ROWS` rows or :data:`CHUNK_BATCHES` batches), takes a free ring slot
+for each in its chunk's turn (one wake-up per chunk), and fills them in one
+:meth:`Batches.fill_parts` of their :func:`merged` plan, each batch's rows
+straight into its slot: the per-call costs are paid once per chunk, nothing is
+copied, and the fillers fill their chunks at once.
 
 Invariants:
 
 * a chunk's batches are numbered consecutively under the plan lock and posted
   in that order; chunks take their slots in number order (a chunk waits for
-  its :attr:`Chunk.turn`: every chunk planned before it handed out), and the
-  pipeline widens (every filler taking a slot before it plans) only once every
-  chunk planned is handed out, so no later batch can hold the slot an earlier
-  one waits for;
-* the rows filled ahead of the ring are at most one chunk per filler;
+  its turn: every chunk planned before it has its slots), and the pipeline
+  widens (every filler taking a slot before it plans) only once every chunk
+  planned has its slots, so no later batch can hold the slot an earlier one
+  waits for;
+* a chunk is filled only into slots it holds: the rows filled ahead of the
+  consumer are the ring's;
 * rows are filled exactly as filling each plan alone fills them (the merged
   plan's rows are the plans' rows end to end); when the merged fill raises, the
   plans are filled one by one, so the batches before the failing one are
@@ -30,8 +30,6 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections import deque
-from typing import Any
 
 import numpy as np
 
@@ -39,130 +37,50 @@ from .._io._batches import Batches, BatchPlan
 from .._io._kernels import Geometry
 from .._io._plan import merged
 
-__all__ = [
-    "CHUNK_BATCHES",
-    "CHUNK_BATCH_BYTES",
-    "CHUNK_BYTES",
-    "CHUNK_ROWS",
-    "Chunk",
-    "chunk_batches",
-]
+__all__ = ["CHUNK_BATCHES", "CHUNK_BYTES", "CHUNK_ROWS", "chunk_batches", "fill_chunk"]
 
-#: The most output bytes filled in one chunk (beyond the ring's slots).
-CHUNK_BYTES = 2 << 20
+#: The most output bytes filled in one chunk (the ring holds two chunks' slots).
+CHUNK_BYTES = 4 << 20
 #: The most rows filled in one chunk.
 CHUNK_ROWS = 1024
 #: The most batches in one chunk (beyond this the per-batch costs outside the fill
 #: dominate).
 CHUNK_BATCHES = 16
-#: The largest batch (output bytes) a chunk takes. A chunk saves each batch its
-#: per-call costs (tens of µs, whatever its size) and costs it a copy into its slot
-#: (about 0.16 µs a KiB on the benchmark machine); above this the copy costs more
-#: than it saves, and each filler fills one batch at a time straight into its slot
-#: (measured both sides: docs/performance.md).
-CHUNK_BATCH_BYTES = 512 << 10
+
+Arrays = tuple[np.ndarray, np.ndarray, Geometry | None]  # a slot's data, labels, geometry
 
 
 def chunk_batches(plan: BatchPlan) -> int:
     """How many batches like ``plan`` one chunk holds (1: no chunk; always for a plan
     with other sources read in lockstep, which go into their slots directly, and for
-    a batch of more than :data:`CHUNK_BATCH_BYTES`)."""
+    a batch of more than half :data:`CHUNK_BYTES`)."""
     if plan.extra:
         return 1
     nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
-    if nbytes > CHUNK_BATCH_BYTES:
-        return 1
     rows = max(len(plan), 1)
     return max(1, min(CHUNK_BYTES // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
 
 
-class Chunk:
-    """Batches filled ahead: each one's number, plan and rows of the scratch arrays."""
+def fill_chunk(
+    batches: Batches, plans: list[BatchPlan], arrays: list[Arrays]
+) -> tuple[int, Exception | None]:
+    """Fill the consecutive ``plans`` (each of one source, no other source read in
+    lockstep) into their slots' ``arrays``, in one fill of their merged plan.
 
-    def __init__(self) -> None:
-        # (number, plan, data rows, label rows, geometry rows)
-        self._left: deque[tuple[int, BatchPlan, np.ndarray, np.ndarray, Geometry]] = deque()
-        # the number the chunk was planned from: its place in the order chunks take
-        # slots in (the pipeline's), until its last batch is handed out
-        self.turn = 0
-
-    def __len__(self) -> int:
-        """Batches filled and not handed to a slot yet."""
-        return len(self._left)
-
-    def clear(self) -> None:
-        self._left.clear()
-
-    def fill(self, batches: Batches, numbered: list[tuple[int, BatchPlan]]) -> Exception | None:
-        """Fill the consecutive plans ``numbered`` (``(number, plan)``, each of one
-        source, no other source read in lockstep) into new scratch arrays, keeping
-        each batch's rows for :meth:`next`.
-
-        Returns None, or the error filling one of them raised: the batches before
-        it are kept, it and those after it are not (the caller posts the error
-        at the number of the batch after the kept ones).
-        """
-        plans = [plan for _, plan in numbered]
-        one = merged(plans)
-        if one is not None:
-            arrays = _scratch(one)
-            if _filled(batches, one, arrays):
-                start = 0
-                for number, plan in numbered:
-                    self._keep(number, plan, arrays, start)
-                    start += len(plan)
-                return None
-        for number, plan in numbered:  # one by one: where a batch fails, stop
-            arrays = _scratch(plan)
-            try:
-                batches.fill(plan, *arrays[:2], geometry_out=arrays[2])
-            except Exception as exc:
-                return exc
-            self._keep(number, plan, arrays, 0)
-        return None
-
-    def _keep(
-        self,
-        number: int,
-        plan: BatchPlan,
-        arrays: tuple[np.ndarray, np.ndarray, Geometry],
-        start: int,
-    ) -> None:
-        rows = slice(start, start + len(plan))
-        data, label, geometry = arrays
-        self._left.append((number, plan, data[rows], label[rows], geometry.take(rows)))
-
-    def next(self) -> tuple[int, BatchPlan]:
-        """The next batch's number and plan (the chunk is not empty); its rows then
-        go into a slot's arrays with :meth:`copy_into`."""
-        number, plan = self._left[0][:2]
-        return number, plan
-
-    def copy_into(self, data: np.ndarray, label: np.ndarray, geometry: Geometry | None) -> None:
-        """Copy the batch :meth:`next` named into a slot's arrays, and drop it."""
-        _, _, rows, labels, geom = self._left.popleft()
-        np.copyto(data, rows)
-        np.copyto(label, labels)
-        if geometry is not None:
-            for mine, theirs in zip(geometry.arrays(), geom.arrays(), strict=True):
-                np.copyto(mine, theirs)
-
-
-def _filled(batches: Batches, plan: BatchPlan, arrays: tuple[Any, Any, Geometry]) -> bool:
-    """Whether ``plan`` filled into ``arrays`` without an error (a merged plan's
-    error is raised again by the one-by-one fill that places it)."""
-    try:
-        batches.fill(plan, *arrays[:2], geometry_out=arrays[2])
-    except Exception:
-        return False
-    return True
-
-
-def _scratch(plan: BatchPlan) -> tuple[Any, Any, Geometry]:
-    """New arrays for a fill of ``plan``: data, labels, each row's crop and flip."""
-    n = len(plan)
-    return (
-        np.empty(plan.data_shape, plan.dtype),
-        np.empty(n, plan.label_dtype),
-        Geometry.zeros(n),
-    )
+    Returns how many were filled and None, or how many were filled before the plan
+    whose fill raised and its error (the batches before it are filled).
+    """
+    one = merged(plans)
+    if one is not None:
+        try:
+            batches.fill_parts(one, arrays)
+        except Exception:  # raised again by the one-by-one fill, at its own batch
+            pass
+        else:
+            return len(plans), None
+    for k, (plan, (data, label, geometry)) in enumerate(zip(plans, arrays, strict=True)):
+        try:
+            batches.fill(plan, data, label, geometry_out=geometry)
+        except Exception as exc:
+            return k, exc
+    return len(plans), None

@@ -50,9 +50,9 @@ class Loader(AsyncForm, BlockingForm):
             "cpu", "cuda" (the calling thread's current CUDA device, as torch's),
             "cuda:N", or a Backend (e.g. the emulated device in tests).
         prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT). Small batches
-            (a few together under 2 MiB) are filled a chunk of up to 16 at a time
-            and handed over together: the ring then grows to ``2 * chunk + 1``
-            slots, and one chunk more is filled ahead (``statistics().slots``).
+            (a few together under 4 MiB) are filled a chunk of up to 16 at a time
+            straight into their slots and handed over together: the ring then
+            grows to ``2 * chunk + 1`` slots (``statistics().slots``).
         order: "key" (Caffe), "shuffle", "buffer" (with ``buffer_size``) or "quasi".
         shuffle: shorthand for ``order="shuffle"``.
         workers: the worker-thread limit (default: the CPU count): ``min(workers,

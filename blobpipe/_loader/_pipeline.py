@@ -5,8 +5,8 @@ free slot from the ring, wait for the device work still reading it, number and
 plan the next batch (under one lock, so numbers follow plan order), fill it,
 issue its device work, post it to the hand-off by number. While batches are
 small (quick to fill, several to a chunk), each filler fills a chunk of
-consecutive batches at a time, and chunks take their slots in number order
-(``_chunk.py``). A consumer takes the batches
+consecutive batches at a time straight into their slots, and chunks take their
+slots in number order (``_chunk.py``). A consumer takes the batches
 by number in these steps: :meth:`Pipeline.begin_next`, a take from
 :attr:`Pipeline.handoff` (waiting as its driver waits: ``_async`` on an event
 loop, ``_blocking`` in a thread), :meth:`Pipeline.arrived`, the wait for the
@@ -32,8 +32,9 @@ from typing import Any
 from .._backends import Backend, Stream
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
+from . import _chunk
 from ._batch import Batch
-from ._chunk import Chunk, chunk_batches
+from ._chunk import chunk_batches
 from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
@@ -93,12 +94,12 @@ class Pipeline:
         # clear (small batches): each filler a chunk at a time (see _filler)
         self._wide = threading.Event()
         self._wide.set()
-        self._widen = False  # a filler sets _wide once every chunk is handed out
+        self._widen = False  # a filler sets _wide once every chunk has its slots
         # chunks take their slots in number order: the first numbers of the chunks
-        # planned and not handed out yet (at most one per filler), and the condition
-        # their fillers wait on for their turn
+        # planned that have not taken their slots yet (at most one per filler), and
+        # the condition their fillers wait on for their turn
         self._turns = threading.Condition(threading.Lock())
-        self._unhanded: list[int] = []
+        self._slotless: list[int] = []
         self._threads: list[threading.Thread] = []
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
@@ -232,8 +233,7 @@ class Pipeline:
                 self.release()
 
     def _filler(self, k: int) -> None:
-        """Filler ``k``'s loop; returns once the pipeline is not OPEN and its chunk
-        is handed out.
+        """Filler ``k``'s loop; returns once the pipeline is not OPEN.
 
         Whatever it raises is posted as a failure at the next batch number, so
         the consumer gets it in order, as itself, never as an exception group.
@@ -241,10 +241,9 @@ class Pipeline:
         a time (``_chunk.py``), in turn with the other fillers' chunks.
         """
         self.backend.bind_thread()  # works for this device only: no switch, no other context
-        chunk = Chunk()
-        while self.lifecycle.state is State.OPEN or chunk:
-            if chunk or not self._wide.is_set():
-                if not self._chunk_step(chunk):
+        while self.lifecycle.state is State.OPEN:
+            if not self._wide.is_set():
+                if not self._chunk_step():
                     return
                 continue
             slot = self._ring.take()
@@ -326,8 +325,8 @@ class Pipeline:
         """``batches`` batches took ``seconds`` to fill: the statistics, and whether
         batches are small: quick to fill, and ``chunkable`` (a chunk holds more than
         one of them; a batch alone in its chunk gains nothing from it). Any filler
-        narrows the pipeline at once; widening waits until every chunk planned is
-        handed out (:meth:`_widen_once_handed_out`)."""
+        narrows the pipeline at once; widening waits until every chunk planned has
+        its slots (:meth:`_widen_once_slotted`)."""
         each = seconds / batches
         self.counters.filled(seconds)
         small = each < SMALL_FILL and chunkable
@@ -336,92 +335,99 @@ class Pipeline:
         elif not small and not self._wide.is_set():
             self._widen = True
 
-    def _chunk_step(self, chunk: Chunk) -> bool:
-        """A filler while batches are small: fill a chunk when it is empty, then, in
-        its turn, hand out as many of its batches as the ring has free slots for,
-        taken together (the consumer wakes the filler once for them all). False
-        when the pipeline stopped or a batch failed."""
-        if not chunk:
-            if self._widen:  # the last chunk's batches were large: every filler runs
-                return self._widen_once_handed_out()
-            numbered, stop = self._plan_chunk()
-            if len(numbered) == 1:  # one batch: straight into a slot
-                return self._fill_one(*numbered[0], stop)
-            if numbered:
-                chunk.turn = numbered[0][0]
-                stop = self._fill_chunk(chunk, numbered, stop)
-                # room for this chunk while the consumer is on the last one
-                self._ring.grow(2 * len(numbered) + 1)
-            if stop is not None and stop[1] is not None:
-                self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
-            if not chunk:
-                if numbered:
-                    self._end_turn(chunk.turn)
-                return stop is not None and isinstance(stop[1], End)
-        handed = False
-        try:
-            handed = self._hand_out(chunk)
-        finally:
-            if not handed:
-                chunk.clear()
-            if not chunk:
-                self._end_turn(chunk.turn)
-        return handed
+    def _chunk_step(self) -> bool:
+        """A filler while batches are small: plan a chunk, take a free slot for each
+        of its batches in its turn (the consumer wakes the filler once for them
+        all), fill them straight into the slots and post them together; then what
+        ended planning early (the end of an epoch, a failure). False when the
+        pipeline stopped or a batch failed."""
+        if self._widen:  # the last chunk's batches were large: every filler runs
+            return self._widen_once_slotted()
+        numbered, stop = self._plan_chunk()
+        if len(numbered) == 1:  # one batch: straight into a slot
+            return self._fill_one(*numbered[0], stop)
+        if numbered:
+            # room for this chunk while the consumer is on the last one
+            self._ring.grow(2 * len(numbered) + 1)
+            slots = self._take_in_turn(numbered[0][0], len(numbered))
+            if slots is None or not self._fill_chunk(numbered, slots):
+                return False
+        if stop is not None and stop[1] is not None:
+            self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
+        return stop is None or isinstance(stop[1], End)
 
-    def _hand_out(self, chunk: Chunk) -> bool:
-        """Chunk ``chunk``'s batches into free slots (as many as the ring has), in its
-        turn; False when the pipeline stopped or a batch failed."""
-        if not self._await_turn(chunk.turn):
-            return False
-        slots = self._ring.take_many(len(chunk))
-        if slots is None:
-            return False
-        if self.lifecycle.state is State.CLOSED:  # a slot may be the consumer's last
-            self._ring.put_many(slots)
-            return False
-        made: list[tuple[int, Item]] = []
-        for i, slot in enumerate(slots):
-            number, plan = chunk.next()
-            try:
+    def _take_in_turn(self, first: int, n: int) -> list[Slot] | None:
+        """``n`` free slots for the chunk planned from batch ``first`` (or that batch,
+        planned alone), taken in its turn; None once closed."""
+        try:
+            slots = self._ring.take_many(n) if self._await_turn(first) else None
+        finally:
+            self._end_turn(first)
+        if slots is not None and self.lifecycle.state is State.CLOSED:
+            self._ring.put_many(slots)  # a slot may be the consumer's last
+            return None
+        return slots
+
+    def _fill_chunk(self, numbered: list[tuple[int, BatchPlan]], slots: list[Slot]) -> bool:
+        """Fill the chunk's batches straight into ``slots`` and post them together (one
+        wake-up of the consumer), a failure in place of the batch that failed (the
+        slots of it and those after it back to the ring); False when one failed."""
+        t0 = time.perf_counter()
+        arrays: list[_chunk.Arrays] = []
+        error: Exception | None = None
+        try:
+            for slot, (_, plan) in zip(slots, numbered, strict=True):
                 slot.event.synchronize()  # device work still reading the slot's buffers
                 data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
-                chunk.copy_into(data, label, geometry)
-                item = self._issue(slot, number, plan)
-            except Exception as exc:
-                item = self._failed(number, exc)[1]
+                arrays.append((data, label, geometry))
+        except Exception as exc:  # delivered to the consumer, in order
+            error = exc
+        filled = 0
+        if arrays:
+            plans = [plan for _, plan in numbered[: len(arrays)]]
+            filled, failed = _chunk.fill_chunk(self.batches, plans, arrays)
+            error = failed or error
+        self._filled(time.perf_counter() - t0, len(numbered), True)
+        made: list[tuple[int, Item]] = []
+        for slot, (number, plan) in zip(slots[:filled], numbered, strict=False):
+            item = self._issue(slot, number, plan)
             made.append((number, item))
-            if not isinstance(item, tuple):  # nothing after a failed batch is delivered
-                self._ring.put_many(slots[i:])
-                self.handoff.post_many(made)
-                return False
-        self.handoff.post_many(made)  # one wake-up of the consumer for them all
-        return True
+            if not isinstance(item, tuple):
+                break
+        else:
+            if error is not None:
+                number = numbered[filled][0]
+                made.append((number, self._failed(number, error)[1]))
+        held = sum(isinstance(item, tuple) for _, item in made)
+        self._ring.put_many(slots[held:])  # nothing after a failed batch is delivered
+        self.handoff.post_many(made)
+        return held == len(numbered)
 
     def _await_turn(self, first: int) -> bool:
         """Wait until the chunk planned from batch ``first`` (or that batch, planned
-        alone) is the earliest planned and not handed out: chunks take their slots in
+        alone) is the earliest planned without its slots: chunks take their slots in
         number order (a later chunk holding the slots an earlier one waits for would
         wait for it forever). False once closed."""
         with self._turns:
-            while min(self._unhanded) != first:
+            while min(self._slotless) != first:
                 if self.lifecycle.state is State.CLOSED:
                     return False
                 self._turns.wait()
         return self.lifecycle.state is not State.CLOSED
 
     def _end_turn(self, first: int) -> None:
-        """The chunk planned from batch ``first`` is handed out, or never will be: the
+        """The chunk planned from batch ``first`` has its slots, or never will: the
         next one's turn."""
         with self._turns:
-            self._unhanded.remove(first)
+            self._slotless.remove(first)
             self._turns.notify_all()
 
-    def _widen_once_handed_out(self) -> bool:
-        """Every filler runs, once every chunk planned is handed out (a filler taking a
-        slot before it plans would hold slots an earlier chunk waits for). False
+    def _widen_once_slotted(self) -> bool:
+        """Every filler runs, once every chunk planned has its slots (a filler taking
+        a slot before it plans would hold slots an earlier chunk waits for). False
         once closed."""
         with self._turns:
-            while self._unhanded:
+            while self._slotless:
                 if self.lifecycle.state is State.CLOSED:
                     return False
                 self._turns.wait()
@@ -432,12 +438,10 @@ class Pipeline:
 
     def _fill_one(self, number: int, plan: BatchPlan, stop: Stop | None) -> bool:
         """Batch ``number`` filled straight into a free slot, posted, then ``stop``."""
-        try:
-            slot = self._ring.take() if self._await_turn(number) else None
-        finally:
-            self._end_turn(number)
-        if slot is None:
+        slots = self._take_in_turn(number, 1)
+        if slots is None:
             return False
+        slot = slots[0]
         try:
             slot.event.synchronize()
             item: Item | None = self._fill_and_issue(slot, number, plan)
@@ -457,7 +461,7 @@ class Pipeline:
                 return [], (number, planned)
             numbered = [(number, planned)]
             with self._turns:
-                self._unhanded.append(number)
+                self._slotless.append(number)
             want = chunk_batches(planned)
             if want == 1:
                 return numbered, None
@@ -473,21 +477,6 @@ class Pipeline:
                     return numbered, (number, End())
                 numbered.append((number, plan))
         return numbered, None
-
-    def _fill_chunk(
-        self,
-        chunk: Chunk,
-        numbered: list[tuple[int, BatchPlan]],
-        stop: Stop | None,
-    ) -> Stop | None:
-        """Fill the planned batches into ``chunk`` (empty); returns ``stop``, or the
-        failure of the batch the fill stopped at (those before it are in the chunk)."""
-        t0 = time.perf_counter()
-        error = chunk.fill(self.batches, numbered)
-        self._filled(time.perf_counter() - t0, len(numbered), True)
-        if error is not None:
-            return self._failed(numbered[len(chunk)][0], error)
-        return stop
 
     def _failed(self, number: int, exc: Exception) -> tuple[int, Failure]:
         """Batch ``number`` failed: OPEN → FAILING, nothing after it is planned."""

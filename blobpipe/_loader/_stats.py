@@ -32,7 +32,7 @@ class LoaderStatistics:
         device_pool: the device pool's statistics (None without a device).
         slots: batch slots in the ring: ``prefetch``, or more while batches are
             small (handed over a chunk at a time, at most ``2 * 16 + 1`` slots of
-            batches under 2 MiB together, see the Loader's ``prefetch``).
+            batches under 4 MiB together, see the Loader's ``prefetch``).
     """
 
     batches: int
