@@ -412,6 +412,18 @@ def parallel_headroom(n: int = 32) -> float:
     return one / two
 
 
+def quiet_headroom(target: float = 1.7, patience: float = 20.0) -> float:
+    """The parallel headroom, measured again (every half second) while it is below
+    ``target``, for at most ``patience`` seconds: a round starts when the machine has
+    two cores to give, or after that wait; returns the last measurement."""
+    deadline = time.perf_counter() + patience
+    headroom = parallel_headroom()
+    while headroom < target and time.perf_counter() < deadline:
+        time.sleep(0.5)
+        headroom = parallel_headroom()
+    return headroom
+
+
 def run_pass(run: Run, row: Row, kind: str, keep: bool) -> None:
     c = row.contender
     epochs = 1 if kind == "first" else run.later_epochs

@@ -147,7 +147,7 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         "bench_sweep.py", tmp_path, "--json", str(out), "--plot", str(png), "--markdown"
     )
     text = proc.stdout
-    header = "| point | record B | epochs | plain later img/s | async first | async later |"
+    header = "| point | record B | epochs | headroom | plain later img/s | async first |"
     assert header in text
     assert "points PASS" in text
     doc = json.loads(out.read_text())
@@ -162,6 +162,7 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         # a later pass times several epochs of a small database (every pass checked
         # to deliver that many epochs' images)
         assert 1 <= point["later_epochs_per_pass"] <= 16
+        assert len(point["parallel_headroom_per_round"]) == 1
         for key in ("plain", "async", "blocking", "blocking1"):
             for kind in ("first", "later"):
                 sample = point["contenders"][key][kind]
