@@ -11,6 +11,7 @@ transform), over NumPy and, with a GPU, CuPy.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -287,6 +288,12 @@ def test_the_row_kernel_equals_caffe(
     spec = KernelSpec(crop, m, np.float32(scale), layout)  # type: ignore[arg-type]
     assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
     assert np.array_equal(out, want)
+    # the rows into several arrays (consecutive batches), in order, in one call
+    cuts = sorted(rng.integers(0, n + 1, int(rng.integers(0, 3))).tolist())
+    bounds = [0, *cuts, n]
+    parts = [np.full((b - a, *want.shape[1:]), 7, dtype) for a, b in itertools.pairwise(bounds)]
+    assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, parts, geo, spec)
+    assert np.array_equal(np.concatenate(parts), want)
 
 
 def test_the_row_kernel_refuses_rows_outside_its_buffers() -> None:
@@ -317,9 +324,22 @@ def test_the_row_kernel_refuses_rows_outside_its_buffers() -> None:
         apply_raw(
             buffer, np.array([0], np.int64), shape, np.zeros((2, 3, 4, 5), np.float32), ok, spec
         )
-    # an output the kernel does not write (not contiguous, or float64): NumPy's path
+    # several outputs: as many rows as there are offsets, each a whole number of rows
+    two = np.array([0, 40], np.int64)
+    with pytest.raises(ValueError, match="out must hold"):
+        apply_raw(buffer, two, shape, [out, out, out], Geometry.zeros(2), spec)
+    halves = [np.zeros(30, np.float32), np.zeros(90, np.float32)]  # 1.5 rows, then 0.5
+    with pytest.raises(ValueError, match="a whole number of rows"):
+        apply_raw(buffer, two, shape, halves, Geometry.zeros(2), spec)
+    apply_raw(
+        buffer, two, shape, [out, np.zeros((0, 3, 4, 5), np.float32), out], Geometry.zeros(2), spec
+    )
+    # an output the kernel does not write (not contiguous, or float64, or of two
+    # dtypes): NumPy's path
     assert not apply_raw(buffer, np.array([0], np.int64), shape, out[:, :, ::2], ok, spec)
     assert not apply_raw(buffer, np.array([0], np.int64), shape, np.zeros((1, 3, 4, 5)), ok, spec)
+    mixed = [out, np.zeros((1, 3, 4, 5), np.uint8)]
+    assert not apply_raw(buffer, two, shape, mixed, Geometry.zeros(2), spec)
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 7), (2, 6, 1)])

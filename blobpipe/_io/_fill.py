@@ -342,11 +342,13 @@ class Filler:
         words = plan.words[start:stop]
         if (loc.kind == RAW).all() and (loc.shape == shape).all():
             geometry = t.geometry(shape, self._phase, words)
-            for a, part in spans:
+            outs = [part.data for _, part in spans]
+            kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec)
+            for a, part in spans:  # one kernel call for every part, or each part here
                 m = len(part.label)
                 g = geometry if m == n else geometry.take(slice(a, a + m))
-                offsets = loc.offset[a : a + m]
-                if not apply_raw(loc.buffer, offsets, shape, part.data, g, spec):
+                if not kernel:
+                    offsets = loc.offset[a : a + m]
                     for lo, hi, src in _raw_blocks(loc.buffer, offsets, shape, part.data):
                         apply(np, src, part.data[lo:hi], g.take(slice(lo, hi)), spec)
                 if part.geometry is not None:

@@ -33,6 +33,7 @@ are done one row at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -319,24 +320,29 @@ def apply_raw(
     buffer: Any,
     offsets: npt.NDArray[np.int64],
     shape: tuple[int, int, int],
-    out: np.ndarray,
+    out: np.ndarray | Sequence[np.ndarray],
     geometry: Geometry,
     spec: KernelSpec,
 ) -> bool:
     """:func:`apply` for raw rows of one host ``buffer``: row ``i``'s ``shape`` pixels
-    are the C-contiguous bytes at ``offsets[i]``. Done by the compiled row kernel in
-    one call (the GIL released); False, nothing written, where it is not built or
-    ``out`` is not a C-contiguous float32 or uint8 array (the caller then uses
-    :func:`apply`).
+    are the C-contiguous bytes at ``offsets[i]``. ``out``: one array of the rows, or
+    several (consecutive batches) that take them in order. Done by the compiled row
+    kernel in one call (the GIL released once); False, nothing written, where it is
+    not built or an output is not a C-contiguous float32 or uint8 array (all of one
+    dtype; the caller then uses :func:`apply`).
 
     Raises:
         ValueError: an offset or a crop outside the buffer or the record (the
             caller has checked them; this is the kernel's own guard).
     """
     kernel = row_kernel()
-    if kernel is None or not out.flags.c_contiguous or out.dtype not in (_F4, _U1):
+    outs = [out] if isinstance(out, np.ndarray) else list(out)
+    if kernel is None or not outs:
         return False
-    mean = _kernel_mean(spec, out)
+    dtype = outs[0].dtype
+    if dtype not in (_F4, _U1) or any(o.dtype != dtype or not o.flags.c_contiguous for o in outs):
+        return False
+    mean = _kernel_mean(spec, outs[0])
     h_off, w_off, mirror = geometry.arrays()
     kernel.transform_rows(
         buffer,
@@ -347,7 +353,7 @@ def apply_raw(
         np.ascontiguousarray(mirror, np.bool_),
         mean,
         float(spec.scale),
-        out,
+        outs[0] if len(outs) == 1 else tuple(outs),
         spec.crop,
         spec.layout == "NHWC",
     )

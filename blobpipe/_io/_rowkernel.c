@@ -14,7 +14,9 @@
  * scale    the factor (a Python float, used as float32).
  * out      a writable C-contiguous buffer of n rows of C*crop*crop (crop: 0 is
  *          H and W), float32 (itemsize 4) or uint8 (itemsize 1: the pixels
- *          cropped and flipped, no arithmetic).
+ *          cropped and flipped, no arithmetic); or a tuple of such buffers, of
+ *          one itemsize, each a whole number of rows, that take the n rows in
+ *          order (consecutive batches, each in its own array).
  * nhwc     0: rows are (C, h, w); 1: (h, w, C).
  *
  * transform_image(src, hwc, shape, h_off, w_off, flip, mean, scale, out, crop,
@@ -330,15 +332,28 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO(nnn)OOOOdOni", &src_o, &off_o, &C, &H, &W, &h_o, &w_o,
                           &flip_o, &mean_o, &scale, &out_o, &crop, &nhwc))
         return NULL;
-    Buf src = {0}, off = {0}, hb = {0}, wb = {0}, fb = {0}, mb = {0}, ob = {0};
+    Buf src = {0}, off = {0}, hb = {0}, wb = {0}, fb = {0}, mb = {0};
     PyObject *result = NULL;
     Spec sp;
+    const Py_ssize_t nout = PyTuple_Check(out_o) ? PyTuple_GET_SIZE(out_o) : 1;
+    Buf *obs = PyMem_Calloc(nout > 0 ? (size_t)nout : 1, sizeof(Buf));
+    if (obs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
     if (get_buf(src_o, &src, PyBUF_SIMPLE, "src") || get_buf(off_o, &off, PyBUF_FORMAT, "offsets") ||
         get_buf(h_o, &hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &wb, PyBUF_FORMAT, "w_off") ||
         get_buf(flip_o, &fb, PyBUF_SIMPLE, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
-        get_buf(out_o, &ob, PyBUF_WRITABLE | PyBUF_FORMAT, "out"))
+        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")))
         goto done;
+    if (nout < 1) {
+        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < nout; k++) {
+        PyObject *item = PyTuple_Check(out_o) ? PyTuple_GET_ITEM(out_o, k) : out_o;
+        if (get_buf(item, &obs[k], PyBUF_WRITABLE | PyBUF_FORMAT, "out")) goto done;
+    }
     Py_ssize_t n = off.view.len / 8;
     if (off.view.itemsize != 8 || hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
         wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || hb.view.len / hb.view.itemsize != n ||
@@ -346,7 +361,24 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "offsets, h_off, w_off and mirror must be one per row");
         goto done;
     }
-    if (make_spec(&sp, C, H, W, crop, 0, nhwc, &mb, scale, &ob, n) < 0) goto done;
+    /* the outputs together, as one buffer of n rows (checked by make_spec) */
+    Buf all = obs[0];
+    all.view.len = 0;
+    for (Py_ssize_t k = 0; k < nout; k++) {
+        if (obs[k].view.itemsize != obs[0].view.itemsize) {
+            PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+            goto done;
+        }
+        all.view.len += obs[k].view.len;
+    }
+    if (make_spec(&sp, C, H, W, crop, 0, nhwc, &mb, scale, &all, n) < 0) goto done;
+    const Py_ssize_t row_bytes = C * sp.ch * sp.cw * sp.itemsize;
+    for (Py_ssize_t k = 0; k < nout; k++) {
+        if (obs[k].view.len % row_bytes != 0) {
+            PyErr_SetString(PyExc_ValueError, "each out must hold a whole number of rows");
+            goto done;
+        }
+    }
     const int64_t *offsets = (const int64_t *)off.view.buf;
     const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
     const uint8_t *flips = (const uint8_t *)fb.view.buf;
@@ -359,11 +391,19 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
         if (!crop_fits(&sp, hs[i], ws[i], i)) goto done;
     }
     const uint8_t *base = (const uint8_t *)src.view.buf;
-    const Py_ssize_t row_bytes = C * sp.ch * sp.cw * sp.itemsize;
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++)
-        transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0,
-                      (uint8_t *)ob.view.buf + i * row_bytes);
+    Py_ssize_t k = 0, left = obs[0].view.len;
+    uint8_t *dst = (uint8_t *)obs[0].view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        while (left == 0) { /* the next output (the lengths add up to n rows) */
+            k++;
+            dst = (uint8_t *)obs[k].view.buf;
+            left = obs[k].view.len;
+        }
+        transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, dst);
+        dst += row_bytes;
+        left -= row_bytes;
+    }
     Py_END_ALLOW_THREADS;
     Py_INCREF(Py_None);
     result = Py_None;
@@ -374,7 +414,8 @@ done:
     release(&wb);
     release(&fb);
     release(&mb);
-    release(&ob);
+    for (Py_ssize_t k = 0; k < nout; k++) release(&obs[k]);
+    PyMem_Free(obs);
     return result;
 }
 
