@@ -668,16 +668,7 @@ class Batches:
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
             raise ArgumentError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
-        if data_out.shape != plan.data_shape or data_out.dtype != plan.dtype:
-            raise ShapeError(
-                f"data_out has shape {data_out.shape} dtype {data_out.dtype}; the plan needs "
-                f"shape {plan.data_shape} dtype {plan.dtype}"
-            )
-        if label_out.shape != (n,) or label_out.dtype != plan.label_dtype:
-            raise ShapeError(
-                f"label_out has shape {label_out.shape} dtype {label_out.dtype}; the plan "
-                f"needs shape ({n},) dtype {plan.label_dtype}"
-            )
+        _check_outputs(plan, n, data_out, label_out, "data_out", "label_out")
         if geometry_out is not None:
             check_geometry_out(geometry_out, n)
         outs: list[tuple[Any, BatchPlan, np.ndarray]] = []  # (filler, part, out)
@@ -731,20 +722,10 @@ class Batches:
                 f"fill_parts: the parts hold {sum(len(label) for _, label, _ in parts)} rows; "
                 f"the plan has {len(plan)}"
             )
-        row_shape = plan.data_shape[1:]
         checked = []
-        for data, label, geometry in parts:
+        for k, (data, label, geometry) in enumerate(parts):
             m = len(label)
-            if data.shape != (m, *row_shape) or data.dtype != plan.dtype:
-                raise ShapeError(
-                    f"a part's data has shape {data.shape} dtype {data.dtype}; for its {m} "
-                    f"rows the plan needs shape {(m, *row_shape)} dtype {plan.dtype}"
-                )
-            if label.shape != (m,) or label.dtype != plan.label_dtype:
-                raise ShapeError(
-                    f"a part's labels have shape {label.shape} dtype {label.dtype}; the plan "
-                    f"needs shape ({m},) dtype {plan.label_dtype}"
-                )
+            _check_outputs(plan, m, data, label, f"parts[{k}] data", f"parts[{k}] label array")
             if geometry is not None:
                 check_geometry_out(geometry, m)
             checked.append(Part(data, label, geometry))
@@ -826,6 +807,28 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_outputs(
+    plan: BatchPlan, rows: int, data: np.ndarray, label: np.ndarray, data_name: str,
+    label_name: str,
+) -> None:  # fmt: skip
+    """Refuse arrays for ``rows`` rows of ``plan`` of another shape or element type.
+
+    Raises:
+        ShapeError: names the array (``data_name``, ``label_name``) and what it needs.
+    """
+    shape = (rows, *plan.data_shape[1:])
+    if data.shape != shape or data.dtype != plan.dtype:
+        raise ShapeError(
+            f"{data_name} has shape {data.shape} dtype {data.dtype}; the plan needs shape "
+            f"{shape} dtype {plan.dtype}"
+        )
+    if label.shape != (rows,) or label.dtype != plan.label_dtype:
+        raise ShapeError(
+            f"{label_name} has shape {label.shape} dtype {label.dtype}; the plan needs "
+            f"shape ({rows},) dtype {plan.label_dtype}"
+        )
 
 
 def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
