@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -59,7 +58,7 @@ from ._fill import Part, RecordSource, part_of
 from ._kernels import Geometry, check_geometry_out
 from ._lmdb import LmdbReader
 from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
-from ._plan import BatchPlan, Run, advance, key_source, row_arrays
+from ._plan import ArrayBatch, BatchPlan, Run, advance, key_source, row_arrays
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -73,51 +72,6 @@ Last = Literal["keep", "drop", "pad"]
 
 #: Largest batch (the data array of one batch, each source's) Batches plans by default.
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
-
-
-@dataclass(frozen=True, eq=False)
-class ArrayBatch:
-    """One batch of transformed records.
-
-    Attributes:
-        data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``
-            (``(N, *shape)`` for BlobProto records); with several sources, the
-            one named "data" (else the first).
-        label: ``(N,)`` labels: float32, as Caffe outputs them, or int64
-            (``label_dtype``); the source named "label" when there is one; None
-            for BlobProto records without a label source.
-        keys: the records' keys, row by row.
-        indices: the records' global indices (position in key order).
-        epoch: the epoch of the first row (in ``mode="wrap"`` a batch may run into
-            the next epoch; see ``plan.epochs``).
-        valid: the number of real rows; rows ``>= valid`` are padding.
-        state: the resume state after this batch.
-        plan: the plan the batch was built from.
-        arrays: every source's array by name (``batch["name"]``).
-    """
-
-    data: np.ndarray
-    label: np.ndarray | None
-    keys: list[bytes]
-    indices: tuple[int, ...]
-    epoch: int
-    valid: int
-    state: dict[str, Any]
-    plan: BatchPlan = field(repr=False)
-    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        """The array of the source ``name`` (``"data"`` for a single database).
-
-        Raises:
-            KeyError: no source of that name.
-        """
-        try:
-            return self.arrays[name]
-        except KeyError:
-            raise KeyError(
-                f"no source named {name!r}; this batch has {sorted(self.arrays)}"
-            ) from None
 
 
 class Batches:

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "ArrayBatch",
     "BatchPlan",
     "Run",
     "Step",
@@ -128,6 +129,51 @@ class BatchPlan:
     def epoch(self) -> int:
         """The epoch of the first row."""
         return int(self.epochs[0])
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayBatch:
+    """One batch of transformed records.
+
+    Attributes:
+        data: ``(N, C, h, w)`` (or NHWC) float32, or uint8 with ``dtype="uint8"``
+            (``(N, *shape)`` for BlobProto records); with several sources, the
+            one named "data" (else the first).
+        label: ``(N,)`` labels: float32, as Caffe outputs them, or int64
+            (``label_dtype``); the source named "label" when there is one; None
+            for BlobProto records without a label source.
+        keys: the records' keys, row by row.
+        indices: the records' global indices (position in key order).
+        epoch: the epoch of the first row (in ``mode="wrap"`` a batch may run into
+            the next epoch; see ``plan.epochs``).
+        valid: the number of real rows; rows ``>= valid`` are padding.
+        state: the resume state after this batch.
+        plan: the plan the batch was built from.
+        arrays: every source's array by name (``batch["name"]``).
+    """
+
+    data: np.ndarray
+    label: np.ndarray | None
+    keys: list[bytes]
+    indices: tuple[int, ...]
+    epoch: int
+    valid: int
+    state: dict[str, Any]
+    plan: BatchPlan = field(repr=False)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """The array of the source ``name`` (``"data"`` for a single database).
+
+        Raises:
+            KeyError: no source of that name.
+        """
+        try:
+            return self.arrays[name]
+        except KeyError:
+            raise KeyError(
+                f"no source named {name!r}; this batch has {sorted(self.arrays)}"
+            ) from None
 
 
 def _keys_at(keys: tuple[bytes, ...], rows: list[int]) -> Callable[[], tuple[bytes, ...]]:
