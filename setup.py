@@ -5,8 +5,9 @@ Caffe's transform of raw rows (``blobpipe/_io/_rowkernel.c``: crop, mirror, mean
 and layout, each row with its own crop, in one call without the GIL) needs only a C
 compiler.
 
-Decoding only a JPEG crop's window (libjpeg-turbo's partial decompression,
-``blobpipe/_io/_jpegwindow.c``) is built where libjpeg-turbo's headers are present
+Decoding a batch's JPEGs with libjpeg-turbo (only a crop's window where there is a crop:
+partial decompression) and transforming them in one call (``blobpipe/_io/_jpegwindow.c``,
+with the row kernel of ``_kernel.h``) is built where libjpeg-turbo's headers are present
 (Debian/Ubuntu: libjpeg62-turbo-dev or libjpeg-turbo8-dev; Fedora: libjpeg-turbo-devel).
 Elsewhere the build skips it (``optional``) and images are decoded whole with OpenCV:
 the same pixels.
@@ -19,12 +20,16 @@ setup(
         Extension(
             "blobpipe._io._jpegwindow",
             sources=["blobpipe/_io/_jpegwindow.c"],
+            depends=["blobpipe/_io/_kernel.h"],
             libraries=["jpeg"],
+            # the shared row kernel: no fused multiply-add (see below)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(
             "blobpipe._io._rowkernel",
             sources=["blobpipe/_io/_rowkernel.c"],
+            depends=["blobpipe/_io/_kernel.h"],
             # no fused multiply-add: every step rounds to float32 as Caffe's does
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,

@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe._io import _image
 from blobpipe._io._image import Undecodable, decode_image, decode_window
+from blobpipe._io._kernels import Geometry
 from blobpipe._io._wire import parse_datum
+from blobpipe._proto import caffe_pb2
 from tests._helpers import key, write_lmdb
 
 DATA = Path(__file__).parent / "data"
@@ -294,3 +296,232 @@ def test_a_large_image_does_not_stay_in_the_threads_block() -> None:
     used, got = window_of(big, 1, (1000, 2000, 64, 64))
     assert used and (got == full(big, 1)[1000:1064, 2000:2064]).all()
     assert _image._scratch.block is kept
+
+
+# -- a batch's JPEGs in one call: decode_rows ------------------------------------------------
+
+
+def reference_row(
+    img: np.ndarray,
+    h_off: int,
+    w_off: int,
+    crop: int,
+    flip: bool,
+    mean: np.ndarray | None,
+    scale: float,
+    dtype: str,
+    nhwc: bool,
+) -> np.ndarray:
+    """Caffe's transform of one decoded (H, W, 3) image, written out step by step."""
+    h, w = img.shape[:2]
+    ch, cw = (crop, crop) if crop else (h, w)
+    chw = img.transpose(2, 0, 1)[:, h_off : h_off + ch, w_off : w_off + cw]
+    if dtype == "uint8":
+        row = chw.copy()
+    else:
+        x = chw.astype(np.float32)
+        if mean is not None:
+            m = mean if mean.ndim == 1 else mean[:, h_off : h_off + ch, w_off : w_off + cw]
+            x = x - (m.reshape(3, 1, 1) if m.ndim == 1 else m)
+        row = x * np.float32(scale) if scale != 1 else x
+    if flip:
+        row = row[:, :, ::-1]
+    return np.ascontiguousarray(row.transpose(1, 2, 0) if nhwc else row)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    h=st.integers(1, 72),
+    w=st.integers(1, 72),
+    sampling=st.sampled_from(sorted(SAMPLINGS)),
+    progressive=st.booleans(),
+    restart=st.sampled_from([0, 0, 2]),
+    crop_frac=st.floats(0, 1),
+    mean=st.sampled_from(["none", "values", "file"]),
+    scale=st.sampled_from([1.0, 0.00390625, 0.017]),
+    dtype=st.sampled_from(["float32", "uint8"]),
+    nhwc=st.booleans(),
+    split=st.integers(0, 5),
+    data=st.data(),
+)
+def test_decode_rows_equal_the_whole_decode_then_the_transform(
+    seed: int,
+    h: int,
+    w: int,
+    sampling: str,
+    progressive: bool,
+    restart: int,
+    crop_frac: float,
+    mean: str,
+    scale: float,
+    dtype: str,
+    nhwc: bool,
+    split: int,
+    data: Any,
+) -> None:
+    """Every row written equals OpenCV's whole decode, cropped, flipped, minus the mean,
+    scaled; rows left alone (None, another size) are not written; the outputs may be
+    one array or consecutive parts."""
+    n = 5
+    crop = int(crop_frac * min(h, w))
+    ch, cw = (crop, crop) if crop else (h, w)
+    images: list[bytes | None] = [
+        jpeg(photo(seed + i, h, w), 50 + 10 * i, sampling, progressive, restart) for i in range(n)
+    ]
+    images[1] = None  # left to the caller
+    images[3] = jpeg(photo(seed, h + 1, w), 90, sampling)  # another size
+    h_off = np.array([data.draw(st.integers(0, h - ch)) for _ in range(n)], np.intp)
+    w_off = np.array([data.draw(st.integers(0, w - cw)) for _ in range(n)], np.intp)
+    flips = np.array([data.draw(st.booleans()) for _ in range(n)], np.bool_)
+    rng = np.random.default_rng(seed)
+    means = {
+        "none": None,
+        "values": np.array([104.0, 117.0, 123.5], np.float32),
+        "file": rng.uniform(0, 255, (3, h, w)).astype(np.float32),
+    }
+    m = means[mean] if dtype == "float32" else None
+    row_shape = (ch, cw, 3) if nhwc else (3, ch, cw)
+    out = np.full((n, *row_shape), 7, np.dtype(dtype))
+    parts: Any = out if split in (0, n) else (out[:split], out[split:])
+    status = jpegwindow.decode_rows(
+        images, (3, h, w), h_off, w_off, flips, m, scale, parts, crop, int(nhwc)
+    )
+    assert list(status) == [1, 0, 1, 0, 1]
+    for i in (0, 2, 4):
+        want = reference_row(
+            full(images[i], 1), int(h_off[i]), int(w_off[i]), crop, bool(flips[i]), m, scale,
+            dtype, nhwc,
+        )  # fmt: skip
+        assert np.array_equal(out[i], want), i
+    assert (out[1] == 7).all() and (out[3] == 7).all()
+
+
+def test_decode_rows_leave_what_cannot_be_promised() -> None:
+    """Gray, CMYK, EXIF-rotated and truncated JPEGs, PNGs and bytes that are no image
+    are left to the caller (status 0, their rows untouched); damaged entropy data is
+    left too, unless it decodes without a warning to OpenCV's pixels."""
+    pix = photo(4, 24, 32)
+    base = jpeg(pix)
+    damaged = bytearray(base)
+    damaged[len(base) // 2 : len(base) // 2 + 40] = b"\x00" * 40
+    images = [
+        base,
+        jpeg(cv2.cvtColor(pix, cv2.COLOR_BGR2GRAY)),
+        with_segment(base, exif(3)),
+        base[: len(base) * 2 // 3],
+        bytes(damaged),
+        cv2.imencode(".png", pix)[1].tobytes(),
+        b"\xff\xd8\xff\xe0" + b"\x00" * 50,
+        b"",
+        (DATA / "jpeg" / "cmyk.jpg").read_bytes(),
+    ]
+    n = len(images)
+    zeros = np.zeros(n, np.intp)
+    out = np.full((n, 3, 24, 32), -1, np.float32)
+    status = jpegwindow.decode_rows(
+        images, (3, 24, 32), zeros, zeros, np.zeros(n, np.bool_), None, 1.0, out, 0, 0
+    )
+    assert list(status[:4]) == [1, 0, 0, 0] and list(status[5:]) == [0] * (n - 5)
+    assert np.array_equal(out[0], full(base, 1).transpose(2, 0, 1))
+    if status[4]:  # damage libjpeg does not notice: the same pixels as OpenCV's decode
+        assert np.array_equal(out[4], full(bytes(damaged), 1).transpose(2, 0, 1))
+    assert (out[1:4] == -1).all() and (out[5:] == -1).all()
+
+
+def test_decode_rows_check_their_arguments() -> None:
+    data = jpeg(photo(5, 20, 24))
+    ok = np.zeros(2, np.intp)
+    flips = np.zeros(2, np.bool_)
+    out = np.zeros((2, 3, 20, 24), np.float32)
+    call = jpegwindow.decode_rows
+    with pytest.raises(ValueError, match="one per image"):
+        call([data, data], (3, 20, 24), np.zeros(3, np.intp), ok, flips, None, 1.0, out, 0, 0)
+    with pytest.raises(ValueError, match=r"\(3, H, W\)"):
+        call([data, data], (1, 20, 24), ok, ok, flips, None, 1.0, np.zeros((2, 1, 20, 24)), 0, 0)
+    small = np.zeros((2, 3, 16, 16), np.float32)
+    with pytest.raises(ValueError, match="crop does not fit"):
+        call([data, data], (3, 20, 24), ok + 5, ok, flips, None, 1.0, small, 16, 0)
+    with pytest.raises(ValueError, match="n rows"):
+        call([data, data], (3, 20, 24), ok, ok, flips, None, 1.0, out[:1], 0, 0)
+    with pytest.raises(ValueError, match="mean"):
+        call([data, data], (3, 20, 24), ok, ok, flips, np.zeros(2, np.float32), 1.0, out, 0, 0)
+    with pytest.raises(TypeError):
+        call([data, data], (3, 20, 24), ok, ok, flips, None, 1.0, out.tobytes(), 0, 0)
+    with pytest.raises(TypeError):
+        call([data, 3], (3, 20, 24), ok, ok, flips, None, 1.0, out, 0, 0)
+    assert not out.any()
+
+
+@pytest.mark.parametrize(
+    ("phase", "crop", "dtype", "layout"),
+    [
+        ("train", 32, "float32", "NCHW"),
+        ("test", 0, "float32", "NHWC"),
+        ("train", 0, "uint8", "NCHW"),
+    ],
+)
+def test_batches_of_one_image_size_are_decoded_in_one_call_and_are_the_same(
+    tmp_path: Path, phase: str, crop: int, dtype: str, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JPEGs of one size (with a gray one, an EXIF-rotated one, one of another size
+    and a PNG among them): the batches, and the crops and flips they report, are
+    those of OpenCV's whole decode, and the ordinary colour JPEGs go through
+    decode_rows (the others row by row)."""
+    records = []
+    for i in range(24):
+        pix = photo(i, 40, 48)
+        data = jpeg(pix, 60 + i, sorted(SAMPLINGS)[i % 5], progressive=i % 4 == 1)
+        if i == 5:
+            data = with_segment(data, exif(3))  # turned half round: the same size
+        if i == 9:
+            data = jpeg(cv2.cvtColor(pix, cv2.COLOR_BGR2GRAY))
+        if i == 14:
+            data = jpeg(photo(i, 48, 40))  # another size: an error without a crop
+        if i == 17:
+            data = cv2.imencode(".png", pix)[1].tobytes()
+        records.append((key(i), blobpipe.encode_encoded_datum(data, i % 4)))
+    db = tmp_path / "db"
+    write_lmdb(db, records)
+    mean_file = tmp_path / "mean.binaryproto"
+    mean = np.random.default_rng(0).uniform(0, 255, (3, 40, 48)).astype(np.float32)
+    proto = caffe_pb2.BlobProto(num=1, channels=3, height=40, width=48)
+    proto.data.extend(mean.reshape(-1).tolist())
+    mean_file.write_bytes(proto.SerializeToString())
+    transform = blobpipe.Transform(
+        crop_size=crop, mirror=phase == "train", scale=0.25, force_color=True,
+        mean_file=mean_file if dtype == "float32" else None, dtype=dtype, layout=layout,
+    )  # fmt: skip
+
+    def epoch() -> list[np.ndarray | str]:
+        """Each batch's data and its crops and flips, or its error."""
+        out: list[np.ndarray | str] = []
+        with blobpipe.Batches(db, 8, transform=transform, phase=phase, seed=3) as batches:
+            while (plan := batches.next_plan()) is not None and len(out) < 6:
+                data = np.empty(plan.data_shape, plan.dtype)
+                geometry = Geometry.zeros(8)
+                try:
+                    batches.fill(plan, data, np.empty(8, np.float32), geometry_out=geometry)
+                except blobpipe.DataError as exc:
+                    out.append(str(exc))
+                else:
+                    out += [data, np.stack(geometry.arrays())]
+        return out
+
+    written: list[int] = []
+    real = jpegwindow.decode_rows
+    monkeypatch.setattr(
+        jpegwindow, "decode_rows", lambda *a: written.append(sum(real(*a))) or real(*a)
+    )
+    together = epoch()
+    assert sum(written) >= 24 - 3 - 4 - 1  # all but batches' firsts and the odd ones
+    monkeypatch.setattr(_image, "_jpegwindow", None)
+    whole = epoch()
+    assert len(together) >= 3
+    for a, b in zip(together, whole, strict=True):
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b  # the same error, naming the record of another size
+        else:
+            assert np.array_equal(a, b)
+    if crop == 0:
+        assert any(isinstance(a, str) and "00000014" in a for a in together), together

@@ -36,9 +36,16 @@ import numpy.typing as npt
 
 from .._errors import BlobpipeError, DataError, ShapeError
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
-from ._image import Undecodable, decode_image, decode_window, imread_flag
+from ._image import (
+    Undecodable,
+    decode_image,
+    decode_rows,
+    decode_whole,
+    decode_window,
+    imread_flag,
+)
 from ._index import Located, RecordIndex
-from ._kernels import Geometry, apply, apply_one, apply_raw, prefers_block
+from ._kernels import Geometry, apply, apply_one, apply_raw, kernel_args, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan
 from ._records import (
@@ -368,7 +375,15 @@ class Filler:
             shared = t.geometry(shape, self._phase, words)
             fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
             kinds = loc.kind.tolist()
-            for r, chw in self._rows(plan, loc, start, shared):
+            # the JPEGs of the batch's record shape, in one call where it can be done
+            done = self._decode_rows(plan, loc, start, shared, [part.data for _, part in spans])
+            if done is not None and done.any():
+                written = np.flatnonzero(done)
+                h_off[written], w_off[written], mirror[written] = (
+                    a[written] for a in shared.arrays()
+                )
+                learned.extend((r, shape) for r in written.tolist())
+            for r, chw in self._rows(plan, loc, start, shared, done):
                 part, at = where[r]
                 fit = None if chw is None else (chw.shape, chw.dtype)
                 if fit is None or (fit not in fits and not self._fits(chw, expected)):
@@ -455,13 +470,50 @@ class Filler:
                 path=self._path,
             )
 
+    def _decode_rows(
+        self, plan: BatchPlan, loc: Located, start: int, shared: Geometry, outs: list[np.ndarray]
+    ) -> npt.NDArray[np.bool_] | None:
+        """The rows (of the range from ``start``, into ``outs``) whose JPEG has the
+        batch's record shape, decoded and transformed in one call where that is exact
+        (``decode_rows``, crops and flips from ``shared``); which rows were written,
+        or None where none could be (no compiled decoder, a record shape that does not
+        make this batch's rows: the checked path names why)."""
+        shape = plan.record_shape
+        expected = plan.data_shape[1:]
+        if len(shape) != 3 or shape[0] != 3:
+            return None
+        if not self._fits(np.broadcast_to(np.zeros((), np.uint8), shape), expected):
+            return None
+        spec = self._transform.kernel_spec(shape)
+        args = kernel_args(outs, shared, spec)
+        if args is None:
+            return None
+        buffer = loc.buffer
+        noted = loc.shape.tolist()
+        first = start == 0 and plan.first_decoded is not None  # row 0: next_plan decoded it
+        images: list[Any] = [
+            buffer[o : o + n]
+            if k == ENCODED and not (r == 0 and first) and (not s[0] or tuple(s) == shape)
+            else None
+            for r, (k, o, n, s) in enumerate(
+                zip(loc.kind.tolist(), loc.offset.tolist(), loc.length.tolist(), noted, strict=True)
+            )
+        ]
+        return decode_rows(images, shape, self._flag, args)
+
     def _rows(
-        self, plan: BatchPlan, loc: Located, start: int, shared: Geometry
+        self,
+        plan: BatchPlan,
+        loc: Located,
+        start: int,
+        shared: Geometry,
+        done: npt.NDArray[np.bool_] | None = None,
     ) -> Iterator[tuple[int, Any]]:
         """Each row's uncropped ``(C, H, W)`` pixels (None where they cannot be had),
         encoded images decoded one at a time, as the caller asks for the next; under
         a crop, an image of the batch's record shape decodes the window of its row
-        of ``shared`` (the range's draw for that shape)."""
+        of ``shared`` (the range's draw for that shape). Rows ``done`` (written
+        already) are left out."""
         buffer = loc.buffer
         offsets = loc.offset.tolist()
         lengths = loc.length.tolist()
@@ -486,7 +538,10 @@ class Filler:
 
             return of
 
+        skip = [] if done is None else done.tolist()
         for r, k in enumerate(kinds):
+            if skip and skip[r]:
+                continue
             if k == RAW:
                 c, h, w = loc.shape[r].tolist()
                 yield r, buffer[offsets[r] : offsets[r] + c * h * w].reshape(c, h, w)
@@ -498,7 +553,7 @@ class Filler:
                 if crop:  # each image decoded while the one before is transformed
                     hwc = decode_window(image, self._flag, window(r))
                 else:  # a shape noted in this snapshot: the bytes decoded before
-                    hwc = decode_image(image, self._flag, decoded_before=bool(loc.shape[r, 0]))
+                    hwc = decode_whole(image, self._flag, decoded_before=bool(loc.shape[r, 0]))
                 yield r, None if isinstance(hwc, Undecodable) else hwc.transpose(2, 0, 1)
             elif k == PARSED:
                 try:

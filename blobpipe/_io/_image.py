@@ -13,19 +13,21 @@ first; what OpenCV cannot decode comes back as :class:`Undecodable`, a sentence 
 caller puts in its error. OpenCV releases the GIL while it
 decodes, so worker threads decode in parallel.
 
-Where a batch keeps only a crop of each image, :func:`decode_window` decodes only the
-crop's window with libjpeg-turbo's partial decompression (the compiled
-``_jpegwindow`` module, built when libjpeg-turbo's headers are present at install),
-and only where the pixels are exactly those of OpenCV's whole-image decode (an
-ordinary colour JPEG: see ``_jpegwindow.c``); every other image, or every image when
-the module is absent, is decoded whole by :func:`decode_image`.
+A batch's images go through the compiled ``_jpegwindow`` module (libjpeg-turbo, built
+when its headers are present at install) wherever the pixels are exactly those of
+OpenCV's whole-image decode (an ordinary colour JPEG: see ``_jpegwindow.c``): where a
+batch keeps only a crop of each image, :func:`decode_window` decodes only the crop's
+window (partial decompression); where it keeps the whole image, :func:`decode_whole`
+decodes it straight into a block of the thread's, without OpenCV's fixed cost per
+call (about a third of a 64×64 image's decode). Every other image, or every image
+when the module is absent, is decoded by :func:`decode_image`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -39,6 +41,8 @@ __all__ = [
     "JpegFrame",
     "Undecodable",
     "decode_image",
+    "decode_rows",
+    "decode_whole",
     "decode_window",
     "image_header",
     "imread_flag",
@@ -166,6 +170,41 @@ def jpeg_window_decoding() -> bool:
     return _window_decoder() is not None
 
 
+def _thread_block(need: int) -> npt.NDArray[np.uint8]:
+    """``need`` bytes of this thread's block (grown to fit; kept up to _SCRATCH_KEEP)."""
+    block = getattr(_scratch, "block", None)
+    if block is None or len(block) < need:
+        block = np.empty(need, np.uint8)
+        if need <= _SCRATCH_KEEP:
+            _scratch.block = block
+    return cast("npt.NDArray[np.uint8]", block[:need])
+
+
+def decode_whole(
+    data: bytes | memoryview,
+    flag: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    *,
+    decoded_before: bool = False,
+) -> npt.NDArray[np.uint8] | Undecodable:
+    """:func:`decode_image`'s pixels of an image read once, right away: where libjpeg-turbo
+    gives exactly OpenCV's pixels (see the module docstring), an ``(H, W, 3)`` view of a
+    block of this thread's, valid until this thread's next call here or to
+    :func:`decode_window`; otherwise :func:`decode_image`'s result."""
+    decoder = _window_decoder()
+    if decoder is not None and flag in (1, -1) and data[:2] == b"\xff\xd8":
+        block = getattr(_scratch, "block", None)
+        if block is None:
+            block = _thread_block(1 << 16)
+        status, h, w = decoder.decode_whole(data, block, max_pixels)
+        if status == 2:  # a larger image than the block holds: its size is within max_pixels
+            block = _thread_block(h * w * 3)
+            status, h, w = decoder.decode_whole(data, block, max_pixels)
+        if status == 1:
+            return cast("npt.NDArray[np.uint8]", block[: h * w * 3].reshape(h, w, 3))
+    return decode_image(data, flag, max_pixels, decoded_before=decoded_before)
+
+
 def decode_window(
     data: bytes | memoryview,
     flag: int,
@@ -177,7 +216,9 @@ def decode_window(
     the whole image). Where the window alone can be decoded exactly (see the module
     docstring), the result is an ``(H, W, 3)`` view of a block of this thread's whose
     window holds the pixels :func:`decode_image` would give, the rest unspecified,
-    valid until this thread's next call; otherwise :func:`decode_image`'s result."""
+    valid until this thread's next call here or to :func:`decode_whole`; otherwise
+    :func:`decode_image`'s result (a window of the whole image goes to
+    :func:`decode_whole`)."""
     decoder = _window_decoder()
     if decoder is not None and flag in (1, -1):
         size = image_size(data)
@@ -186,16 +227,34 @@ def decode_window(
             h, w = frame.height, frame.width
             win = window(h, w) if 0 < h * w <= max_pixels else None
             if win is not None and win[2] * win[3] < h * w:
-                need = h * w * 3
-                block = getattr(_scratch, "block", None)
-                if block is None or len(block) < need:
-                    block = np.empty(need, np.uint8)
-                    if need <= _SCRATCH_KEEP:
-                        _scratch.block = block
-                out = block[:need]
+                out = _thread_block(h * w * 3)
                 if decoder.decode_window(data, out, *win):
                     return out.reshape(h, w, 3)
+            elif win is not None:  # the window is the whole image
+                return decode_whole(data, flag, max_pixels)
     return decode_image(data, flag, max_pixels)
+
+
+def decode_rows(
+    images: Sequence[bytes | memoryview | None],
+    shape: tuple[int, int, int],
+    flag: int,
+    kernel_args: tuple[Any, ...],
+) -> npt.NDArray[np.bool_] | None:
+    """A batch's JPEGs of ``shape`` (``(3, H, W)``, within the pixel limit: the
+    batch's, already checked) decoded and transformed into their output rows in one
+    call without the GIL (``_jpegwindow.decode_rows``: only a crop's window, where
+    there is a crop), wherever the pixels are exactly OpenCV's (see the module
+    docstring). ``images``: row ``i``'s bytes, or None to leave it;
+    ``kernel_args``: ``_kernels.kernel_args`` of the rows' outputs, geometry and
+    spec. Returns which rows were written; the caller fills the others (an image
+    of another size, refused, or None). None where nothing can be done here (no
+    compiled decoder, a flag other than colour or unchanged, not 3 channels)."""
+    decoder = _window_decoder()
+    if decoder is None or flag not in (1, -1) or shape[0] != 3:
+        return None
+    status = decoder.decode_rows(images, shape, *kernel_args)
+    return np.frombuffer(status, np.bool_)
 
 
 def imread_flag(force_color: bool, force_gray: bool) -> int:

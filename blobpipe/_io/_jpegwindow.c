@@ -1,4 +1,5 @@
-/* Decoding a window of a JPEG with libjpeg-turbo's partial decompression.
+/* Decoding a JPEG with libjpeg-turbo: a window alone (partial decompression), or
+ * the whole image straight into a caller's buffer.
  *
  * decode_window(data, out, top, left, height, width) -> bool
  *
@@ -13,20 +14,43 @@
  * sees the same neighbours as in a full decode; the caller checks exactness
  * against OpenCV's full decode.
  *
- * Returns True when the window was written. Returns False, having written
- * nothing the caller may use, whenever the result might differ from OpenCV's
- * cv2.imdecode of the whole image followed by the same crop: bytes that do not
+ * decode_whole(data, out, max_pixels) -> (status, height, width)
+ *
+ * The whole image as (height, width, 3) BGR rows into the first height*width*3
+ * bytes of `out`, several rows a call, no copy: status 1. Status 2: the image
+ * (height × width, at most max_pixels) needs a larger `out`; nothing is written,
+ * the caller grows it and calls again. Status 0: as False below. The size is
+ * read from the frame header and checked against max_pixels before anything
+ * is allocated or written.
+ *
+ * decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc)
+ *     -> bytes
+ *
+ * A batch's JPEGs of one shape (C, H, W) = (3, H, W): row i's image (a buffer, or
+ * None to leave the row alone) decoded, only the window of its crop (h_off[i],
+ * w_off[i], crop, crop) where there is a crop, and transformed into its output
+ * row by the shared kernel (_kernel.h: mirror, mean, scale, layout; the other
+ * arguments as _rowkernel.c's transform_rows); one call, the GIL released once.
+ * Returns one byte per row: 1 where the row was written, 0 where it was left to
+ * the caller (None, an image of another size, or refused as below). The one
+ * scratch image is H*W*3 bytes, the batch's shape, which the caller has checked.
+ *
+ * All three leave alone (False, status 0), having written nothing the caller may use,
+ * whenever the result might differ from OpenCV's cv2.imdecode of the whole image
+ * (followed by the same crop): bytes that do not
  * end with the EOI marker (a truncated file: its damage may lie below the
  * window, where this decode never looks), not a 3-component YCbCr JPEG of 8-bit
  * samples, an image of another size than `out` says, an EXIF orientation other
  * than 1, any libjpeg warning (damaged data) or error.
- * The caller then decodes the whole image. Memory is bounded by the image's
- * size, which the caller has checked against its pixel limit before calling.
+ * The caller then decodes the whole image with OpenCV. Memory is bounded by the
+ * image's size, which is checked against a pixel limit before any call decodes.
  *
  * The GIL is released while libjpeg runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_kernel.h"
 
 #include <setjmp.h>
 #include <stdio.h>
@@ -86,9 +110,18 @@ static unsigned exif_orientation(const JOCTET *p, unsigned len) {
 #undef U32
 }
 
-/* 1: written; 0: not exact or not possible (see the top of the file). */
+/* Rows read per jpeg_read_scanlines call of a whole-image decode. */
+#define ROWS_PER_READ 16
+
+/* 1: written; 0: not exact or not possible (see the top of the file); 2: (whole
+ * images) `out` is too small for the image, whose size is in *image_h, *image_w.
+ * `whole`: decode the whole image (the window arguments are ignored) if it has at
+ * most max_pixels pixels. want_h, want_w (0: any): refuse an image of another size
+ * before decoding it. */
 static int decode(const unsigned char *data, size_t size, unsigned char *out,
-                  Py_ssize_t out_len, long top, long left, long height, long width) {
+                  Py_ssize_t out_len, long top, long left, long height, long width,
+                  int whole, long long max_pixels, long *size_h, long *size_w, long want_h,
+                  long want_w) {
     struct jpeg_decompress_struct cinfo;
     struct window_error err;
     unsigned char *volatile row = NULL;
@@ -112,6 +145,31 @@ static int decode(const unsigned char *data, size_t size, unsigned char *out,
         if (m->marker == JPEG_APP0 + 1 && exif_orientation(m->data, m->data_length) != 1)
             goto done;
     long image_w = (long)cinfo.image_width, image_h = (long)cinfo.image_height;
+    *size_h = image_h;
+    *size_w = image_w;
+    if (want_h && (image_h != want_h || image_w != want_w)) goto done;
+    if (whole) {
+        if (image_w <= 0 || image_h <= 0 || (long long)image_w * image_h > max_pixels) goto done;
+        if ((long long)image_w * image_h * 3 > (long long)out_len) {
+            ok = 2;
+            goto done;
+        }
+        cinfo.out_color_space = JCS_EXT_BGR;
+        jpeg_start_decompress(&cinfo);
+        if (cinfo.output_components != 3 || (long)cinfo.output_width != image_w ||
+            (long)cinfo.output_height != image_h)
+            goto done;
+        size_t stride = (size_t)image_w * 3;
+        while (cinfo.output_scanline < cinfo.output_height) {
+            JSAMPROW rows[ROWS_PER_READ];
+            JDIMENSION at = cinfo.output_scanline, k = 0;
+            for (; k < ROWS_PER_READ && at + k < cinfo.output_height; k++)
+                rows[k] = out + (size_t)(at + k) * stride;
+            if (jpeg_read_scanlines(&cinfo, rows, k) == 0) goto done;
+        }
+        ok = err.pub.num_warnings == 0;
+        goto done;
+    }
     if ((Py_ssize_t)image_w * image_h * 3 != out_len) goto done;
     if (top < 0 || left < 0 || height <= 0 || width <= 0 || top + height > image_h ||
         left + width > image_w)
@@ -151,14 +209,125 @@ static PyObject *decode_window(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*w*llll", &data, &out, &top, &left, &height, &width))
         return NULL;
     int ok = 0;
+    long h = 0, w = 0;
     if (PyBuffer_IsContiguous(&out, 'C')) {
         Py_BEGIN_ALLOW_THREADS
-        ok = decode(data.buf, (size_t)data.len, out.buf, out.len, top, left, height, width);
+        ok = decode(data.buf, (size_t)data.len, out.buf, out.len, top, left, height, width, 0,
+                    0, &h, &w, 0, 0);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
-    return PyBool_FromLong(ok);
+    return PyBool_FromLong(ok == 1);
+}
+
+static PyObject *decode_whole(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data, out;
+    long long max_pixels;
+    if (!PyArg_ParseTuple(args, "y*w*L", &data, &out, &max_pixels)) return NULL;
+    int status = 0;
+    long h = 0, w = 0;
+    if (PyBuffer_IsContiguous(&out, 'C')) {
+        Py_BEGIN_ALLOW_THREADS
+        status = decode(data.buf, (size_t)data.len, out.buf, out.len, 0, 0, 0, 0, 1, max_pixels,
+                        &h, &w, 0, 0);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return Py_BuildValue("(ill)", status, status ? h : 0L, status ? w : 0L);
+}
+
+
+static PyObject *decode_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *images_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
+    Py_ssize_t C, H, W, crop;
+    double scale;
+    int nhwc;
+    if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
+                          &mean_o, &scale, &out_o, &crop, &nhwc))
+        return NULL;
+    PyObject *images = PySequence_Fast(images_o, "images must be a sequence");
+    if (images == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(images);
+    Buf hb = {0}, wb = {0}, fb = {0}, mb = {0};
+    Outs outs = {0};
+    PyObject *result = NULL, *status = NULL;
+    unsigned char *scratch = NULL;
+    Buf *ims = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Buf));
+    Spec sp;
+    if (ims == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_buf(h_o, &hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &wb, PyBUF_FORMAT, "w_off") ||
+        get_buf(flip_o, &fb, PyBUF_SIMPLE, "mirror") ||
+        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
+        get_outs(out_o, &outs))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(images, i);
+        if (item != Py_None && get_buf(item, &ims[i], PyBUF_SIMPLE, "images")) goto done;
+    }
+    if (hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
+        wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || hb.view.len / hb.view.itemsize != n ||
+        wb.view.len / wb.view.itemsize != n || fb.view.len != n) {
+        PyErr_SetString(PyExc_ValueError, "h_off, w_off and mirror must be one per image");
+        goto done;
+    }
+    if (C != 3) {
+        PyErr_SetString(PyExc_ValueError, "the images' shape must be (3, H, W)");
+        goto done;
+    }
+    if (make_spec(&sp, C, H, W, crop, 1, nhwc, &mb, scale, &outs.all, n) < 0) goto done;
+    if (outs_in_rows(&outs, &sp) < 0) goto done;
+    const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
+    const uint8_t *flips = (const uint8_t *)fb.view.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!crop_fits(&sp, hs[i], ws[i], i)) goto done;
+    if (H > PY_SSIZE_T_MAX / W / 3) {
+        PyErr_SetString(PyExc_ValueError, "the images' shape is too large");
+        goto done;
+    }
+    status = PyBytes_FromStringAndSize(NULL, n);
+    scratch = PyMem_RawMalloc((size_t)(H * W * 3));
+    if (status == NULL || scratch == NULL) {
+        if (scratch == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    char *st = PyBytes_AS_STRING(status);
+    memset(st, 0, (size_t)n);
+    const int whole = sp.ch == H && sp.cw == W;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!ims[i].held) continue;
+        long h = 0, w = 0;
+        int ok = decode(ims[i].view.buf, (size_t)ims[i].view.len, scratch, H * W * 3, (long)hs[i],
+                        (long)ws[i], (long)sp.ch, (long)sp.cw, whole, (long long)H * W, &h, &w,
+                        (long)H, (long)W);
+        if (ok == 1) {
+            transform_one(&sp, scratch, hs[i], ws[i], flips[i] != 0, out_row(&outs, &sp, i));
+            st[i] = 1;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    result = status;
+    status = NULL;
+done:
+    PyMem_RawFree(scratch);
+    Py_XDECREF(status);
+    if (ims != NULL)
+        for (Py_ssize_t i = 0; i < n; i++) release(&ims[i]);
+    PyMem_Free(ims);
+    release(&hb);
+    release(&wb);
+    release(&fb);
+    release(&mb);
+    release_outs(&outs);
+    Py_DECREF(images);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -166,6 +335,14 @@ static PyMethodDef methods[] = {
      "decode_window(data, out, top, left, height, width) -> bool: a window of a JPEG "
      "into out (the whole image's BGR rows); False where it might differ from a full "
      "decode."},
+    {"decode_whole", decode_whole, METH_VARARGS,
+     "decode_whole(data, out, max_pixels) -> (status, height, width): the whole JPEG into "
+     "out's first height*width*3 bytes (1), out too small for it (2), or refused where it "
+     "might differ from OpenCV's decode or has more than max_pixels pixels (0)."},
+    {"decode_rows", decode_rows, METH_VARARGS,
+     "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc) -> bytes: "
+     "a batch's JPEGs decoded (a crop's window alone) and transformed into their output rows "
+     "in one call without the GIL; 1 per row done, 0 per row left to the caller."},
     {NULL, NULL, 0, NULL},
 };
 

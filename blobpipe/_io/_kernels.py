@@ -336,28 +336,38 @@ def apply_raw(
             caller has checked them; this is the kernel's own guard).
     """
     kernel = row_kernel()
-    outs = [out] if isinstance(out, np.ndarray) else list(out)
-    if kernel is None or not outs:
+    args = kernel_args(out, geometry, spec) if kernel is not None else None
+    if args is None:
         return False
+    kernel.transform_rows(buffer, np.ascontiguousarray(offsets, np.int64), shape, *args)
+    return True
+
+
+def kernel_args(
+    out: np.ndarray | Sequence[np.ndarray], geometry: Geometry, spec: KernelSpec
+) -> tuple[Any, ...] | None:
+    """The arguments every compiled row transform takes after its sources and shape
+    (``_kernel.h``; ``_rowkernel.transform_rows``, ``_jpegwindow.decode_rows``): the
+    rows' crop corners and flips, the mean, the scale, the output(s), the crop and
+    the layout. None where an output is not a C-contiguous float32 or uint8 array
+    (all of one dtype), or there is none: the rows then go another way."""
+    outs = [out] if isinstance(out, np.ndarray) else list(out)
+    if not outs:
+        return None
     dtype = outs[0].dtype
     if dtype not in (_F4, _U1) or any(o.dtype != dtype or not o.flags.c_contiguous for o in outs):
-        return False
-    mean = _kernel_mean(spec, outs[0])
+        return None
     h_off, w_off, mirror = geometry.arrays()
-    kernel.transform_rows(
-        buffer,
-        np.ascontiguousarray(offsets, np.int64),
-        shape,
+    return (
         np.ascontiguousarray(h_off, np.intp),
         np.ascontiguousarray(w_off, np.intp),
         np.ascontiguousarray(mirror, np.bool_),
-        mean,
+        _kernel_mean(spec, outs[0]),
         float(spec.scale),
         outs[0] if len(outs) == 1 else tuple(outs),
         spec.crop,
         spec.layout == "NHWC",
     )
-    return True
 
 
 def _kernel_mean(spec: KernelSpec, out: np.ndarray) -> np.ndarray | None:

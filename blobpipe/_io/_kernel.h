@@ -1,0 +1,371 @@
+/* Caffe's DataTransformer over uint8 pixels, one record into one output row with
+ * its own crop offset and flip (transform_one, run without the GIL), and the
+ * argument checks around it. Included by the compiled modules that transform
+ * rows: _rowkernel.c (raw records, one image) and _jpegwindow.c (decoded JPEGs);
+ * _rowkernel.c's top comment states the arithmetic and the arguments. Every
+ * includer is built with -ffp-contract=off: no fused multiply-add changes a
+ * rounding.
+ */
+#ifndef BLOBPIPE_KERNEL_H
+#define BLOBPIPE_KERNEL_H
+
+#include <Python.h>
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+
+/* The loops are compiled twice on x86-64 Linux (GCC, Clang): for any x86-64 and
+ * for AVX2, chosen once at load time; the arithmetic is the same either way. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define CLONES __attribute__((noinline, target_clones("default", "avx2")))
+#else
+#define CLONES __attribute__((noinline))
+#endif
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static int get_buf(PyObject *obj, Buf *b, int flags, const char *name) {
+    if (PyObject_GetBuffer(obj, &b->view, flags) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must support the buffer protocol (%s)", name,
+                     (flags & PyBUF_WRITABLE) ? "writable, C-contiguous" : "C-contiguous");
+        return -1;
+    }
+    b->held = 1;
+    return 0;
+}
+
+static void release(Buf *b) {
+    if (b->held) {
+        PyBuffer_Release(&b->view);
+        b->held = 0;
+    }
+}
+
+/* One output line: the crop's cw pixels from s (pixel j at s[j * sstep]) and
+ * the mean at the same positions (m: a mean file's line, mstep 1; one value,
+ * mstep 0), written at o + j * ostep, forward or reversed (flip). Each case is
+ * its own loop so that the compiler vectorizes the contiguous ones (sstep and
+ * ostep 1); kept out of line (the vectorizer does not look at these loops
+ * inlined into the caller). */
+#define EACH(STORE)                                                                      \
+    do {                                                                                 \
+        if (has_mean && mstep) {                                                         \
+            if (has_scale) {                                                             \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE(((float)s[S(j)] - m[K(j)]) * scale);  \
+            } else {                                                                     \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] - m[K(j)]);            \
+            }                                                                            \
+        } else if (has_mean) {                                                           \
+            const float mv = m[0];                                                       \
+            if (has_scale) {                                                             \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE(((float)s[S(j)] - mv) * scale);       \
+            } else {                                                                     \
+                for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] - mv);                 \
+            }                                                                            \
+        } else if (has_scale) {                                                          \
+            for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)] * scale);                  \
+        } else {                                                                         \
+            for (ptrdiff_t j = 0; j < cw; j++) STORE((float)s[S(j)]);                          \
+        }                                                                                \
+    } while (0)
+
+CLONES static void line_f32(float *restrict o, ptrdiff_t ostep,
+                                               const uint8_t *restrict s, ptrdiff_t sstep,
+                                               const float *restrict m, int mstep, float scale,
+                                               ptrdiff_t cw, int flip, int has_mean,
+                                               int has_scale) {
+#define FORWARD(V) o[j] = (V)
+#define STRIDED(V) o[j * ostep] = (V)
+#define S(j) K(j)
+    if (ostep == 1 && sstep == 1) {
+        if (flip) {
+#define K(j) (cw - 1 - (j))
+            EACH(FORWARD);
+#undef K
+        } else {
+#define K(j) (j)
+            EACH(FORWARD);
+#undef K
+        }
+        return;
+    }
+#undef S
+#define S(j) (K(j) * sstep)
+    if (flip) {
+#define K(j) (cw - 1 - (j))
+        EACH(STRIDED);
+#undef K
+    } else {
+#define K(j) (j)
+        EACH(STRIDED);
+#undef K
+    }
+#undef S
+#undef FORWARD
+#undef STRIDED
+}
+
+CLONES static void line_u8(uint8_t *restrict o, ptrdiff_t ostep,
+                                              const uint8_t *restrict s, ptrdiff_t sstep, ptrdiff_t cw,
+                                              int flip) {
+    if (!flip && ostep == 1 && sstep == 1) {
+        memcpy(o, s, (size_t)cw);
+        return;
+    }
+    for (ptrdiff_t j = 0; j < cw; j++) o[j * ostep] = s[(flip ? cw - 1 - j : j) * sstep];
+}
+
+/* One output line of each of three channels from (H, W, 3) pixels: the crop's cw
+ * pixels at s (three bytes each), forward, into o0, o1, o2, with the mean at the
+ * same positions (m0..m2: a mean file's lines, mstep 1; one value each, mstep 0).
+ * The caller mirrors a line afterwards (reversed_copy from a scratch line). */
+#define EACH3(E)                                                                         \
+    do {                                                                                 \
+        for (ptrdiff_t j = 0; j < cw; j++) {                                             \
+            o0[j] = E(0, s[3 * j], j);                                                   \
+            o1[j] = E(1, s[3 * j + 1], j);                                               \
+            o2[j] = E(2, s[3 * j + 2], j);                                               \
+        }                                                                                \
+    } while (0)
+#define MF_S(c, x, j) (((float)(x) - m##c[j]) * scale)
+#define MF(c, x, j) ((float)(x) - m##c[j])
+#define MV_S(c, x, j) (((float)(x) - v##c) * scale)
+#define MV(c, x, j) ((float)(x) - v##c)
+#define SC(c, x, j) ((float)(x) * scale)
+#define NO(c, x, j) ((float)(x))
+
+CLONES static void line3_f32(float *restrict o0, float *restrict o1, float *restrict o2,
+                             const uint8_t *restrict s, const float *restrict m0,
+                             const float *restrict m1, const float *restrict m2, int mstep,
+                             float scale, ptrdiff_t cw, int has_mean, int has_scale) {
+    if (has_mean && mstep) {
+        if (has_scale)
+            EACH3(MF_S);
+        else
+            EACH3(MF);
+    } else if (has_mean) {
+        const float v0 = m0[0], v1 = m1[0], v2 = m2[0];
+        if (has_scale)
+            EACH3(MV_S);
+        else
+            EACH3(MV);
+    } else if (has_scale) {
+        EACH3(SC);
+    } else {
+        EACH3(NO);
+    }
+}
+
+CLONES static void reversed_copy(float *restrict o, const float *restrict t, ptrdiff_t n) {
+    for (ptrdiff_t j = 0; j < n; j++) o[j] = t[n - 1 - j];
+}
+
+static void reverse_f32(float *o, ptrdiff_t n) {
+    for (ptrdiff_t i = 0, j = n - 1; i < j; i++, j--) {
+        const float t = o[i];
+        o[i] = o[j];
+        o[j] = t;
+    }
+}
+
+typedef struct {
+    Py_ssize_t C, H, W, ch, cw; /* record shape, crop window */
+    int hwc;                    /* source pixels (H, W, C) rather than (C, H, W) */
+    int nhwc;                   /* output rows (h, w, C) rather than (C, h, w) */
+    const float *mean;          /* NULL, C values, or C*H*W (a mean file) */
+    int mstep;                  /* 1: a mean file */
+    float scale;
+    int itemsize; /* of the output: 4 float32, 1 uint8 */
+} Spec;
+
+/* One record (s0: its first pixel) into one output row (o), crop corner (h0, w0);
+ * every index was checked by the caller. Runs without the GIL. */
+static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_ssize_t w0,
+                          int flip, void *o) {
+    const Py_ssize_t C = sp->C, H = sp->H, W = sp->W, ch = sp->ch, cw = sp->cw;
+    const ptrdiff_t sstep = sp->hwc ? (ptrdiff_t)C : 1;
+    const ptrdiff_t ostep = sp->nhwc ? (ptrdiff_t)C : 1;
+    if (!flip && !sp->hwc && !sp->nhwc && cw == W) {
+        /* whole lines of (C, H, W) into (C, h, W): a channel's lines are one run
+         * in the source, the mean file and the output */
+        for (Py_ssize_t c = 0; c < C; c++) {
+            const Py_ssize_t at = (c * H + h0) * W;
+            const Py_ssize_t o_at = c * ch * cw;
+            if (sp->itemsize == 1) {
+                memcpy((uint8_t *)o + o_at, s0 + at, (size_t)(ch * cw));
+            } else {
+                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
+                line_f32((float *)o + o_at, 1, s0 + at, 1, m, sp->mstep, sp->scale,
+                         ch * cw, 0, sp->mean != NULL, sp->scale != 1.0f);
+            }
+        }
+        return;
+    }
+    if (sp->hwc && C == 3 && !sp->nhwc && sp->itemsize == 4) {
+        /* a decoded colour image into (3, h, w): one pass over each source line */
+        float *const out = (float *)o;
+        /* a mirrored line goes through a scratch line, then is copied reversed
+         * (in place, scalar, where the scratch cannot be had) */
+        float *scratch = flip ? malloc((size_t)(3 * cw) * sizeof(float)) : NULL;
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            const uint8_t *s = s0 + ((h0 + y) * W + w0) * 3;
+            float *o0 = out + y * cw, *o1 = out + (ch + y) * cw, *o2 = out + (2 * ch + y) * cw;
+            const float *m0 = NULL, *m1 = NULL, *m2 = NULL;
+            if (sp->mean) {
+                const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, (C, H, W) */
+                m0 = sp->mstep ? sp->mean + at : sp->mean;
+                m1 = sp->mstep ? sp->mean + H * W + at : sp->mean + 1;
+                m2 = sp->mstep ? sp->mean + 2 * H * W + at : sp->mean + 2;
+            }
+            if (scratch) {
+                line3_f32(scratch, scratch + cw, scratch + 2 * cw, s, m0, m1, m2, sp->mstep,
+                          sp->scale, cw, sp->mean != NULL, sp->scale != 1.0f);
+                reversed_copy(o0, scratch, cw);
+                reversed_copy(o1, scratch + cw, cw);
+                reversed_copy(o2, scratch + 2 * cw, cw);
+                continue;
+            }
+            line3_f32(o0, o1, o2, s, m0, m1, m2, sp->mstep, sp->scale, cw, sp->mean != NULL,
+                      sp->scale != 1.0f);
+            if (flip) {
+                reverse_f32(o0, cw);
+                reverse_f32(o1, cw);
+                reverse_f32(o2, cw);
+            }
+        }
+        free(scratch);
+        return;
+    }
+    for (Py_ssize_t c = 0; c < C; c++) {
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            const Py_ssize_t at = (c * H + h0 + y) * W + w0; /* uncropped, (C, H, W) */
+            const uint8_t *s = s0 + (sp->hwc ? ((h0 + y) * W + w0) * C + c : at);
+            /* output: NCHW (c, y, 0); NHWC (y, 0, c) */
+            const Py_ssize_t o_at = sp->nhwc ? (y * cw) * C + c : (c * ch + y) * cw;
+            if (sp->itemsize == 1) {
+                line_u8((uint8_t *)o + o_at, ostep, s, sstep, cw, flip);
+            } else {
+                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
+                line_f32((float *)o + o_at, ostep, s, sstep, m, sp->mstep, sp->scale, cw,
+                         flip, sp->mean != NULL, sp->scale != 1.0f);
+            }
+        }
+    }
+}
+
+/* The spec from the arguments both entry points share; -1 with an exception set. */
+static int make_spec(Spec *sp, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssize_t crop,
+                     int hwc, int nhwc, Buf *mb, double scale, Buf *ob, Py_ssize_t rows) {
+    if (C <= 0 || H <= 0 || W <= 0 || crop < 0 || crop > H || crop > W) {
+        PyErr_SetString(PyExc_ValueError, "bad shape or crop");
+        return -1;
+    }
+    sp->C = C, sp->H = H, sp->W = W;
+    sp->ch = crop ? crop : H, sp->cw = crop ? crop : W;
+    sp->hwc = hwc, sp->nhwc = nhwc;
+    sp->itemsize = (int)ob->view.itemsize;
+    if ((sp->itemsize != 4 && sp->itemsize != 1) ||
+        ob->view.len != rows * C * sp->ch * sp->cw * sp->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+        return -1;
+    }
+    sp->mean = NULL;
+    sp->mstep = 0;
+    if (mb->held) {
+        if (mb->view.itemsize != 4 || (mb->view.len != C * 4 && mb->view.len != C * H * W * 4)) {
+            PyErr_SetString(PyExc_ValueError, "mean must be C or C*H*W float32 values");
+            return -1;
+        }
+        sp->mean = (const float *)mb->view.buf;
+        sp->mstep = mb->view.len == C * H * W * 4;
+    }
+    sp->scale = (float)scale;
+    return 0;
+}
+
+static int crop_fits(const Spec *sp, Py_ssize_t h0, Py_ssize_t w0, Py_ssize_t i) {
+    if (h0 < 0 || w0 < 0 || h0 > sp->H - sp->ch || w0 > sp->W - sp->cw) {
+        PyErr_Format(PyExc_ValueError, "row %zd's crop does not fit", i);
+        return 0;
+    }
+    return 1;
+}
+
+/* The outputs of a batch's rows: one writable buffer, or a tuple of them (of one
+ * itemsize, each a whole number of rows) that take the rows in order. */
+typedef struct {
+    Py_ssize_t n; /* buffers */
+    Buf *bufs;
+    Buf all;             /* their lengths together, as one buffer (for make_spec) */
+    Py_ssize_t k, first; /* out_row's place: buffer k holds rows from `first` on */
+} Outs;
+
+/* Acquire `out_o`'s buffers; -1 with an exception set. */
+static int get_outs(PyObject *out_o, Outs *o) {
+    o->n = PyTuple_Check(out_o) ? PyTuple_GET_SIZE(out_o) : 1;
+    o->bufs = PyMem_Calloc(o->n > 0 ? (size_t)o->n : 1, sizeof(Buf));
+    if (o->bufs == NULL) {
+        o->n = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (o->n < 1) {
+        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < o->n; k++) {
+        PyObject *item = PyTuple_Check(out_o) ? PyTuple_GET_ITEM(out_o, k) : out_o;
+        if (get_buf(item, &o->bufs[k], PyBUF_WRITABLE | PyBUF_FORMAT, "out")) return -1;
+    }
+    o->all = o->bufs[0];
+    o->all.view.len = 0;
+    for (Py_ssize_t k = 0; k < o->n; k++) {
+        if (o->bufs[k].view.itemsize != o->bufs[0].view.itemsize) {
+            PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+            return -1;
+        }
+        o->all.view.len += o->bufs[k].view.len;
+    }
+    o->k = o->first = 0;
+    return 0;
+}
+
+/* Bytes of one output row. */
+static Py_ssize_t row_bytes(const Spec *sp) { return sp->C * sp->ch * sp->cw * sp->itemsize; }
+
+/* Each buffer a whole number of rows (after make_spec checked their total); -1 with
+ * an exception set. */
+static int outs_in_rows(const Outs *o, const Spec *sp) {
+    for (Py_ssize_t k = 0; k < o->n; k++) {
+        if (o->bufs[k].view.len % row_bytes(sp) != 0) {
+            PyErr_SetString(PyExc_ValueError, "each out must hold a whole number of rows");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Row i's place in the outputs; rows are asked for in increasing order. No GIL needed. */
+static void *out_row(Outs *o, const Spec *sp, Py_ssize_t i) {
+    const Py_ssize_t rb = row_bytes(sp);
+    while ((i - o->first) * rb >= o->bufs[o->k].view.len) {
+        o->first += o->bufs[o->k].view.len / rb;
+        o->k++;
+    }
+    return (uint8_t *)o->bufs[o->k].view.buf + (i - o->first) * rb;
+}
+
+static void release_outs(Outs *o) {
+    for (Py_ssize_t k = 0; k < o->n; k++) release(&o->bufs[k]);
+    PyMem_Free(o->bufs);
+    o->bufs = NULL;
+    o->n = 0;
+}
+
+#endif
