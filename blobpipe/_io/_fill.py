@@ -7,9 +7,11 @@ slots), :meth:`Filler.fill`
 1. locates the records in the record index (``_index.py``): the LMDB data file
    mapped read-only when it can be, else the joined values of these rows;
 2. takes each row's pixels where they lie: raw uint8 pixels as views of the
-   buffer (rows at one stride as one strided view), encoded images decoded one
-   after another (``_image.decode_image``; with a crop, ``_image.decode_window``
-   decodes only the crop's window where that is exact), float records through the parser;
+   buffer (rows at one stride as one strided view); JPEGs of the batch's record
+   shape decoded and transformed in one call where that is exact
+   (``_image.decode_rows``), other encoded images one after another
+   (``_image.decode_image``; with a crop, ``_image.decode_window`` decodes only the
+   crop's window where that is exact); float records through the parser;
 3. draws each row's crop offset and flip, and runs the transform kernel
    (``_kernels.apply``) from those pixels into the caller's output.
 

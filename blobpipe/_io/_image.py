@@ -163,10 +163,11 @@ def _window_decoder() -> Any:
 
 
 def jpeg_window_decoding() -> bool:
-    """Whether this installation decodes only the crop's window of a JPEG record when
-    a transform crops (libjpeg-turbo's partial decompression, built at install where
-    libjpeg-turbo's headers are present); where False, images are decoded whole with
-    OpenCV, which gives the same pixels."""
+    """Whether this installation decodes JPEG records with libjpeg-turbo (built at
+    install where its headers are present): only the crop's window when a transform
+    crops (partial decompression), and a batch's JPEGs of one size in one call;
+    where False, images are decoded whole with OpenCV, one at a time, which gives
+    the same pixels."""
     return _window_decoder() is not None
 
 
