@@ -10,7 +10,9 @@ partial decompression) and transforming them in one call (``blobpipe/_io/_jpegwi
 with the row kernel of ``_kernel.h``) is built where libjpeg-turbo's headers are present
 (Debian/Ubuntu: libjpeg62-turbo-dev or libjpeg-turbo8-dev; Fedora: libjpeg-turbo-devel).
 Elsewhere the build skips it (``optional``) and images are decoded whole with OpenCV:
-the same pixels.
+the same pixels. Decoding a batch's 8-bit RGB PNGs with libpng in one call
+(``blobpipe/_io/_pngrows.c``) likewise needs libpng's headers (Debian/Ubuntu: libpng-dev;
+Fedora: libpng-devel).
 """
 
 from setuptools import Extension, setup
@@ -23,6 +25,14 @@ setup(
             depends=["blobpipe/_io/_kernel.h"],
             libraries=["jpeg"],
             # the shared row kernel: no fused multiply-add (see below)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "blobpipe._io._pngrows",
+            sources=["blobpipe/_io/_pngrows.c"],
+            depends=["blobpipe/_io/_kernel.h"],
+            libraries=["png"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),

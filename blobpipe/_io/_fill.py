@@ -7,8 +7,8 @@ slots), :meth:`Filler.fill`
 1. locates the records in the record index (``_index.py``): the LMDB data file
    mapped read-only when it can be, else the joined values of these rows;
 2. takes each row's pixels where they lie: raw uint8 pixels as views of the
-   buffer (rows at one stride as one strided view); JPEGs of the batch's record
-   shape decoded and transformed in one call where that is exact
+   buffer (rows at one stride as one strided view); JPEGs and PNGs of the batch's
+   record shape decoded and transformed in one call where that is exact
    (``_image.decode_rows``), other encoded images one after another
    (``_image.decode_image``; with a crop, ``_image.decode_window`` decodes only the
    crop's window where that is exact); float records through the parser;
@@ -377,7 +377,7 @@ class Filler:
             shared = t.geometry(shape, self._phase, words)
             fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
             kinds = loc.kind.tolist()
-            # the JPEGs of the batch's record shape, in one call where it can be done
+            # the JPEGs and PNGs of the batch's record shape, in one call where it can be done
             done = self._decode_rows(plan, loc, start, shared, [part.data for _, part in spans])
             if done is not None and done.any():
                 written = np.flatnonzero(done)
@@ -475,7 +475,7 @@ class Filler:
     def _decode_rows(
         self, plan: BatchPlan, loc: Located, start: int, shared: Geometry, outs: list[np.ndarray]
     ) -> npt.NDArray[np.bool_] | None:
-        """The rows (of the range from ``start``, into ``outs``) whose JPEG has the
+        """The rows (of the range from ``start``, into ``outs``) whose JPEG or PNG has the
         batch's record shape, decoded and transformed in one call where that is exact
         (``decode_rows``, crops and flips from ``shared``); which rows were written,
         or None where none could be (no compiled decoder, a record shape that does not
@@ -493,8 +493,8 @@ class Filler:
         buffer = loc.buffer
         noted = loc.shape.tolist()
         first = start == 0 and plan.first_decoded is not None  # row 0: next_plan decoded it
-        images: list[Any] = [
-            buffer[o : o + n]
+        images: list[memoryview | None] = [
+            buffer[o : o + n].data
             if k == ENCODED and not (r == 0 and first) and (not s[0] or tuple(s) == shape)
             else None
             for r, (k, o, n, s) in enumerate(

@@ -15,12 +15,15 @@ decodes, so worker threads decode in parallel.
 
 A batch's images go through the compiled ``_jpegwindow`` module (libjpeg-turbo, built
 when its headers are present at install) wherever the pixels are exactly those of
-OpenCV's whole-image decode (an ordinary colour JPEG: see ``_jpegwindow.c``): where a
-batch keeps only a crop of each image, :func:`decode_window` decodes only the crop's
-window (partial decompression); where it keeps the whole image, :func:`decode_whole`
-decodes it straight into a block of the thread's, without OpenCV's fixed cost per
-call (about a third of a 64×64 image's decode). Every other image, or every image
-when the module is absent, is decoded by :func:`decode_image`.
+OpenCV's whole-image decode (an ordinary colour JPEG: see ``_jpegwindow.c``): a batch's
+JPEGs of one size in one call (:func:`decode_rows`); where a batch keeps only a crop
+of an image, :func:`decode_window` decodes only the crop's window (partial
+decompression); where it keeps the whole image, :func:`decode_whole` decodes it
+straight into a block of the thread's, without OpenCV's fixed cost per call (about a
+third of a 64×64 image's decode). A batch's 8-bit RGB PNGs of one size go through the
+compiled ``_pngrows`` module (libpng, built when its headers are present) in one call
+the same way (:func:`decode_rows`; see ``_pngrows.c``). Every other image, or every
+image when the modules are absent, is decoded by :func:`decode_image`.
 """
 
 from __future__ import annotations
@@ -143,8 +146,9 @@ def _imdecode(data: bytes | memoryview, flag: int) -> npt.NDArray[np.uint8] | Un
 
 
 _UNLOADED: Any = object()
-# the compiled window decoder (None: not built here), loaded on first use like OpenCV
+# the compiled decoders (None: not built here), loaded on first use like OpenCV
 _jpegwindow: Any = _UNLOADED
+_pngrows: Any = _UNLOADED
 # one growing block per thread for the windows' images (only the window is written),
 # kept up to this size; a larger image gets a block of its own, freed with its result
 _scratch = threading.local()
@@ -236,26 +240,53 @@ def decode_window(
     return decode_image(data, flag, max_pixels)
 
 
+def _png_decoder() -> Any:
+    global _pngrows
+    if _pngrows is _UNLOADED:
+        try:  # compiled at install where libpng's headers are present
+            from . import _pngrows as module  # type: ignore[attr-defined]
+        except ImportError:  # PNGs one at a time, with OpenCV
+            module = None
+        _pngrows = module
+    return _pngrows
+
+
+_JPEG_SIGNATURE = b"\xff\xd8"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def decode_rows(
     images: Sequence[bytes | memoryview | None],
     shape: tuple[int, int, int],
     flag: int,
     kernel_args: tuple[Any, ...],
 ) -> npt.NDArray[np.bool_] | None:
-    """A batch's JPEGs of ``shape`` (``(3, H, W)``, within the pixel limit: the
-    batch's, already checked) decoded and transformed into their output rows in one
-    call without the GIL (``_jpegwindow.decode_rows``: only a crop's window, where
-    there is a crop), wherever the pixels are exactly OpenCV's (see the module
-    docstring). ``images``: row ``i``'s bytes, or None to leave it;
-    ``kernel_args``: ``_kernels.kernel_args`` of the rows' outputs, geometry and
-    spec. Returns which rows were written; the caller fills the others (an image
-    of another size, refused, or None). None where nothing can be done here (no
-    compiled decoder, a flag other than colour or unchanged, not 3 channels)."""
-    decoder = _window_decoder()
-    if decoder is None or flag not in (1, -1) or shape[0] != 3:
+    """A batch's JPEGs and PNGs of ``shape`` (``(3, H, W)``, within the pixel limit: the
+    batch's, already checked) decoded and transformed into their output rows, one
+    call per format without the GIL (``_jpegwindow.decode_rows``: only a crop's
+    window, where there is a crop; ``_pngrows.decode_rows``: 8-bit RGB PNGs),
+    wherever the pixels are exactly OpenCV's (see the module docstring).
+    ``images``: row ``i``'s bytes, or None to leave it; ``kernel_args``:
+    ``_kernels.kernel_args`` of the rows' outputs, geometry and spec. Returns which
+    rows were written; the caller fills the others (another format or size,
+    refused, or None). None where nothing can be done here (no compiled decoder, a
+    flag other than colour or unchanged, not 3 channels)."""
+    if flag not in (1, -1) or shape[0] != 3:
         return None
-    status = decoder.decode_rows(images, shape, *kernel_args)
-    return np.frombuffer(status, np.bool_)
+    done: npt.NDArray[np.bool_] | None = None
+    for decoder, signature in (
+        (_window_decoder(), _JPEG_SIGNATURE),
+        (_png_decoder(), _PNG_SIGNATURE),
+    ):
+        if decoder is None:
+            continue
+        size = len(signature)
+        these = [b if b is not None and b[:size] == signature else None for b in images]
+        if not any(b is not None for b in these):
+            continue
+        status = np.frombuffer(decoder.decode_rows(these, shape, *kernel_args), np.bool_)
+        done = status if done is None else done | status
+    return done
 
 
 def imread_flag(force_color: bool, force_gray: bool) -> int:

@@ -249,85 +249,21 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
                           &mean_o, &scale, &out_o, &crop, &nhwc))
         return NULL;
-    PyObject *images = PySequence_Fast(images_o, "images must be a sequence");
-    if (images == NULL) return NULL;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(images);
-    Buf hb = {0}, wb = {0}, fb = {0}, mb = {0};
-    Outs outs = {0};
-    PyObject *result = NULL, *status = NULL;
-    unsigned char *scratch = NULL;
-    Buf *ims = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Buf));
-    Spec sp;
-    if (ims == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (get_buf(h_o, &hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &wb, PyBUF_FORMAT, "w_off") ||
-        get_buf(flip_o, &fb, PyBUF_SIMPLE, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
-        get_outs(out_o, &outs))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(images, i);
-        if (item != Py_None && get_buf(item, &ims[i], PyBUF_SIMPLE, "images")) goto done;
-    }
-    if (hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || hb.view.len / hb.view.itemsize != n ||
-        wb.view.len / wb.view.itemsize != n || fb.view.len != n) {
-        PyErr_SetString(PyExc_ValueError, "h_off, w_off and mirror must be one per image");
-        goto done;
-    }
-    if (C != 3) {
-        PyErr_SetString(PyExc_ValueError, "the images' shape must be (3, H, W)");
-        goto done;
-    }
-    if (make_spec(&sp, C, H, W, crop, 1, nhwc, &mb, scale, &outs.all, n) < 0) goto done;
-    if (outs_in_rows(&outs, &sp) < 0) goto done;
-    const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
-    const uint8_t *flips = (const uint8_t *)fb.view.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!crop_fits(&sp, hs[i], ws[i], i)) goto done;
-    if (H > PY_SSIZE_T_MAX / W / 3) {
-        PyErr_SetString(PyExc_ValueError, "the images' shape is too large");
-        goto done;
-    }
-    status = PyBytes_FromStringAndSize(NULL, n);
-    scratch = PyMem_RawMalloc((size_t)(H * W * 3));
-    if (status == NULL || scratch == NULL) {
-        if (scratch == NULL) PyErr_NoMemory();
-        goto done;
-    }
-    char *st = PyBytes_AS_STRING(status);
-    memset(st, 0, (size_t)n);
-    const int whole = sp.ch == H && sp.cw == W;
+    Rows r;
+    if (open_rows(&r, images_o, C, H, W, h_o, w_o, flip_o, mean_o, scale, out_o, crop, nhwc) < 0)
+        return NULL;
+    const int whole = r.sp.ch == H && r.sp.cw == W;
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!ims[i].held) continue;
+    for (Py_ssize_t i = 0; i < r.n; i++) {
+        if (!r.images[i].held) continue;
         long h = 0, w = 0;
-        int ok = decode(ims[i].view.buf, (size_t)ims[i].view.len, scratch, H * W * 3, (long)hs[i],
-                        (long)ws[i], (long)sp.ch, (long)sp.cw, whole, (long long)H * W, &h, &w,
-                        (long)H, (long)W);
-        if (ok == 1) {
-            transform_one(&sp, scratch, hs[i], ws[i], flips[i] != 0, out_row(&outs, &sp, i));
-            st[i] = 1;
-        }
+        if (decode(r.images[i].view.buf, (size_t)r.images[i].view.len, r.scratch, H * W * 3,
+                   (long)r.hs[i], (long)r.ws[i], (long)r.sp.ch, (long)r.sp.cw, whole,
+                   (long long)H * W, &h, &w, (long)H, (long)W) == 1)
+            row_done(&r, i);
     }
     Py_END_ALLOW_THREADS;
-    result = status;
-    status = NULL;
-done:
-    PyMem_RawFree(scratch);
-    Py_XDECREF(status);
-    if (ims != NULL)
-        for (Py_ssize_t i = 0; i < n; i++) release(&ims[i]);
-    PyMem_Free(ims);
-    release(&hb);
-    release(&wb);
-    release(&fb);
-    release(&mb);
-    release_outs(&outs);
-    Py_DECREF(images);
-    return result;
+    return close_rows(&r);
 }
 
 static PyMethodDef methods[] = {
