@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import anyio
 import cv2
@@ -168,6 +169,21 @@ def float_db(path: Path, n: int, shape: tuple[int, int, int] = (3, 5, 6)) -> Pat
         return blobpipe.encode_float_datum(x, i)
 
     return write_lmdb(path, ((key(i), value(i)) for i in range(n)))
+
+
+def rows_written(monkeypatch: Any, module: Any) -> list[int]:
+    """Wrap ``module.decode_rows`` (a compiled decoder's): the list it returns gets, per
+    call, how many rows the call wrote."""
+    written: list[int] = []
+    real = module.decode_rows
+
+    def spy(*args: Any) -> bytes:
+        status: bytes = real(*args)
+        written.append(sum(status))
+        return status
+
+    monkeypatch.setattr(module, "decode_rows", spy)
+    return written
 
 
 # -- waiting on conditions, not on the clock ---------------------------------------------------

@@ -23,7 +23,7 @@ from blobpipe._io._image import Undecodable, decode_image, decode_window
 from blobpipe._io._kernels import Geometry
 from blobpipe._io._wire import parse_datum
 from blobpipe._proto import caffe_pb2
-from tests._helpers import key, write_lmdb
+from tests._helpers import key, rows_written, write_lmdb
 
 DATA = Path(__file__).parent / "data"
 
@@ -508,15 +508,7 @@ def test_batches_of_one_image_size_are_decoded_in_one_call_and_are_the_same(
                     out += [data, np.stack(geometry.arrays())]
         return out
 
-    written: list[int] = []
-    real = jpegwindow.decode_rows
-
-    def spy(*args: Any) -> bytes:
-        status: bytes = real(*args)
-        written.append(sum(status))
-        return status
-
-    monkeypatch.setattr(jpegwindow, "decode_rows", spy)
+    written = rows_written(monkeypatch, jpegwindow)
     together = epoch()
     assert sum(written) >= 24 - 3 - 4 - 1  # all but batches' firsts and the odd ones
     monkeypatch.setattr(_image, "_jpegwindow", None)

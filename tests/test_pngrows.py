@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import blobpipe
 from blobpipe._io import _image
-from tests._helpers import key, write_lmdb
+from tests._helpers import key, rows_written, write_lmdb
 
 pngrows: Any = pytest.importorskip("blobpipe._io._pngrows")
 
@@ -188,15 +188,7 @@ def test_batches_are_the_same_with_and_without_the_png_module(
         with blobpipe.Batches(db, 5, transform=t, phase="train", seed=2, mode="epoch") as b:
             return [x.data.copy() for x in b]
 
-    written: list[int] = []
-    real = pngrows.decode_rows
-
-    def spy(*args: Any) -> bytes:
-        status: bytes = real(*args)
-        written.append(sum(status))
-        return status
-
-    monkeypatch.setattr(pngrows, "decode_rows", spy)
+    written = rows_written(monkeypatch, pngrows)
     together = epoch()
     assert sum(written) >= 20 - 4 - 2  # all but each batch's first and the two odd ones
     monkeypatch.setattr(_image, "_pngrows", None)

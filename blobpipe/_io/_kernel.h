@@ -23,117 +23,6 @@
 #define CLONES __attribute__((noinline, target_clones("default", "avx2")))
 #else
 #define CLONES __attribute__((noinline))
-
-/* A batch of encoded images of one shape (3, H, W) going into their output rows:
- * the arguments and state of the decoders' decode_rows (_jpegwindow.c, _pngrows.c),
- * which decode row i's image into `scratch` (H*W*3 bytes, (H, W, 3) BGR rows) and
- * then call row_done. */
-typedef struct {
-    PyObject *seq; /* the images, as a fast sequence */
-    Py_ssize_t n;
-    Buf *images; /* row i's image; not held where it is None */
-    Buf hb, wb, fb, mb;
-    Outs outs;
-    Spec sp;
-    const Py_ssize_t *hs, *ws;
-    const uint8_t *flips;
-    PyObject *status; /* bytes, one per row: 1 written */
-    char *st;
-    unsigned char *scratch;
-} Rows;
-
-static inline void release_rows(Rows *r) {
-    PyMem_RawFree(r->scratch);
-    r->scratch = NULL;
-    Py_CLEAR(r->status);
-    if (r->images != NULL)
-        for (Py_ssize_t i = 0; i < r->n; i++) release(&r->images[i]);
-    PyMem_Free(r->images);
-    r->images = NULL;
-    release(&r->hb);
-    release(&r->wb);
-    release(&r->fb);
-    release(&r->mb);
-    release_outs(&r->outs);
-    Py_CLEAR(r->seq);
-}
-
-/* Acquire and check the arguments (every crop inside the image, the outputs n rows);
- * -1 with an exception set and nothing held. */
-static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W,
-                            PyObject *h_o, PyObject *w_o, PyObject *flip_o, PyObject *mean_o,
-                            double scale, PyObject *out_o, Py_ssize_t crop, int nhwc) {
-    memset(r, 0, sizeof(*r));
-    r->seq = PySequence_Fast(images_o, "images must be a sequence");
-    if (r->seq == NULL) return -1;
-    r->n = PySequence_Fast_GET_SIZE(r->seq);
-    r->images = PyMem_Calloc(r->n > 0 ? (size_t)r->n : 1, sizeof(Buf));
-    if (r->images == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    if (get_buf(h_o, &r->hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &r->wb, PyBUF_FORMAT, "w_off") ||
-        get_buf(flip_o, &r->fb, PyBUF_SIMPLE, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &r->mb, PyBUF_FORMAT, "mean")) ||
-        get_outs(out_o, &r->outs))
-        goto fail;
-    for (Py_ssize_t i = 0; i < r->n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(r->seq, i);
-        if (item != Py_None && get_buf(item, &r->images[i], PyBUF_SIMPLE, "images")) goto fail;
-    }
-    const Py_ssize_t n = r->n;
-    if (r->hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        r->wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        r->hb.view.len / r->hb.view.itemsize != n || r->wb.view.len / r->wb.view.itemsize != n ||
-        r->fb.view.len != n) {
-        PyErr_SetString(PyExc_ValueError, "h_off, w_off and mirror must be one per image");
-        goto fail;
-    }
-    if (C != 3) {
-        PyErr_SetString(PyExc_ValueError, "the images' shape must be (3, H, W)");
-        goto fail;
-    }
-    if (make_spec(&r->sp, C, H, W, crop, 1, nhwc, &r->mb, scale, &r->outs.all, n) < 0) goto fail;
-    if (outs_in_rows(&r->outs, &r->sp) < 0) goto fail;
-    r->hs = (const Py_ssize_t *)r->hb.view.buf;
-    r->ws = (const Py_ssize_t *)r->wb.view.buf;
-    r->flips = (const uint8_t *)r->fb.view.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!crop_fits(&r->sp, r->hs[i], r->ws[i], i)) goto fail;
-    if (H > PY_SSIZE_T_MAX / W / 3) {
-        PyErr_SetString(PyExc_ValueError, "the images' shape is too large");
-        goto fail;
-    }
-    r->status = PyBytes_FromStringAndSize(NULL, n);
-    if (r->status == NULL) goto fail;
-    r->st = PyBytes_AS_STRING(r->status);
-    memset(r->st, 0, (size_t)n);
-    r->scratch = PyMem_RawMalloc((size_t)(H * W * 3));
-    if (r->scratch == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    return 0;
-fail:
-    release_rows(r);
-    return -1;
-}
-
-/* Row i's image is in scratch: transform it into its output row. No GIL needed. */
-static inline void row_done(Rows *r, Py_ssize_t i) {
-    transform_one(&r->sp, r->scratch, r->hs[i], r->ws[i], r->flips[i] != 0,
-                  out_row(&r->outs, &r->sp, i));
-    r->st[i] = 1;
-}
-
-/* The status bytes (a new reference); everything else released. */
-static inline PyObject *close_rows(Rows *r) {
-    PyObject *status = r->status;
-    r->status = NULL;
-    release_rows(r);
-    return status;
-}
-
 #endif
 
 typedef struct {
@@ -573,6 +462,19 @@ static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_
 fail:
     release_rows(r);
     return -1;
+}
+
+/* open_rows from decode_rows's arguments: (images, (C, H, W), h_off, w_off, mirror,
+ * mean, scale, out, crop, nhwc); -1 with an exception set and nothing held. */
+static inline int rows_from_args(Rows *r, PyObject *args) {
+    PyObject *images_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
+    Py_ssize_t C, H, W, crop;
+    double scale;
+    int nhwc;
+    if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
+                          &mean_o, &scale, &out_o, &crop, &nhwc))
+        return -1;
+    return open_rows(r, images_o, C, H, W, h_o, w_o, flip_o, mean_o, scale, out_o, crop, nhwc);
 }
 
 /* Row i's image is in scratch: transform it into its output row. No GIL needed. */

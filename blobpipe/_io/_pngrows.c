@@ -98,16 +98,9 @@ done:
 
 static PyObject *decode_rows(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *images_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
-    Py_ssize_t C, H, W, crop;
-    double scale;
-    int nhwc;
-    if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
-                          &mean_o, &scale, &out_o, &crop, &nhwc))
-        return NULL;
     Rows r;
-    if (open_rows(&r, images_o, C, H, W, h_o, w_o, flip_o, mean_o, scale, out_o, crop, nhwc) < 0)
-        return NULL;
+    if (rows_from_args(&r, args) < 0) return NULL;
+    const Py_ssize_t H = r.sp.H, W = r.sp.W;
     png_bytep *lines = PyMem_RawMalloc((size_t)H * sizeof(png_bytep));
     if (lines == NULL) {
         PyErr_NoMemory();
