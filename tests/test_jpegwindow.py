@@ -521,3 +521,38 @@ def test_batches_of_one_image_size_are_decoded_in_one_call_and_are_the_same(
             assert np.array_equal(a, b)
     if crop == 0:
         assert any(isinstance(a, str) and "00000014" in a for a in together), together
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    progressive=st.booleans(),
+    restart=st.sampled_from([0, 2]),
+    crop=st.sampled_from([0, 20]),
+    flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_decode_rows_of_damaged_jpegs_are_opencvs_pixels_or_left(
+    seed: int, progressive: bool, restart: int, crop: int, flips: list[tuple[float, int]]
+) -> None:
+    """Bytes overwritten anywhere, the whole image or a crop's window: a row written
+    holds what OpenCV's decode then the transform gives; an image OpenCV cannot decode
+    (or decodes to another size) is never written."""
+    data = bytearray(jpeg(photo(seed, 32, 40), 60, "4:2:0", progressive, restart))
+    for where, value in flips:
+        data[2 + int(where * (len(data) - 4))] = value
+    image = bytes(data)
+    ch, cw = (crop, crop) if crop else (32, 40)
+    out = np.full((1, 3, ch, cw), -1, np.float32)
+    h_off = np.array([5 if crop else 0], np.intp)
+    w_off = np.array([9 if crop else 0], np.intp)
+    status = jpegwindow.decode_rows(
+        [image], (3, 32, 40), h_off, w_off, np.zeros(1, np.bool_), None, 1.0, out, crop, 0
+    )
+    want = cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
+    if status[0]:
+        assert want is not None and want.shape == (32, 40, 3)
+        ref = reference_row(want, int(h_off[0]), int(w_off[0]), crop, False, None, 1.0,
+                            "float32", False)  # fmt: skip
+        assert np.array_equal(out[0], ref)
+    else:
+        assert (out[0] == -1).all()
