@@ -149,8 +149,9 @@ _UNLOADED: Any = object()
 # the compiled decoders (None: not built here), loaded on first use like OpenCV
 _jpegwindow: Any = _UNLOADED
 _pngrows: Any = _UNLOADED
-# one growing block per thread for the windows' images (only the window is written),
-# kept up to this size; a larger image gets a block of its own, freed with its result
+# one growing block per thread for the images decode_window and decode_whole return (of a
+# window, only the window is written), kept up to this size; a larger image gets a block
+# of its own, freed with its result
 _scratch = threading.local()
 _SCRATCH_KEEP = 32 << 20
 
