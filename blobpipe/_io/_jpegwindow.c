@@ -114,7 +114,7 @@ static unsigned exif_orientation(const JOCTET *p, unsigned len) {
 #define ROWS_PER_READ 16
 
 /* 1: written; 0: not exact or not possible (see the top of the file); 2: (whole
- * images) `out` is too small for the image, whose size is in *image_h, *image_w.
+ * images) `out` is too small for the image, whose size is in *size_h, *size_w.
  * `whole`: decode the whole image (the window arguments are ignored) if it has at
  * most max_pixels pixels. want_h, want_w (0: any): refuse an image of another size
  * before decoding it. */

@@ -1,8 +1,10 @@
 /* Caffe's DataTransformer over uint8 pixels, one record into one output row with
  * its own crop offset and flip (transform_one, run without the GIL), and the
- * argument checks around it. Included by the compiled modules that transform
- * rows: _rowkernel.c (raw records, one image) and _jpegwindow.c (decoded JPEGs);
- * _rowkernel.c's top comment states the arithmetic and the arguments. Every
+ * argument checks around it; and the arguments and state of a batch of encoded
+ * images decoded into their rows (Rows). Included by the compiled modules that
+ * transform rows: _rowkernel.c (raw records, one image), _jpegwindow.c (JPEGs) and
+ * _pngrows.c (PNGs); _rowkernel.c's top comment states the arithmetic and the
+ * arguments. Every
  * includer is built with -ffp-contract=off: no fused multiply-add changes a
  * rounding.
  */
