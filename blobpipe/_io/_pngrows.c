@@ -62,12 +62,11 @@ static int decode(const unsigned char *data, size_t size, unsigned char *out, lo
     Source src = {data, size, 0, 0};
     png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &src, on_error, on_warning);
     if (png == NULL) return 0;
-    png_infop info = NULL, end = NULL;
+    /* made before setjmp and never assigned after it: destroyed whatever longjmps */
+    png_infop info = png_create_info_struct(png), end = png_create_info_struct(png);
     volatile int ok = 0;
-    if (setjmp(png_jmpbuf(png))) goto done;
-    info = png_create_info_struct(png);
-    end = png_create_info_struct(png);
     if (info == NULL || end == NULL) goto done;
+    if (setjmp(png_jmpbuf(png))) goto done;
     png_set_chunk_malloc_max(png, CHUNK_MAX);
     png_set_read_fn(png, &src, read_bytes);
     png_read_info(png, info);
