@@ -556,3 +556,54 @@ def test_decode_rows_of_damaged_jpegs_are_opencvs_pixels_or_left(
         assert np.array_equal(out[0], ref)
     else:
         assert (out[0] == -1).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    h=st.integers(1, 300),
+    w=st.integers(1, 300),
+    sampling=st.sampled_from(sorted(SAMPLINGS)),
+    progressive=st.booleans(),
+    flag=st.sampled_from([1, -1]),
+)
+def test_decode_whole_is_decode_image(
+    seed: int, h: int, w: int, sampling: str, progressive: bool, flag: int
+) -> None:
+    """The whole image through libjpeg-turbo: OpenCV's pixels, also for an image larger
+    than this thread's block (which grows), and the same refusal past max_pixels."""
+    _image._scratch.block = np.empty(2, np.uint8)  # too small for any image (3 bytes a pixel)
+    data = jpeg(photo(seed, h, w), 80, sampling, progressive)
+    statuses: list[int] = []
+    real = jpegwindow.decode_whole
+
+    def spy(*args: Any) -> tuple[int, int, int]:
+        result: tuple[int, int, int] = real(*args)
+        statuses.append(result[0])
+        return result
+
+    jpegwindow.decode_whole = spy
+    try:
+        got = _image.decode_whole(data, flag)
+    finally:
+        jpegwindow.decode_whole = real
+    assert statuses == [2, 1]  # the block grown to the image's size, then decoded there
+    assert isinstance(got, np.ndarray)
+    assert np.array_equal(got, full(data, flag))
+    assert _image.decode_whole(data, flag, max_pixels=h * w - 1) == decode_image(
+        data, flag, max_pixels=h * w - 1
+    )
+
+
+def test_decode_whole_leaves_what_it_cannot_promise_to_opencv() -> None:
+    pix = photo(6, 20, 24)
+    gray = jpeg(cv2.cvtColor(pix, cv2.COLOR_BGR2GRAY))
+    rotated = with_segment(jpeg(pix), exif(6))
+    png = cv2.imencode(".png", pix)[1].tobytes()
+    for data in (gray, rotated, png, jpeg(pix)[:-40]):
+        for flag in (1, -1, 0):
+            got, want = _image.decode_whole(data, flag), decode_image(data, flag)
+            if isinstance(want, Undecodable):
+                assert got == want
+            else:
+                assert isinstance(got, np.ndarray) and np.array_equal(got, want)

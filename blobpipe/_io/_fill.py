@@ -45,6 +45,7 @@ from ._image import (
     decode_whole,
     decode_window,
     imread_flag,
+    rows_decodable,
 )
 from ._index import Located, RecordIndex
 from ._kernels import Geometry, apply, apply_one, apply_raw, kernel_args, prefers_block
@@ -482,7 +483,7 @@ class Filler:
         make this batch's rows: the checked path names why)."""
         shape = plan.record_shape
         expected = plan.data_shape[1:]
-        if len(shape) != 3 or shape[0] != 3:
+        if not rows_decodable(shape, self._flag):
             return None
         if not self._fits(np.broadcast_to(np.zeros((), np.uint8), shape), expected):
             return None

@@ -28,6 +28,7 @@ image when the modules are absent, is decoded by :func:`decode_image`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ __all__ = [
     "imread_flag",
     "jpeg_frame",
     "jpeg_window_decoding",
+    "rows_decodable",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -156,15 +158,18 @@ _scratch = threading.local()
 _SCRATCH_KEEP = 32 << 20
 
 
-def _window_decoder() -> Any:
-    global _jpegwindow
-    if _jpegwindow is _UNLOADED:
-        try:  # compiled at install where libjpeg-turbo's headers are present
-            from . import _jpegwindow as module  # type: ignore[attr-defined]
-        except ImportError:  # whole-image decoding only
+def _compiled(name: str) -> Any:
+    """The compiled module ``name`` of this package (``_jpegwindow``, ``_pngrows``), or
+    None where it was not built here (its library's headers were missing at install);
+    imported on first use, like OpenCV, and kept in the module global of that name."""
+    module = globals()[name]
+    if module is _UNLOADED:
+        try:
+            module = importlib.import_module(f".{name}", __package__)
+        except ImportError:  # decoded by OpenCV, one image at a time
             module = None
-        _jpegwindow = module
-    return _jpegwindow
+        globals()[name] = module
+    return module
 
 
 def jpeg_window_decoding() -> bool:
@@ -173,7 +178,7 @@ def jpeg_window_decoding() -> bool:
     crops (partial decompression), and a batch's JPEGs of one size in one call;
     where False, images are decoded whole with OpenCV, one at a time, which gives
     the same pixels."""
-    return _window_decoder() is not None
+    return _compiled("_jpegwindow") is not None
 
 
 def _thread_block(need: int) -> npt.NDArray[np.uint8]:
@@ -197,7 +202,7 @@ def decode_whole(
     gives exactly OpenCV's pixels (see the module docstring), an ``(H, W, 3)`` view of a
     block of this thread's, valid until this thread's next call here or to
     :func:`decode_window`; otherwise :func:`decode_image`'s result."""
-    decoder = _window_decoder()
+    decoder = _compiled("_jpegwindow")
     if decoder is not None and flag in (1, -1) and data[:2] == b"\xff\xd8":
         block = getattr(_scratch, "block", None)
         if block is None:
@@ -225,7 +230,7 @@ def decode_window(
     valid until this thread's next call here or to :func:`decode_whole`; otherwise
     :func:`decode_image`'s result (a window of the whole image goes to
     :func:`decode_whole`)."""
-    decoder = _window_decoder()
+    decoder = _compiled("_jpegwindow")
     if decoder is not None and flag in (1, -1):
         size = image_size(data)
         frame = None if isinstance(size, str) else size.frame
@@ -241,24 +246,25 @@ def decode_window(
     return decode_image(data, flag, max_pixels)
 
 
-def _png_decoder() -> Any:
-    global _pngrows
-    if _pngrows is _UNLOADED:
-        try:  # compiled at install where libpng's headers are present
-            from . import _pngrows as module  # type: ignore[attr-defined]
-        except ImportError:  # PNGs one at a time, with OpenCV
-            module = None
-        _pngrows = module
-    return _pngrows
-
-
 _JPEG_SIGNATURE = b"\xff\xd8"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def rows_decodable(shape: tuple[int, ...], flag: int) -> bool:
+    """Whether :func:`decode_rows` can write any row of images of ``shape`` decoded with
+    ``flag`` here (a compiled decoder, colour or unchanged, 3 channels): the caller
+    prepares its arguments only then."""
+    return (
+        flag in (1, -1)
+        and len(shape) == 3
+        and shape[0] == 3
+        and (_compiled("_jpegwindow") is not None or _compiled("_pngrows") is not None)
+    )
+
+
 def decode_rows(
     images: Sequence[bytes | memoryview | None],
-    shape: tuple[int, int, int],
+    shape: tuple[int, ...],
     flag: int,
     kernel_args: tuple[Any, ...],
 ) -> npt.NDArray[np.bool_] | None:
@@ -272,12 +278,12 @@ def decode_rows(
     rows were written; the caller fills the others (another format or size,
     refused, or None). None where nothing can be done here (no compiled decoder, a
     flag other than colour or unchanged, not 3 channels)."""
-    if flag not in (1, -1) or shape[0] != 3:
+    if not rows_decodable(shape, flag):
         return None
     done: npt.NDArray[np.bool_] | None = None
     for decoder, signature in (
-        (_window_decoder(), _JPEG_SIGNATURE),
-        (_png_decoder(), _PNG_SIGNATURE),
+        (_compiled("_jpegwindow"), _JPEG_SIGNATURE),
+        (_compiled("_pngrows"), _PNG_SIGNATURE),
     ):
         if decoder is None:
             continue

@@ -347,7 +347,7 @@ def kernel_args(
     out: np.ndarray | Sequence[np.ndarray], geometry: Geometry, spec: KernelSpec
 ) -> tuple[Any, ...] | None:
     """The arguments every compiled row transform takes after its sources and shape
-    (``_kernel.h``; ``_rowkernel.transform_rows``, ``_jpegwindow.decode_rows``): the
+    (``_kernel.h``; ``_rowkernel.transform_rows``, the decoders' ``decode_rows``): the
     rows' crop corners and flips, the mean, the scale, the output(s), the crop and
     the layout. None where an output is not a C-contiguous float32 or uint8 array
     (all of one dtype), or there is none: the rows then go another way."""
