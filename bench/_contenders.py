@@ -780,7 +780,9 @@ class LoaderBlocking(Contender):
     key = "blocking"
     label = f"Loader, blocking for ({WORKERS} workers)"
 
-    def __init__(self, files: Files, recipe: Recipe, workers: int = WORKERS) -> None:
+    def __init__(
+        self, files: Files, recipe: Recipe, workers: int = WORKERS, again: bool = False
+    ) -> None:
         self.files = files
         self.recipe = recipe
         self.workers = workers
@@ -788,6 +790,9 @@ class LoaderBlocking(Contender):
         if workers != WORKERS:
             self.key = f"blocking{workers}"
             self.label = f"Loader, blocking for ({workers} worker{'s' if workers > 1 else ''})"
+        if again:  # the same contender a second time: its ratio to the first is the noise
+            self.key = "again"
+            self.label = f"Loader, blocking for ({workers} workers), again (A/A control)"
 
     def first_here(self, keep: bool = False) -> Sample:
         t0 = time.perf_counter()
@@ -887,7 +892,8 @@ def make(
 ) -> Contender:
     """The plain loop ("plain"), the torch recipe ("torch"), DALI's CPU pipeline ("dali";
     "dali-roi": decoding only the crop), the Loader ("async", "blocking"; "blocking1":
-    one worker) or Batches by hand ("batches") for a
+    one worker; "again": the blocking form a second time, an A/A control) or Batches by
+    hand ("batches") for a
     workload whose output rows are ``out_shape``; its first epochs run in a fresh
     process."""
     contender: Contender
@@ -902,6 +908,8 @@ def make(
         contender = LoaderBlocking(files, recipe)
     elif key == "blocking1":
         contender = LoaderBlocking(files, recipe, workers=1)
+    elif key == "again":
+        contender = LoaderBlocking(files, recipe, again=True)
     elif key == "batches":
         contender = BatchesLoop(files, recipe)
     elif key in ("dali", "dali-roi"):

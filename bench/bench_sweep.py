@@ -14,9 +14,11 @@ pixels each (at least 6 batches), so an epoch takes tens of milliseconds and the
 whole sweep a few minutes.
 
 Contenders per point: the plain one-thread loop (the baseline), the Loader with 2
-workers in its ``async for`` and blocking forms, and the blocking form with 1
-worker; each as a first epoch (a fresh process) and as later epochs (a pipeline
-kept open). A point's contenders are opened, measured over all its rounds (every
+workers in its ``async for`` and blocking forms, the blocking form with 1 worker,
+and the blocking form with 2 workers a second time (an A/A control: its ratio to
+the first shows how far two runs of the same code differ at that point in that
+run, the noise a ratio such as ``async for`` / blocking is read against); each as
+a first epoch (a fresh process) and as later epochs (a pipeline kept open). A point's contenders are opened, measured over all its rounds (every
 round runs every pass once, in an order rotated each round) and closed before the
 next point, so memory stays bounded; ratios are medians over rounds of the ratio
 to the plain loop of the same round. A later pass times several epochs back to
@@ -69,7 +71,9 @@ WORK_DOMINATES_S = 1e-3
 LATER_PASS_S = 0.3
 MAX_LATER_EPOCHS = 16
 PIXEL_BUDGET = 24 << 20  # pixel bytes per sweep database
-KEYS = ("plain", "async", "blocking", "blocking1")
+KEYS = ("plain", "async", "blocking", "blocking1", "again")
+# the A/A control counts as agreeing with the blocking form within this (either way)
+AA_BAND = 0.05
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,8 @@ HEADER = (
     "1 worker later",
     "2 / 1 workers",
     "async / blocking later",
+    "A/A first",
+    "A/A later",
     "CPU/img: plain / Loader",
     "result",
 )
@@ -337,11 +343,31 @@ def table(runs: list[bw.Run]) -> list[tuple[str, ...]]:
                 f(_r(run, "blocking1", "later")),
                 scaling if dominated else f"({scaling})",
                 f(_r(run, "async", "later", "blocking")),
+                f(_r(run, "again", "first", "blocking")),
+                f(_r(run, "again", "later", "blocking")),
                 f(cpu_ratio(run)),
                 "MISS: " + "; ".join(problems) if problems else "PASS",
             )
         )
     return lines
+
+
+def control_summary(runs: list[bw.Run]) -> str:
+    """How far the A/A control (the blocking form measured twice) strayed from 1×:
+    the spread that two measurements of the same code show in this run."""
+    parts = []
+    for kind in ("first", "later"):
+        got = [r for r in (_r(run, "again", kind, "blocking") for run in runs) if r is not None]
+        if not got:
+            continue
+        within = sum(abs(r - 1.0) <= AA_BAND for r in got)
+        parts.append(
+            f"{kind} epochs within ±{AA_BAND:.0%} of 1× at {within} of {len(got)} points "
+            f"({min(got):.2f}×–{max(got):.2f}×)"
+        )
+    if not parts:
+        return "A/A control: not measured"
+    return "A/A control (the blocking form against itself, same rounds): " + "; ".join(parts)
 
 
 def plot(runs: list[bw.Run], path: Path) -> str:
@@ -454,9 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         "hash at least 1.70× as fast as 1 ('headroom': the lowest a round started at)\n"
     )
     lines = table(runs)
-    print(bw.render(HEADER, lines, args.markdown, set(range(1, 13))))
+    print(bw.render(HEADER, lines, args.markdown, set(range(1, len(HEADER) - 1))))
     missed = [line[0] for line in lines if line[-1] != "PASS"]
     print(f"\n{len(lines) - len(missed)} of {len(lines)} points PASS, {len(missed)} MISS")
+    print(control_summary(runs))
     plot_path = args.plot or (root / ("sweep_quick.png" if args.quick else "sweep.png"))
     print(plot(runs, plot_path))
     if args.json is not None:

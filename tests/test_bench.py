@@ -150,6 +150,8 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
     header = "| point | record B | epochs | headroom | plain later img/s | async first |"
     assert header in text
     assert "points PASS" in text
+    assert "| A/A first | A/A later |" in text
+    assert "A/A control (the blocking form against itself, same rounds): first epochs" in text
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_sweep" and doc["quick"] and doc["rounds"] == 1
     kinds = {p["kind"] for p in doc["points"]}
@@ -163,7 +165,7 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         # to deliver that many epochs' images)
         assert 1 <= point["later_epochs_per_pass"] <= 16
         assert len(point["parallel_headroom_per_round"]) == 1
-        for key in ("plain", "async", "blocking", "blocking1"):
+        for key in ("plain", "async", "blocking", "blocking1", "again"):
             for kind in ("first", "later"):
                 sample = point["contenders"][key][kind]
                 assert len(sample["img_s"]) == 1 and sample["img_s"][0] > 0
