@@ -18,10 +18,11 @@ workers in its ``async for`` and blocking forms, the blocking form with 1 worker
 and the blocking form with 2 workers a second time (an A/A control: its ratio to
 the first shows how far two runs of the same code differ at that point in that
 run, the noise a ratio such as ``async for`` / blocking is read against); each as
-a first epoch (a fresh process) and as later epochs (a pipeline kept open). A point's contenders are opened, measured over all its rounds (every
-round runs every pass once, in an order rotated each round) and closed before the
-next point, so memory stays bounded; ratios are medians over rounds of the ratio
-to the plain loop of the same round. A later pass times several epochs back to
+a first epoch (a fresh process) and as later epochs (a pipeline kept open). A
+point's contenders are opened, measured over all its rounds (every round runs every
+pass once, in an order rotated each round) and closed before the next point, so
+memory stays bounded; ratios are medians over rounds of the ratio to the plain loop
+of the same round. A later pass times several epochs back to
 back (as many as the plain loop needs 0.3 s for). This machine's share of the host
 varies for minutes at a time, and two threads suffer more from it than one: each
 round starts once two threads hash at least 1.7× as fast as one (waiting up to

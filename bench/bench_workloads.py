@@ -31,8 +31,11 @@ output, and for W4 its ROI decode as well (``_dali.py``; when DALI is installed:
 ``pip install -e '.[bench-dali]'``; each checked against ``blobpipe.Transform`` given the
 same crops and flips), the blobpipe Loader with 2 workers on device "cpu" in its
 ``async for`` and blocking forms, and for W5 the memcpy (for W4, the decoder alone, for
-orientation). A last row, ``Batches`` driven by hand in one thread (``next_plan`` and
-``fill``, no Loader), has no target: it shows what the batch work itself costs, so a
+orientation). The blocking form runs a second time as an A/A control: unchecked, its
+ratio to the blocking row shows how far two measurements of the same code differ in
+that run (the noise that a ratio such as ``async for`` / blocking is read against). A
+last row, ``Batches`` driven by hand in one thread (``next_plan`` and ``fill``, no
+Loader), has no target: it shows what the batch work itself costs, so a
 Loader row below it is limited by the pipeline (thread hand-offs, the GIL), one above it
 by the work. Each as a **first epoch** (open, one pass, close; in a fresh Python
 process, libraries imported before the clock starts) and as **later epochs** of a
@@ -362,6 +365,8 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali
                 Check("later", "blocking", ASYNC_TARGET),
             ]
         rows.append(Row(contender, checks))
+    # the blocking form a second time, unchecked: two measurements of the same code
+    rows.append(Row(cs.make("again", files, recipe, out_shape)))
     rows.append(Row(cs.make("batches", files, recipe, out_shape)))
     return Run(w, prepared, recipe, rows, transform_errors=errors)
 
@@ -611,6 +616,13 @@ def _target_text(run: Run, row: Row) -> str:
     return ", ".join(parts)
 
 
+def _control_text(run: Run, row: Row) -> str:
+    """The A/A control's ratios to the blocking row: the noise of this run."""
+    got = [run.ratio(row, kind, "blocking") for kind in ("first", "later")]
+    first, later = (_fmt_ratio(r) for r in got)
+    return f"(A/A control) first {first}, later {later} the blocking row"
+
+
 def _result_text(row: Row) -> str:
     if row.contender.skipped:
         return row.contender.skipped
@@ -644,7 +656,9 @@ def main_table(runs: list[Run]) -> list[tuple[str, ...]]:
                     "—" if skipped else _fmt_ratio(run.ratio(row, "first")),
                     "—" if skipped else _fmt_rate(row.median("later")),
                     "—" if skipped else _fmt_ratio(run.ratio(row, "later")),
-                    _target_text(run, row),
+                    _control_text(run, row)
+                    if row.contender.key == "again"
+                    else _target_text(run, row),
                     _result_text(row),
                 )
             )
@@ -832,7 +846,13 @@ def json_doc(
                 "contenders": contenders,
             }
         )
-    rows = [row for run in runs for row in run.rows if row.result is not None]
+    # the A/A control (the blocking row's code again) is not counted
+    rows = [
+        row
+        for run in runs
+        for row in run.rows
+        if row.result is not None and row.contender.key != "again"
+    ]
     missed = sum(row.result == "MISS" for row in rows)
     return {
         "benchmark": "bench_workloads",
