@@ -11,7 +11,7 @@ records, TEST and TRAIN recipes (scale only; crop; crop + mirror + mean file; me
 values), NCHW and NHWC, uint8 pass-through. Each point is one database and one
 recipe; the databases (``bench/_data/sweep_*``, git-ignored) hold about 24 MB of
 pixels each (at least 6 batches), so an epoch takes tens of milliseconds and the
-whole sweep a few minutes.
+whole sweep about ten minutes on a 2-core machine.
 
 Contenders per point: the plain one-thread loop (the baseline), the Loader with 2
 workers in its ``async for`` and blocking forms, the blocking form with 1 worker,
