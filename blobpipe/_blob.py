@@ -34,6 +34,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._backends import Backend, Event, Stream, get_backend
+from ._backends._base import hold_array
 from ._blobmath import BlobMath
 from ._codec import BlobProto, fill_blobproto, proto_arrays, proto_shape_equals
 from ._errors import (
@@ -106,11 +107,16 @@ class Blob(BlobMath):
         self._closed_message: str | None = None
         self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
         self._readonly_export = False
+        # What the memory's lifetime depends on beyond this blob (a loader batch's
+        # lease): every array and export made from this blob references it.
+        self._owner: object | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
             self, self._holder.release
         )
 
-    def view(self, *, readonly_export: bool = False, finalizer: bool = True) -> Blob:
+    def view(
+        self, *, readonly_export: bool = False, finalizer: bool = True, owner: object = None
+    ) -> Blob:
         """A new Blob of the same shape and dtype sharing this blob's data *and* diff
         memories (as ``ndarray.view()`` shares an array's memory).
 
@@ -125,6 +131,10 @@ class Blob(BlobMath):
         view, or call :meth:`add_finalizer` before handing it to code that may
         drop it open; a view dropped open without a finalizer never releases its
         references, so the memories never return to the pool.
+
+        ``owner``: an object the view, and every array and DLPack export made from
+        it, keep referenced (a loader batch's lease: its slot is refilled only once
+        nothing made from the batch lives); a view of a view keeps its owner too.
 
         Raises StateError when this blob is closed.
         """
@@ -143,6 +153,7 @@ class Blob(BlobMath):
         view._closed_message = None
         view._typed = {}
         view._readonly_export = readonly_export
+        view._owner = _owners(self._owner, owner)
         view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
         return view
 
@@ -172,6 +183,7 @@ class Blob(BlobMath):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._typed.clear()
+        self._owner = None
         self._holder.release()
 
     @property
@@ -191,6 +203,14 @@ class Blob(BlobMath):
                     ref.mem.release_after_stream(stream)
                 if event is not None:
                     ref.mem.release_after_event(event)
+
+    def take_release_streams(self) -> list[Stream]:
+        """The streams named for the data memory's release (:meth:`release_after`, a
+        DLPack consumer's stream) since the last take: a loader's ring slot orders
+        its reuse after them, then forgets them. Empty once the blob let go of its
+        memory."""
+        ref = self._holder.data
+        return [] if self._closed or ref is None else ref.mem.take_release_streams()
 
     def __enter__(self) -> Blob:
         return self
@@ -389,6 +409,8 @@ class Blob(BlobMath):
             typed = cached[2]
         else:
             typed = raw[: self.nbytes].view(self._dtype).reshape(self._shape)
+            if self._owner is not None:  # it and every view of it keep the owner
+                typed = hold_array(typed, self._owner)
             self._typed[which] = (raw, self._shape, typed)
         out: np.ndarray[Any, Any] = typed.view()
         if not mutable:
@@ -400,7 +422,10 @@ class Blob(BlobMath):
         self._backend.require_device(f"gpu_{which}")
         self._check_shaped(f"gpu_{which}")
         raw = mem.mutable_gpu_data() if mutable else mem.gpu_data()
-        return self._backend.device_view(raw, self._dtype, self._shape, readonly=not mutable)
+        view = self._backend.device_view(raw, self._dtype, self._shape, readonly=not mutable)
+        if self._owner is not None:  # it and every view of it keep the owner
+            view = self._backend.hold_device(view, self._owner)
+        return view
 
     @property
     def data(self) -> SyncedMemory:
@@ -595,7 +620,7 @@ class Blob(BlobMath):
             if not hasattr(view, "__cuda_array_interface__"):
                 kwargs.pop("stream", None)  # NumPy (the emulated device) takes none
             assert self._holder.data is not None
-            held = self._holder.data.keep_alive(view, device=True)
+            held = self._holder.data.keep_alive(view, device=True, owner=self._owner)
             return held.__dlpack__(**kwargs)
         if self._readonly_export and self._wants_versioned(kwargs):
             array = self.cpu_data()
@@ -667,6 +692,8 @@ class Blob(BlobMath):
             old, self._holder.data = self._holder.data, new
         else:
             old, self._holder.diff = self._holder.diff, new
+        self._owner = _owners(self._owner, other._owner)  # the shared memory's lifetime
+        self._typed.clear()
         if old is not None:
             old.release()
 
@@ -764,3 +791,12 @@ class Blob(BlobMath):
         data = self.cpu_data() if self._count else None
         diff = self.cpu_diff() if self._count and write_diff else None
         return fill_blobproto(proto, self._shape, data, diff)
+
+
+def _owners(mine: object, other: object) -> object:
+    """What a blob keeps referenced to keep both ``mine`` and ``other`` (None: nothing)."""
+    if mine is None or mine is other:
+        return other
+    if other is None:
+        return mine
+    return (mine, other)

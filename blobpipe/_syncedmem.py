@@ -469,15 +469,17 @@ class SharedMemory:
         if last:
             self.mem.close()
 
-    def keep_alive(self, array: Any, *, device: bool = False) -> Any:
+    def keep_alive(self, array: Any, *, device: bool = False, owner: object = None) -> Any:
         """``array`` (a host view of this memory, or with ``device`` a device view)
         as an array holding a reference to it, released when the last array over
         it goes: the pool does not reuse the bytes while an export made from it
-        lives, even after the blobs let go."""
+        lives, even after the blobs let go. ``owner``: kept referenced as long too
+        (a loader batch's lease)."""
         reference = _Reference(self.acquire())
+        held: object = reference if owner is None else (reference, owner)
         if device:
-            return self.mem.backend.hold_device(array, reference)
-        return hold_array(array, reference)
+            return self.mem.backend.hold_device(array, held)
+        return hold_array(array, held)
 
 
 class _Reference:

@@ -75,10 +75,10 @@ DISTS = {
 PROBES = {
     "1 reuse after the consumer's stream": [
         "tests/test_streams.py::test_a_closed_blobs_device_block_waits_for_the_consumers_stream",
-        "tests/test_streams.py::test_a_detached_batch_closed_off_its_named_stream_is_not_reused_early",
+        "tests/test_streams.py::test_a_batch_closed_off_its_named_stream_is_not_reused_early",
     ],
     "2 device exports hold their memory": [
-        "tests/test_streams.py::test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values",
+        "tests/test_streams.py::test_cupy_from_dlpack_of_a_batch_keeps_its_values",
     ],
     "3 foreign stream handle without warnings": [
         "tests/test_streams.py::test_a_raw_stream_handle_warns_nothing",

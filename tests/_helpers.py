@@ -313,3 +313,24 @@ def queue_late(backend: blobpipe.Backend, fn: Callable[[], object], seconds: flo
         kernel = cp.RawKernel(_SPIN, "blobpipe_spin")
         kernel((1,), (1,), (np.int64(seconds * rate_khz * 1000),))
         fn()
+
+
+def unowned(backend: blobpipe.Backend, array: Any) -> Any:
+    """An alias of device array ``array``'s memory that references nothing, as a
+    queued CUDA kernel holds a raw pointer and no Python object: work that reads it
+    late keeps neither the array nor what the array keeps alive (a batch's lease)."""
+    import ctypes
+
+    if isinstance(backend, EmulatedBackend):
+        nbytes = int(array.nbytes)
+        raw = (ctypes.c_char * nbytes).from_address(int(array.ctypes.data))
+        alias = np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
+        out = alias.view(type(array))
+        out.device_id = array.device_id
+        out.backend = array.backend
+        return out
+    cp = backend.xp  # pragma: no cover - GPU machines
+    mem = cp.cuda.UnownedMemory(int(array.data.ptr), int(array.nbytes), None)  # pragma: no cover
+    return cp.ndarray(  # pragma: no cover
+        array.shape, array.dtype, memptr=cp.cuda.MemoryPointer(mem, 0), strides=array.strides
+    )

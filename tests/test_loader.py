@@ -63,7 +63,7 @@ DEVICES = [
 
 @dataclass
 class Got:
-    """What a consumer saw of one batch, copied to the host before it was recycled."""
+    """What a consumer saw of one batch, copied to the host."""
 
     data: np.ndarray
     device: np.ndarray | None  # gpu_data(), when the backend has a device
@@ -451,39 +451,14 @@ async def test_dlpack_shares_memory(db30: Path, device: str, device_transform: b
                 break
 
 
-# -- recycling and detach ----------------------------------------------------------------------
+# -- kept batches (tests/test_batch_contract.py has the whole contract) ---------------------------
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("device", "device_transform"), DEVICES)
-async def test_recycled_batch_raises(
+async def test_a_kept_batch_keeps_its_values(
     db30: Path, device: str, device_transform: bool | None
 ) -> None:
-    async with Loader(
-        db30, 4, device=make_backend(device), device_transform=device_transform
-    ) as loader:
-        first = await anext(loader)
-        data, label = first.data, first.label
-        assert not first.recycled
-        second = await anext(loader)
-        assert first.recycled and not second.recycled
-        for access in (
-            lambda: first.data,
-            lambda: first.label,
-            data.cpu_data,
-            label.cpu_data,
-            lambda: first.detach(),
-        ):
-            with pytest.raises(StateError, match=r"this batch was recycled.*batch\.detach"):
-                access()
-        assert "recycled" in repr(first)
-        second.data.cpu_data()  # the current batch is fine
-    assert second.recycled  # the loader took it back on close
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("device", "device_transform"), DEVICES)
-async def test_detach_keeps_batch(db30: Path, device: str, device_transform: bool | None) -> None:
     backend = make_backend(device)
     pools = PoolWatch(backend)
     t = Transform(mean_value=(3, 2, 1), scale=2)
@@ -492,31 +467,14 @@ async def test_detach_keeps_batch(db30: Path, device: str, device_transform: boo
         db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
     ) as loader:
         await anext(loader)
-        kept = (await anext(loader)).detach()
-        assert kept.detach() is kept  # idempotent
-        assert "detached" in repr(kept)
+        kept = await anext(loader)
         rest = [Got.of(await anext(loader)) for _ in range(10)]  # every slot refilled many times
-        assert not kept.recycled
+        assert not kept.closed
         assert_matches([Got.of(kept)], want[1:2])
         assert_matches(rest, want[2:])
-    # the loader is closed; the detached batch is still the caller's
+    # the loader is closed; the kept batch is still the caller's
     assert_matches([Got.of(kept)], want[1:2])
-    kept.close()
-    pools.assert_returned()
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("device", ["host", "emulated"])
-async def test_dropped_detached_batch_returns_its_memory(db30: Path, device: str) -> None:
-    """A detached batch the caller forgets to close goes back to the pool when collected."""
-    backend = make_backend(device)
-    pools = PoolWatch(backend)
-    async with Loader(db30, 4, device=backend, prefetch=2) as loader:
-        kept = (await anext(loader)).detach()
-        await anext(loader)
-    assert not kept.recycled
     del kept
-    gc.collect()
     pools.assert_returned()
 
 
@@ -592,12 +550,10 @@ async def test_copies_do_not_block_the_event_loop(db30: Path, device_transform: 
         ) as loader:
             # keep the batches without reading them: a host read of device data
             # is a blocking accessor by design
-            kept = [(await anext(loader)).detach() for _ in range(3)]
+            kept = [await anext(loader) for _ in range(3)]
         tg.cancel_scope.cancel()
     assert ticks >= 20 and not backend.timed_out
     assert_matches([Got.of(batch) for batch in kept], expected(db30, 3, batch_size=4))
-    for batch in kept:
-        batch.close()
 
 
 async def _noop_wait(event: object) -> None:
@@ -687,12 +643,13 @@ async def test_cleanup(
         with pytest.raises(RuntimeError, match="boom") as info:
             await fail()
         assert type(info.value) is RuntimeError  # not wrapped in an exception group
+        del info  # its traceback's frame holds the batch
     elif where == "cancel while filling":
         # the scope around the consumer is cancelled while a worker is mid-fill
         with anyio.CancelScope() as scope:
             async with loader:
                 await anext(loader)
-                await anext(loader)  # recycles the first slot: it is refilled now
+                await anext(loader)  # the first batch was dropped: its slot is refilled now
                 await probe.wait_filling()
                 scope.cancel()
                 await anext(loader)
@@ -712,7 +669,7 @@ async def test_cleanup(
             # now (the ring full): free a slot, and hold its fill at the gate until it
             # is seen in flight, so the loader closes while a fill runs
             probe.gate.clear()
-            await anext(loader)  # still usable; recycles the consumer's slot
+            await anext(loader)  # still usable; the batch is dropped, its slot refilled
             try:
                 await probe.wait_filling()
             finally:
@@ -963,6 +920,7 @@ async def test_no_allocations_in_steady_state(
             Got.of(batch)  # read on the host too, as the measured batches are
             warm_up += 1
             assert warm_up < 1000, "a slot was never filled"
+        del batch  # a loop that keeps nothing
         await collect(loader, 1)  # the slot handed out first comes round again
         warm_up += 1
         warm = counters()
@@ -975,7 +933,8 @@ async def test_no_allocations_in_steady_state(
 @pytest.mark.parametrize("device", ["host", "emulated"])
 async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches that take a while to fill are filled one per free slot: the producer
-    stops when the ring is full and fills a slot again once the consumer moved on."""
+    stops when the ring is full; a batch the caller still holds when it takes the
+    next gets one new slot; a slot is filled again once the caller dropped its batch."""
     probe = FillProbe(monkeypatch, sleep=0.002)  # >= SMALL_FILL: no chunks
     plans = 0
     original = Batches.next_plan
@@ -995,17 +954,34 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
         await stays(lambda: len(probe.plans) == n, f"exactly {n} batches filled")
 
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1) as loader:
-        await filled(3)  # one per slot; then the producer waits
-        assert plans <= 4  # (one plan made ahead, waiting for a free slot)
-        used = get_pool(backend, "host").statistics().used_bytes
+        await filled(4)  # one per slot (prefetch + 1); then the producer waits
+        assert plans <= 5  # (one plan made ahead, waiting for a free slot)
+        used = sum(PoolWatch(backend).used())
         first = await anext(loader)
         # the consumer holds the batch: its slot is not free
-        await stays(lambda: len(probe.plans) == 3, "3 batches filled")
-        await anext(loader)  # moving past the first batch frees its slot
-        await filled(4)
-        assert first.recycled
-        assert plans <= 5
-        assert get_pool(backend, "host").statistics().used_bytes == used
+        await stays(lambda: len(probe.plans) == 4, "4 batches filled")
+        # the first still held, as a loop variable holds the previous batch: the
+        # ring's extra slot covers it, nothing is made
+        second = await anext(loader)
+        await stays(lambda: len(probe.plans) == 4, "4 batches filled")
+        third = await anext(loader)  # a third batch held: one slot more
+        await filled(5)
+        assert plans <= 6
+        one_batch = sum(PoolWatch(backend).used()) - used  # host and device
+        assert one_batch > 0
+        stats = loader.statistics()
+        assert (stats.slots, stats.held_batches) == (5, 3)
+        assert 0 < stats.held_bytes <= 3 * one_batch  # (the pool rounds blocks up)
+        del first  # the ring shrinks back: that slot's memory goes to the pool
+        await stays(lambda: len(probe.plans) == 5, "5 batches filled")
+        assert sum(PoolWatch(backend).used()) == used
+        del second  # its slot is filled again
+        await filled(6)
+        assert plans <= 7
+        assert sum(PoolWatch(backend).used()) == used
+        stats = loader.statistics()
+        assert (stats.slots, stats.held_batches) == (4, 1)
+        del third
 
 
 @pytest.mark.anyio
@@ -1023,13 +999,14 @@ async def test_small_batches_fill_at_most_one_chunk_ahead(
 
     got: list[Got] = []
     async with Loader(db30, 4, device=backend, prefetch=3, workers=1, mode="wrap") as loader:
-        # batch 0 alone, then chunks of CHUNK_BATCHES (the ring grown to hold two and
-        # the consumer's batch): two chunks in slots, the third waiting for slots
+        # batch 0 alone, then chunks of CHUNK_BATCHES (the ring grown to hold two, the
+        # consumer's batch and the previous one): two chunks in slots, the third
+        # waiting for slots
         full = 1 + 2 * CHUNK_BATCHES
         await wait_until(lambda: len(probe.plans) >= full and probe.in_flight == 0, "fills")
         await stays(lambda: len(probe.plans) == full, f"{full} batches filled")
         slots = loader.statistics().slots
-        assert slots == 2 * CHUNK_BATCHES + 1
+        assert slots == 2 * CHUNK_BATCHES + 2
         used = 0
         for i in range(3 * slots):
             got.append(Got.of(await anext(loader)))
@@ -1183,7 +1160,7 @@ async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
             await wait_until(lambda: probe.in_flight >= 2, "two fills at once", within=10)
         finally:
             probe.gate.set()
-        assert loader.statistics().slots == 4  # no chunks: the ring never grew
+        assert loader.statistics().slots == 5  # prefetch + 1: no chunks, the ring never grew
     assert_matches(got, expected(db30, len(got), batch_size=4))
 
 
@@ -1361,14 +1338,18 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
             Loader(db30, 4, device="cpu", prefetch=1, workers=1) as loader,
         ):
             got = [Got.of(await anext(loader))]  # the wait since the last turn: none
-            probe.gate.clear()  # the fill of batch 1 starts when batch 0 is let go
+            # batches 1 and 2 fill the ring's two slots (prefetch + 1)
+            await wait_until(lambda: len(probe.plans) >= 3 and probe.in_flight == 0, "fills")
+            probe.gate.clear()  # fills started from now on wait at the gate
+            got.append(Got.of(await anext(loader)))  # batch 1, let go: batch 3's fill
+            got.append(Got.of(await anext(loader)))  # batch 2, there already
             tg.start_soon(heartbeat)
-            got.append(Got.of(await anext(loader)))
+            got.append(Got.of(await anext(loader)))  # batch 3, held at the gate
             tg.cancel_scope.cancel()
     finally:
         fallback.cancel()
     assert opened_by == ["heartbeat"]
-    assert_matches(got, expected(db30, 2, batch_size=4))
+    assert_matches(got, expected(db30, 4, batch_size=4))
 
 
 @pytest.mark.anyio
@@ -1571,8 +1552,8 @@ def test_int64_labels_through_the_loader(db30: Path) -> None:
 
 
 def test_host_exports_are_read_only(db30: Path) -> None:
-    """A batch is the loader's buffer: NumPy (DLPack 1.0) gets a read-only view, the
-    head stays where it was; a detached batch is the caller's and exports writable."""
+    """A batch is a slot of the loader's ring: NumPy (DLPack 1.0) gets a read-only
+    view, the head stays where it was."""
     with Loader(db30, 4, device="cpu", mode="epoch") as loader:
         batch = next(iter(loader))
         view = np.from_dlpack(batch.data)
@@ -1581,9 +1562,6 @@ def test_host_exports_are_read_only(db30: Path) -> None:
         with pytest.raises(ValueError, match="read-only"):
             view[0] = 1
         assert not np.from_dlpack(batch.label).flags.writeable
-        kept = batch.detach()
-        assert np.from_dlpack(kept.data).flags.writeable
-        kept.close()
 
 
 def test_torch_takes_read_only_exports(db30: Path) -> None:
@@ -1596,13 +1574,12 @@ def test_torch_takes_read_only_exports(db30: Path) -> None:
 
 
 def test_an_export_outlives_its_batch_and_loader(db30: Path) -> None:
-    """A host array exported from a batch keeps its memory: after the detached batch is
-    dropped, or the loader closed, the pool does not give those bytes to later batches."""
-    import gc
+    """A host array exported from a batch keeps its memory: after the batch is dropped,
+    or the loader closed, the pool does not give those bytes to later batches."""
 
     with Loader(db30, 4, device="cpu", mode="wrap") as loader:
         it = iter(loader)
-        kept = next(it).detach()
+        kept = next(it)
         view = np.from_dlpack(kept.data)
         want = view.copy()
         del kept

@@ -129,6 +129,7 @@ async def test_an_async_generator_left_with_break_is_clean(
         async for batch in stream():
             assert batch.data.shape == (8, 3, 10, 12)
             break
+    del batch  # the batch kept its memory while referenced
     await wait_until_async(lambda: not fillers() and used(backend) == before)
     if anyio_backend == "trio":  # trio's advice, nothing else
         assert unraisable and all("aclosing" in u for u in unraisable), unraisable

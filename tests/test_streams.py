@@ -24,7 +24,7 @@ import blobpipe
 from blobpipe import BackendUnavailableError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend
 from blobpipe.testing import EmulatedArray
-from tests._helpers import queue_late
+from tests._helpers import queue_late, unowned
 from tests.conftest import CAFFE, cupy_backend_or_skip, make_backend, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
@@ -521,28 +521,25 @@ def test_a_closed_blobs_device_block_waits_for_the_consumers_stream(device: str,
 
 
 @pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
-def test_a_detached_batch_closed_off_its_named_stream_is_not_reused_early(
-    db30: Path, device: str
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_batch_let_go_off_its_named_stream_is_not_reused_early(
+    db30: Path, device: str, how: str
 ) -> None:
-    """``Loader(stream=side)``: the consumer reads a detached batch on ``side`` and
-    closes it from outside ``side``; blobs made next (written off ``side``) do not
-    get its memory while the read is queued."""
+    """``Loader(stream=side)``: the consumer queues a late read of a batch on
+    ``side`` (a raw alias: the read holds no reference, as a CUDA kernel holds
+    none) and closes or drops the batch from outside ``side``; the slot's refill
+    waits for the read."""
     backend = make_backend(device)
     side = backend.create_stream()
     with Loader(db30, 4, device=backend, prefetch=2, stream=side, device_transform=False) as loader:
-        batch = next(loader).detach()
-        shape, dtype = batch.data.shape, batch.data.dtype
-        seen = _read_late_on(backend, side, batch.data.gpu_data())
-        batch.close()
-        others = []
-        for _ in range(4):
-            other = Blob(shape, dtype, backend=backend)
-            other.mutable_cpu_data()[...] = -1
-            other.gpu_data()
-            others.append(other)
+        batch = next(loader)
+        seen = _read_late_on(backend, side, unowned(backend, batch.data.gpu_data()))
+        if how == "close":
+            batch.close()
+        del batch
+        for _ in range(4):  # the slot is refilled meanwhile
+            next(loader)
         side.synchronize()
-        for other in others:
-            other.close()
     want = _expected(db30, 1, batch_size=4)[0]
     assert np.array_equal(to_numpy(seen), want)
 
@@ -594,26 +591,25 @@ def test_a_growing_slot_lets_its_old_buffers_go_after_the_release() -> None:
 
 
 @pytest.mark.parametrize("device_transform", [None, False])
-def test_numpy_from_dlpack_of_a_detached_device_batch_keeps_its_values(
+def test_numpy_from_dlpack_of_a_device_batch_keeps_its_values(
     db30: Path, device_transform: bool | None
 ) -> None:
-    """``numpy.from_dlpack`` of a detached emulated-device batch keeps its values
-    after the batch is closed and four more batches are detached."""
+    """``numpy.from_dlpack`` of an emulated-device batch keeps its values after the
+    batch is closed and four more batches are kept."""
     backend = EmulatedBackend(delay=0.001)
     t = Transform(scale=0.5)
     with Loader(
         db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
     ) as loader:
-        batch = next(loader).detach()
+        batch = next(loader)
         assert batch.data.__dlpack_device__() == (1, 0)  # NumPy memory stands in for it
         exported = np.from_dlpack(batch.data)
         batch.close()
-        later = [next(loader).detach() for _ in range(4)]
+        later = [next(loader) for _ in range(4)]
         backend.synchronize()
         want = _expected(db30, 1, batch_size=4, transform=t)[0]
         assert np.array_equal(exported, want)
-        for b in later:
-            b.close()
+        del later
     assert np.array_equal(exported, want)  # and after the loader closed
 
 
@@ -669,22 +665,21 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
 
 
 @pytest.mark.gpu
-def test_cupy_from_dlpack_of_a_detached_batch_keeps_its_values(
+def test_cupy_from_dlpack_of_a_batch_keeps_its_values(
     db30: Path,
 ) -> None:  # pragma: no cover - GPU machines
-    """On CUDA: ``cupy.from_dlpack`` of a detached batch keeps its values
-    after the batch is closed and four more batches are detached."""
+    """On CUDA: ``cupy.from_dlpack`` of a batch keeps its values after the batch is
+    closed and four more batches are kept."""
     backend = cupy_backend_or_skip()
     t = Transform(scale=0.5)
     with Loader(db30, 4, device=backend, prefetch=2, transform=t) as loader:
-        batch = next(loader).detach()
+        batch = next(loader)
         exported = backend.xp.from_dlpack(batch.data)
         batch.close()
-        later = [next(loader).detach() for _ in range(4)]
+        later = [next(loader) for _ in range(4)]
         backend.synchronize()
         got = to_numpy(exported)
-        for b in later:
-            b.close()
+        del later
     assert np.array_equal(got, _expected(db30, 1, batch_size=4, transform=t)[0])
 
 

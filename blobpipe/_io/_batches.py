@@ -755,6 +755,11 @@ class Batches:
             self._closed = True
             for src in getattr(self, "_sources", ()):
                 src.close()
+            # The keys and the read-ahead are views of the database's maps (and of its
+            # index's): dropped here, so the maps and their descriptors go with close,
+            # not when this object is collected.
+            self._keys = ()
+            self._ahead = []
 
     def __enter__(self) -> Batches:
         return self

@@ -208,6 +208,7 @@ class Filler:
     def close(self) -> None:
         with self._lock:  # the index's map of the file goes with the reader
             self._index, self._index_tried = None, True
+            self._keys = ()
 
     def index(self) -> RecordIndex | None:
         """The database's record index, made on first use; None where its data

@@ -216,7 +216,14 @@ class LmdbReader:
             if self._users or self._state is not _CLOSING:
                 return
             self._state = _CLOSED
+        self._release()
+
+    def _release(self) -> None:
+        """Let go of the environment (its last reader closes it) with nothing of ours
+        left over its maps: the keys are views of the index file's map, so the map
+        and its descriptor close now, not when this reader is collected."""
         self._local = threading.local()
+        self._keys = None
         self._finalizer()
 
     def close(self) -> None:
@@ -236,8 +243,7 @@ class LmdbReader:
                 self._state = _CLOSING
                 return
             self._state = _CLOSED
-        self._local = threading.local()
-        self._finalizer()
+        self._release()
 
     def __enter__(self) -> LmdbReader:
         self._check_open()

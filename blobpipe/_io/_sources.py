@@ -90,6 +90,8 @@ class Source:
                 close = getattr(part.reader, "close", None)
                 if close is not None:
                     close()
+            part.keys = ()  # views of the database's index: its map goes with the reader
+        self.keys = ()
 
 
 def open_sources(

@@ -5,7 +5,8 @@ Pipeline (Caffe's free/full prefetch queues, FFCV's ring of slots)::
     fillers: min(workers, prefetch) loops,           consumer (async for / for)
     each in its own plain thread                     ──────────────────────────
     ─────────────────────────────
-    slot = free.get()              ◄──── recycled ── previous batch's slot
+    slot = free.get()              ◄── given back ── when nothing references a
+                                                     delivered batch any more
     wait for the slot's last device event
     number + plan the next batch   (under a lock)
     fill it into the slot's host blobs (pinned on CUDA)
@@ -29,16 +30,17 @@ One job per module:
   the error for each illegal move.
 * ``_options``: the Loader's own argument checks; Batches' options, defined once
   for the Loader's ``**options``.
-* ``_ring``: the slots: buffers fitted to each batch, the free queue.
+* ``_ring``: the slots: buffers fitted to each batch, the free queue, the
+  caller's lease on a delivered slot.
 * ``_device``: the device/host split of the transform; a filled slot's host→device
   push, device transform and events.
 * ``_handoff``: the numbered mailbox from the fillers to the consumer.
 * ``_batch``: :class:`Batch` (views of a slot).
 * ``_stats``: :class:`LoaderStatistics` and the counters behind it.
 
-A handed-out :class:`Batch` holds Blobs that share the slot's memory; when the
-consumer asks for the next batch they are retired, so a recycled batch raises
-instead of silently showing other data. :meth:`Batch.detach` keeps one.
+A handed-out :class:`Batch` holds Blobs that share the slot's memory, and every
+array or export taken from them references the slot's lease: the slot is refilled
+once none of them lives, so nothing the caller keeps is overwritten.
 """
 
 from ._batch import Batch as Batch

@@ -86,8 +86,7 @@ class AsyncForm:
         return self
 
     async def __anext__(self) -> Batch:
-        """The next batch (recycling the previous one's buffers); the first call
-        opens a Loader that was not entered.
+        """The next batch; the first call opens a Loader that was not entered.
 
         Raises:
             StopAsyncIteration: at the end of an epoch (``mode="epoch"``).

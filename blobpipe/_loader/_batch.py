@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
 from typing import Any
 
 from .._blob import Blob
 from .._io._batches import BatchPlan
+from ._ring import Lease
 
 __all__ = ["Batch"]
 
-_RECYCLED = (
-    "this batch was recycled: its buffers went back to the loader when the next batch "
-    "was requested; call batch.detach() to keep a batch beyond the next iteration"
+_CLOSED = (
+    "this batch was closed (batch.close()); keep the batch, or arrays taken from it, "
+    "instead of closing it, to use its data later"
 )
+_DETACH = (
+    "batch.detach() is no longer needed: a batch you keep (or any array or export taken "
+    "from it) is never overwritten, the loader refills its memory only once nothing "
+    "references it; keep the batch itself"
+)
+_RECYCLED_PROPERTY = "batch.recycled is deprecated: a batch is never recycled; use batch.closed"
 
 
 class Batch:
@@ -24,12 +31,13 @@ class Batch:
     ``batch.data.gpu_data()`` is a CuPy array, ``batch.data.cpu_data()`` a NumPy
     array, and ``torch.from_dlpack(batch.data)`` works without a copy.
 
-    The buffers belong to the loader and are recycled when the next batch is
-    requested; using the batch (its Blobs) after that raises StateError.
-    Arrays already taken from it (``cpu_data()``, ``gpu_data()``, DLPack
-    exports such as ``torch.from_dlpack(batch.data)``) are views of the same
-    buffers and are *not* invalidated: copy them, or :meth:`detach` the batch,
-    to keep data beyond the next iteration.
+    The batch's memory is a slot of the loader's ring, shared without a copy
+    with everything taken from it: the Blobs, ``cpu_data()`` / ``gpu_data()``
+    arrays and DLPack exports (NumPy, torch, CuPy, JAX). The loader refills the
+    slot only once none of them is referenced any more, so nothing you keep is
+    ever overwritten, and a loop that keeps nothing reuses the same memory
+    batch after batch. Batches you keep hold their memory until you drop them
+    (``loader.statistics().held_batches``); :meth:`close` lets one go early.
 
     With several sources (``Loader({"data": ..., "label": ...})``) each
     source's Blob is ``batch[name]``; ``batch.data`` is the source named "data"
@@ -47,12 +55,11 @@ class Batch:
 
     __slots__ = (
         "_data",
-        "_detached",
         "_extra",
         "_has_label",
         "_label",
+        "_lease",
         "_name",
-        "_on_detach",
         "_plan",
         "epoch",
         "state",
@@ -64,35 +71,33 @@ class Batch:
         data: Blob,
         label: Blob,
         plan: BatchPlan,
-        on_detach: Callable[[Batch], None] | None = None,
+        lease: Lease,
         extra: dict[str, Blob] | None = None,
     ) -> None:
         """The batch ``plan`` describes, over a ring slot's Blobs: ``data``,
         ``label`` and the other sources' ``extra`` (by name); the loader makes it.
 
         The batch holds views of those Blobs (:meth:`Blob.view`: no allocation),
-        with read-only host exports and no finalizer: :meth:`recycle` closes
-        them, or :meth:`detach` makes them the caller's (a finalizer, writable
-        exports). ``on_detach`` tells the loader to give the slot new buffers
-        (called once, by :meth:`detach`).
+        with read-only host exports, each keeping ``lease`` (the slot's
+        :class:`~blobpipe._loader._ring.Lease`) referenced, as does every array
+        made from them. The views have no finalizer of their own: the lease's end
+        releases their memory references (their ``MemoryPair`` s, added to
+        ``lease.pairs``).
 
         Raises:
             StateError: one of the slot's Blobs is closed.
         """
-        self._on_detach = on_detach
-        views: list[Blob] = []  # without a finalizer: closed here if a later one fails
-        try:
-            for blob in (data, label, *(extra or {}).values()):
-                views.append(blob.view(readonly_export=True, finalizer=False))
-        except BaseException:
-            for view in views:
-                view.close()
-            raise
+        views: list[Blob] = []
+        pairs = lease.pairs
+        for blob in (data, label, *(extra or {}).values()):
+            view = blob.view(readonly_export=True, finalizer=False, owner=lease)
+            pairs.append(view._holder)
+            views.append(view)
+        self._lease: Lease | None = lease
         self._data, self._label = views[0], views[1]
         self._extra = dict(zip((extra or {}), views[2:], strict=True))
         self._name = plan.name
         self._has_label = plan.has_label
-        self._detached = False
         self._plan = plan
         self.epoch: int = plan.epoch
         self.valid: int = plan.valid
@@ -133,7 +138,7 @@ class Batch:
 
         Raises:
             KeyError: no source of that name.
-            StateError: the batch was recycled.
+            StateError: the batch was closed.
         """
         blob = self._data if name == self._name else self._extra.get(name)
         if blob is None:
@@ -147,56 +152,42 @@ class Batch:
         return [self._name, *self._extra]
 
     @property
-    def recycled(self) -> bool:
-        """True once the loader took the buffers back."""
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
         return self._data.closed
+
+    @property
+    def recycled(self) -> bool:
+        """Deprecated: a batch is never recycled; :attr:`closed`."""
+        warnings.warn(_RECYCLED_PROPERTY, DeprecationWarning, stacklevel=2)
+        return self.closed
 
     def __len__(self) -> int:
         return len(self._plan)
 
     def detach(self) -> Batch:
-        """Keep this batch: the loader gives its slot new buffers instead.
-
-        Returns the batch itself; its Blobs are then the caller's to
-        :meth:`~Blob.close` (a finalizer returns them to the pool otherwise).
-        The loader allocates replacement buffers for the slot, so detaching
-        costs one allocation from the pool.
+        """Deprecated, and no longer needed: keeping the batch keeps it. Returns the
+        batch itself.
 
         Raises:
-            StateError: the batch was already recycled.
+            StateError: the batch was closed.
         """
-        self.data  # noqa: B018 - raises when recycled
-        if not self._detached:
-            on_detach, self._on_detach = self._on_detach, None
-            self._detached = True
-            for blob in self._blobs():
-                blob.add_finalizer()
-                blob.readonly_export = False  # the caller's now
-            if on_detach is not None:
-                on_detach(self)
+        warnings.warn(_DETACH, DeprecationWarning, stacklevel=2)
+        self.data  # noqa: B018 - raises when closed
         return self
-
-    def recycle(self) -> None:
-        """Close the batch's Blobs unless the batch was detached: every later use of
-        them raises StateError saying the batch was recycled.
-
-        The loader calls it when the next batch is requested, before it refills
-        the slot. Idempotent; arrays already taken from the Blobs stay valid
-        views of the loader's buffers.
-        """
-        if not self._detached:
-            for blob in self._blobs():
-                blob.close(_RECYCLED)
 
     def _blobs(self) -> tuple[Blob, ...]:
         return (self._data, self._label, *self._extra.values())
 
     def close(self) -> None:
-        """Release a detached batch's Blobs (recycled batches need nothing)."""
-        if self._detached:
-            for blob in self._blobs():
-                blob.close()
+        """Let the batch go now, rather than when it is no longer referenced: its Blobs
+        raise StateError from then on. Arrays and exports already taken from it
+        keep its memory (and their values) while they live; the loader refills
+        the slot once they are gone too. Idempotent."""
+        for blob in self._blobs():
+            blob.close(_CLOSED)
+        self._lease = None
 
     def __repr__(self) -> str:
-        state = "recycled" if self.recycled else ("detached" if self._detached else "live")
-        return f"<Batch {self._data.shape_string()} epoch {self.epoch} {state}>"
+        state = " closed" if self.closed else ""
+        return f"<Batch {self._data.shape_string()} epoch {self.epoch}{state}>"

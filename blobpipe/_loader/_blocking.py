@@ -49,8 +49,8 @@ class BlockingForm:
         return self
 
     def __next__(self) -> Batch:
-        """The next batch, waited for in the calling thread (recycling the previous
-        one's buffers); the first call opens a Loader that was not entered.
+        """The next batch, waited for in the calling thread; the first call opens a
+        Loader that was not entered.
 
         Raises:
             StopIteration: at the end of an epoch (``mode="epoch"``).

@@ -168,13 +168,14 @@ class DeviceWork:
         # Everything that can fail before work is queued happens first ...
         mean = self._mean(plan, path, stream) if self.on_device else None
         with backend.using(stream):
+            # the consumer's work on the slot's last batch first: nothing below
+            # writes the slot's device memory before it
+            backend.stream_wait(stream, slot.released)
             device_arrays = None
             if self.on_device:
-                # zero-filled on first use only, on this stream (idle: its last
-                # work completed before the slot was refilled), before any push
+                # zero-filled on first use only, on this stream, before any push
                 assert slot.staged is not None and slot.out is not None
                 device_arrays = (slot.staged.mutable_gpu_data(), slot.out.mutable_gpu_data())
-            backend.stream_wait(stream, slot.released)
             slot.started = backend.record_event(stream, timing=True)
             try:
                 slot.label.data.start_gpu_push(stream)
@@ -189,22 +190,26 @@ class DeviceWork:
                 slot.event = backend.record_event(stream, timing=True)
 
     def release(self, stream: Stream | None, slot: Slot | None = None) -> Event:
-        """An event on the consumer's stream (``stream``, else its current one) that
-        completes after the work it queued so far: the consumer's work on the batch
-        it lets go now. With ``slot``, also after the work queued so far on the
-        streams DLPack consumers named when they took the batch's device memory
-        (``__dlpack__(stream=...)``). The slot's next device work waits for it."""
+        """An event that completes after the work queued so far on the consumer's
+        ``stream`` (the Loader's named one, or the one current where the batch was
+        delivered), on the calling thread's current stream (the thread letting the
+        batch go) and, with ``slot``, on the streams DLPack consumers named when
+        they took the batch's device memory (``__dlpack__(stream=...)``): the
+        consumer's work on the batch it lets go now. The slot's next device work
+        waits for it."""
         backend = self._backend
         if not backend.has_device:
             return COMPLETED
-        own = stream or backend.current_stream()
-        events = [backend.record_event(own)]
+        streams = [] if stream is None else [stream]
+        current = backend.current_stream()
+        if not any(s.same(current) for s in streams):
+            streams.append(current)
         if slot is not None:
             for blob in slot.device_blobs():
-                for other in blob.data.take_release_streams():
-                    if not other.same(own):
-                        events.append(backend.record_event(other))
-        return all_of(events)
+                for other in blob.take_release_streams():
+                    if not any(s.same(other) for s in streams):
+                        streams.append(other)
+        return all_of([backend.record_event(s) for s in streams])
 
     def elapsed(self, slot: Slot) -> float:
         """Seconds the slot's last device work took (0 without timing events)."""

@@ -85,11 +85,10 @@ class Pipeline:
         # *delivered* batch, never from the producer's cursor.
         self.resume_state: dict[str, Any] = batches.state_dict()
         self._lock = threading.Lock()  # the filler count, the release
-        self._ring = Ring(backend, prefetch)
+        self._ring = Ring(backend, prefetch, device.release)
         self.handoff: Handoff[Made] = Handoff()  # the consumer takes batches from it
         self._plan_lock = threading.Lock()  # numbers and plans batches, in order
         self._planned = 0  # the number of the next batch planned
-        self._current: tuple[Slot, Batch] | None = None  # the batch handed out last
         # set while batches take SMALL_FILL or more to fill: every filler runs;
         # clear (small batches): each filler a chunk at a time (see _filler)
         self._wide = threading.Event()
@@ -161,7 +160,6 @@ class Pipeline:
             return False
         if left is None or os.getpid() != self._pid:
             return False
-        self.recycle_current()  # the consumer lets its batch go
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
         self._ring.stop()
@@ -180,7 +178,7 @@ class Pipeline:
 
     def _synchronize_slots(self) -> None:
         """:meth:`settle`, blocking the calling thread."""
-        for slot in self._ring.slots:
+        for slot in self._ring.unheld():
             slot.event.synchronize()
             slot.released.synchronize()
 
@@ -191,14 +189,13 @@ class Pipeline:
             if self._released:
                 return
             self._released = True
-        self.recycle_current()
         self._ring.close()
         self.handoff.close()  # a consumer waiting in another task or thread sees the close
         self.batches.close()
 
     def statistics(self, backend: Backend) -> LoaderStatistics:
         """The counters so far (see :class:`LoaderStatistics`)."""
-        return self.counters.snapshot(backend, self._ring.size)
+        return self.counters.snapshot(backend, self._ring.size, *self._ring.held())
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Resume at ``state``: only before the pipeline is opened (an open one has
@@ -309,7 +306,7 @@ class Pipeline:
             data, label, geometry, extra = slot.prepare(plan, self.device.out_shape(plan))
             self.batches.fill(plan, data, label, geometry_out=geometry, extra_out=extra)
         except Exception as exc:  # delivered to the consumer, in order
-            return self._failed(number, exc)[1]
+            return self._failed(number, self._ring.explain(exc))[1]
         finally:
             self._filled(time.perf_counter() - t0, 1, chunk_batches(plan) > 1)
         return self._issue(slot, number, plan)
@@ -381,7 +378,7 @@ class Pipeline:
                 data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
                 arrays.append((data, label, geometry))
         except Exception as exc:  # delivered to the consumer, in order
-            error = exc
+            error = self._ring.explain(exc)
         filled = 0
         if arrays:
             plans = [plan for _, plan in numbered[: len(arrays)]]
@@ -484,30 +481,14 @@ class Pipeline:
         return number, Failure(exc)
 
     # -- consumer --------------------------------------------------------------------
-    def recycle_current(self) -> None:
-        """The consumer lets the batch it holds go: its slot is refilled after the
-        device work queued on the consumer's stream so far."""
-        current, self._current = self._current, None
-        if current is None:
-            return
-        slot, batch = current
-        batch.recycle()
-        slot.released = self.device.release(self._stream, slot)
-        self._ring.put(slot)
-
-    def _detach_current(self, batch: Batch) -> None:
-        if self._current is not None and self._current[1] is batch:
-            slot, _ = self._current
-            slot.forget(self._stream)
-
     def _check_process(self) -> None:
         pid = os.getpid()
         if pid != self._pid and self.lifecycle.state is not State.UNOPENED:
             raise StateError(_FORKED_ERROR.format(parent=self._pid, child=pid))
 
     def begin_next(self) -> float:
-        """The consumer asks for the next batch: lets the batch it holds go and
-        returns when it started waiting (for the statistics).
+        """The consumer asks for the next batch; returns when it started waiting (for
+        the statistics).
 
         Raises:
             StateError: the pipeline is closed, failed earlier, or was opened in
@@ -515,7 +496,6 @@ class Pipeline:
         """
         self._check_process()
         self.lifecycle.check_next()
-        self.recycle_current()
         return time.perf_counter()
 
     def taken(self) -> Item:
@@ -540,17 +520,16 @@ class Pipeline:
         """Account for the batch whose device work completed and hand it out."""
         self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
         self.resume_state = plan.state
-        batch = self._make_batch(slot, plan)
-        self._current = (slot, batch)
-        return batch
-
-    def _make_batch(self, slot: Slot, plan: BatchPlan) -> Batch:
         src = slot.out if self.device.on_device else slot.host
+        # the consumer's stream: the named one, else the one current here
+        stream = self._stream
+        if stream is None and self.backend.has_device:
+            stream = self.backend.current_stream()
+        lease = self._ring.lease(slot, stream)
         if src is None or slot.label is None:  # closed by another thread meanwhile
             raise StateError(CLOSED_ERROR)
-        # the batch holds views of these until recycle_current (or detach)
         extra = {name: slot.extra[name] for name, _ in plan.extra}
-        return Batch(src, slot.label, plan, on_detach=self._detach_current, extra=extra)
+        return Batch(src, slot.label, plan, lease, extra=extra)
 
 
 # Pipelines still open: closed by an atexit hook, so that no filler thread is inside

@@ -1,40 +1,55 @@
-"""The ring of batch slots (Caffe's free queue, FFCV's batch slots).
+"""The ring of batch slots (Caffe's free queue, FFCV's batch slots), and the caller's
+:class:`Lease` on a delivered one.
 
 Invariants:
 
-* ``prefetch`` slots are allocated once, when the loader opens, each with its
-  own stream (for small batches handed over a chunk at a time the ring grows to
-  ``2 * chunk + 1``, at most 33); their buffers come from the backend's pools and
-  are fitted to each batch by reshaping within capacity, so a steady state
-  allocates nothing. At most that much batch memory is alive: a slow consumer
-  slows reading.
-* A slot is refilled only after the consumer has moved past its batch (it is
-  then :meth:`Ring.put` back) *and* the device work reading its host buffers
-  (the staged pixels, the rows' ``geometry`` the device transform reads as is)
-  has completed (its ``event``, which the filler waits for). Its device
-  buffers are written again only after ``released`` (an event recorded on the
-  consumer's stream when it let the batch go), which the slot's stream waits
-  for: the consumer's queued work on the batch runs first.
+* A delivered slot is the caller's while anything handed out for its batch lives:
+  the :class:`~blobpipe.Batch`, its Blobs, their host and device arrays and DLPack
+  exports all reference the slot's :class:`Lease`, and nothing of the loader does.
+  The lease's end (CPython frees it with its last reference; a reference cycle
+  when the collector runs) gives the slot back: a slot is refilled only when
+  nothing the caller can reach shows its buffers.
+* The ring has ``size + 1`` slots: ``size`` (``prefetch``; for small batches
+  handed over a chunk at a time it grows to ``2 * chunk + 1``, at most 33) for the
+  batches filled ahead and the one the caller is on, and one for the previous
+  batch, which a loop variable still holds while the next one is asked for. A
+  loop that keeps nothing therefore never waits for its own memory and allocates
+  nothing once every slot was filled. Each further batch the caller holds gets a
+  new slot when a filler needs one, so the fillers never wait for memory the
+  caller keeps; when the caller lets such batches go, the ring shrinks back to
+  ``size + 1`` (the other slots' buffers go back to the pool).
+* Buffers come from the backend's pools and are fitted to each batch by reshaping
+  within capacity.
+* A slot is refilled only after the device work reading its host buffers (the
+  staged pixels, the rows' ``geometry`` the device transform reads as is) has
+  completed (its ``event``, which the filler waits for). Its device buffers are
+  written again only after ``released``: events recorded, when its lease ended,
+  on the consumer's stream and on every stream a DLPack consumer named, which the
+  slot's stream waits for: the consumer's queued work on the batch runs first,
+  whichever thread let the last reference go.
 * A slot's buffers are released only after both events completed; a buffer a
   slot lets go of while the loader runs (a batch of another shape or dtype) goes
   back to the pool ordered after ``released`` too, so no other slot or blob
-  reuses it while the consumer's work may still read it.
+  reuses it while the consumer's work may still read it. A slot the caller still
+  holds when the loader closes is released when its lease ends.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._backends import COMPLETED, Backend, Event, Stream, wait_event
+from .._backends import COMPLETED, Backend, Event, Stream, all_of, wait_event
 from .._blob import Blob
+from .._errors import PoolMemoryError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry
 
-__all__ = ["Ring", "Slot"]
+__all__ = ["Lease", "Ring", "Slot"]
 
 
 def _fit(
@@ -110,17 +125,6 @@ class Slot:
         # every row and label is written by the fill: no zero fill, no copy back
         return self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data(), self.geometry, extra
 
-    def forget(self, stream: Stream | None = None) -> None:
-        """Drop the blobs (a detached batch now owns their memory). ``stream``: the
-        consumer's named stream; the detached batch's memory returns to the pool
-        only after the work queued on it by then (and on the closer's current
-        stream)."""
-        if stream is not None:
-            for blob in self.blobs():
-                blob.release_after(stream=stream)
-        self.host = self.label = self.staged = self.out = None
-        self.extra = {}
-
     def blobs(self) -> list[Blob]:
         """The slot's blobs (None left out)."""
         return [
@@ -133,54 +137,123 @@ class Slot:
         """The blobs whose device memory the consumer sees (data and labels)."""
         return [b for b in (self.out, self.host, self.label, *self.extra.values()) if b is not None]
 
+    def nbytes(self) -> int:
+        """Bytes of host and device memory the slot's blobs hold."""
+        return sum(b.capacity * b.dtype.itemsize for b in self.blobs())
+
     def close(self) -> None:
+        """Release the buffers once the slot's and the consumer's device work completed
+        (waiting for both here)."""
         self.event.synchronize()
         self.released.synchronize()
+        self._drop()
+
+    def close_after(self) -> None:
+        """Release the buffers without waiting: the pool reuses none of them before
+        the slot's and the consumer's device work completed."""
+        for blob in self.blobs():
+            blob.release_after(event=all_of([self.event, self.released]))
+        self._drop()
+
+    def _drop(self) -> None:
         for blob in self.blobs():
             blob.close()
-        self.forget()
+        self.host = self.label = self.staged = self.out = None
+        self.extra = {}
+
+
+class Lease:
+    """The caller's hold on a delivered slot (see the module docstring).
+
+    The batch, its Blobs and every array or export made from them reference the
+    lease; the ring does not. When it goes, :meth:`Ring.give_back` releases the
+    memory references of the batch's Blob views (``pairs``: their finalizer, run
+    once here for them all) and returns the slot, ordered after the work queued by
+    then on the consumer's stream (``stream``, the one current where the batch was
+    delivered, or the Loader's named one) and on the streams DLPack consumers named.
+    It may go in any thread (a DLPack deleter, a collection in a filler).
+    """
+
+    __slots__ = ("_ring", "pairs", "slot", "stream")
+
+    def __init__(self, ring: Ring, slot: Slot, stream: Stream | None) -> None:
+        self._ring: Ring | None = ring
+        self.slot = slot
+        self.stream = stream
+        self.pairs: list[Any] = []  # the batch views' MemoryPairs
+
+    def __del__(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.give_back(self)
 
 
 class Ring:
-    """Slots and the queue of free ones, shared by the fillers.
+    """Slots, the queue of free ones, and the slots the caller holds; shared by the
+    fillers, the consumer and the leases (see the module docstring).
 
     Fillers :meth:`take` a free slot (blocking) or several at once
     (:meth:`take_many`: a filler handing out a chunk of small batches); the
-    consumer :meth:`put` s back the slot of a batch it moved past, waking a filler
-    only once as many slots as it waits for are free; :meth:`stop` wakes every
-    waiting filler with None. The ring starts with ``size`` slots and may
-    :meth:`grow` (for small batches, handed over a chunk at a time).
+    consumer :meth:`lease` s a filled slot to the caller, and the lease's end
+    gives it back (:meth:`give_back`), waking a filler only once as many slots as
+    it waits for are free; a filler :meth:`put` s back a slot it did not fill;
+    :meth:`stop` wakes every waiting filler with None.
+
+    The lock is re-entrant: a lease may end (a collection) in a thread that is
+    inside one of these methods already.
     """
 
-    def __init__(self, backend: Backend, size: int) -> None:
+    def __init__(
+        self, backend: Backend, size: int, release: Callable[[Stream | None, Slot], Event]
+    ) -> None:
         self._backend = backend
+        self._release = release  # the event after the consumer's work on a slot
         self._size = size
         self.slots: list[Slot] = []
         self._free: deque[Slot] = deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._held: set[Slot] = set()  # slots whose lease lives
+        self._cond = threading.Condition(threading.RLock())
         self._needs: list[int] = []  # how many free slots each waiting filler needs
         self._stopped = False
+        self._closed = False
 
     @property
     def size(self) -> int:
-        """The slots the ring has now (those it was made with before it opens)."""
+        """The slots the ring has now (those it is made with before it opens)."""
         with self._cond:
-            return max(len(self.slots), self._size)
+            return max(len(self.slots), self._size + 1)
+
+    def _limit(self) -> int:
+        """The most slots the ring has now: its size, one for the previous batch
+        while the next is asked for, and one for each further batch the caller
+        holds."""
+        return self._size + 1 + max(0, len(self._held) - 2)
+
+    def held(self) -> tuple[int, int]:
+        """Batches the caller holds, and the bytes of their slots' buffers."""
+        with self._cond:
+            held = list(self._held)
+        return len(held), sum(slot.nbytes() for slot in held)
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
         self.grow(self._size)
 
     def grow(self, size: int) -> None:
-        """At least ``size`` slots (new ones free; their buffers come with their
-        first batch)."""
-        backend = self._backend
+        """At least ``size`` slots for the fillers and the caller's batch, and one for
+        the previous batch (new ones free; their buffers come with their first
+        batch)."""
         with self._cond:
-            while len(self.slots) < size:
-                slot = Slot(backend, backend.create_stream() if backend.has_device else None)
-                self.slots.append(slot)
-                self._free.append(slot)
+            self._size = max(self._size, size)
+            while len(self.slots) < self._size + 1:
+                self._new_slot()
             self._cond.notify_all()
+
+    def _new_slot(self) -> None:
+        backend = self._backend
+        slot = Slot(backend, backend.create_stream() if backend.has_device else None)
+        self.slots.append(slot)
+        self._free.append(slot)
 
     def take(self) -> Slot | None:
         """A free slot, waiting for one; None once :meth:`stop` was called."""
@@ -189,31 +262,101 @@ class Ring:
 
     def take_many(self, n: int) -> list[Slot] | None:
         """``n`` free slots (at most the ring's size), waiting until that many are
-        free; None once :meth:`stop` was called."""
+        free (making new ones while the caller holds more than the ring keeps room
+        for); None once :meth:`stop` was called."""
         with self._cond:
-            n = max(1, min(n, len(self.slots)))
-            if len(self._free) < n and not self._stopped:
-                self._needs.append(n)
-                try:
-                    while len(self._free) < n and not self._stopped:
-                        self._cond.wait()
-                finally:
+            n = max(1, min(n, self._size))
+            waiting = False
+            try:
+                while not self._stopped:
+                    while len(self._free) < n and len(self.slots) < self._limit():
+                        self._new_slot()
+                    if len(self._free) >= n:
+                        break
+                    if not waiting:
+                        self._needs.append(n)
+                        waiting = True
+                    self._cond.wait()
+            finally:
+                if waiting:
                     self._needs.remove(n)
             if self._stopped:
                 return None
             return [self._free.popleft() for _ in range(n)]
 
     def put(self, slot: Slot) -> None:
-        """Give a slot back to the fillers."""
+        """Give back a slot a filler took and did not fill."""
         with self._cond:
             self._free.append(slot)
-            if self._needs and len(self._free) >= min(self._needs):
-                self._cond.notify_all()
+            self._wake()
 
     def put_many(self, slots: list[Slot]) -> None:
-        """Give slots back to the fillers (those a filler took and did not fill)."""
+        """Give back slots a filler took and did not fill."""
         for slot in slots:
             self.put(slot)
+
+    def _wake(self) -> None:
+        if self._needs and len(self._free) >= min(self._needs):
+            self._cond.notify_all()
+
+    def lease(self, slot: Slot, stream: Stream | None) -> Lease:
+        """Hand ``slot`` (filled, its device work complete) to the caller: the lease
+        every object made for its batch references. ``stream``: the consumer's
+        stream (see :class:`Lease`)."""
+        lease = Lease(self, slot, stream)
+        with self._cond:
+            self._held.add(slot)
+            if len(self._held) > 2:
+                self._wake_for_room()
+        return lease
+
+    def give_back(self, lease: Lease) -> None:
+        """The lease of ``lease.slot`` ended: release its batch views' references,
+        order the slot's reuse after the consumer's streams, and free it (or, while
+        the ring has more slots than it keeps room for, or once it is closed,
+        release its buffers)."""
+        slot = lease.slot
+        released: Event = COMPLETED
+        try:
+            for pair in lease.pairs:
+                pair.release()
+            released = self._release(lease.stream, slot)
+        except RuntimeError:
+            pass  # at interpreter exit no event can be made, and nothing reuses the slot
+        except BaseException:
+            with self._cond:  # unordered: never reused (the ring makes another slot)
+                self._held.discard(slot)
+                self._wake_for_room()
+            raise
+        with self._cond:
+            self._held.discard(slot)
+            slot.released = released
+            keep = not self._closed and len(self.slots) <= self._limit()
+            if keep:
+                self._free.append(slot)
+                self._wake()
+            elif slot in self.slots:
+                self.slots.remove(slot)
+                self._wake_for_room()
+        if not keep:
+            slot.close_after()
+
+    def _wake_for_room(self) -> None:
+        if self._needs:
+            self._cond.notify_all()  # a waiting filler may make a slot now
+
+    def explain(self, exc: Exception) -> Exception:
+        """``exc``, or for a pool out of memory while the caller holds batches, the
+        same error saying so."""
+        if not isinstance(exc, PoolMemoryError):
+            return exc
+        count, nbytes = self.held()
+        if count < 2:
+            return exc
+        return PoolMemoryError(
+            f"{count} batches kept by the caller hold {_gib(nbytes)}; drop them or copy what "
+            f"you need ({exc})"
+        )
 
     def stop(self) -> None:
         """Wake every filler waiting in :meth:`take` (they get None), and every later
@@ -222,14 +365,31 @@ class Ring:
             self._stopped = True
             self._cond.notify_all()
 
+    def unheld(self) -> list[Slot]:
+        """The slots the caller does not hold."""
+        with self._cond:
+            return [slot for slot in self.slots if slot not in self._held]
+
     async def settle(self) -> None:
-        """Wait until no device work (the slot's or the consumer's) uses any slot's buffers."""
-        for slot in self.slots:
+        """Wait until no device work (the slot's or the consumer's) uses the buffers of
+        any slot the caller does not hold."""
+        for slot in self.unheld():
             await wait_event(slot.event)
             await wait_event(slot.released)
 
     def close(self) -> None:
-        """Release every slot's buffers (after its device work completed)."""
-        for slot in self.slots:
+        """Release the buffers of every slot the caller does not hold (after its device
+        work completed); the others are released when their leases end."""
+        with self._cond:
+            self._closed = True
+            slots = [slot for slot in self.slots if slot not in self._held]
+            self.slots = [slot for slot in self.slots if slot in self._held]
+            self._free.clear()
+        for slot in slots:
             slot.close()
-        self.slots.clear()
+
+
+def _gib(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.1f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"

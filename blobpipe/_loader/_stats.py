@@ -30,9 +30,15 @@ class LoaderStatistics:
             flight, from issue to completion, summed over batches.
         pool: the host pool's statistics (pinned memory on CUDA).
         device_pool: the device pool's statistics (None without a device).
-        slots: batch slots in the ring: ``prefetch``, or more while batches are
-            small (handed over a chunk at a time, at most ``2 * 16 + 1`` slots of
-            batches under 4 MiB together, see the Loader's ``prefetch``).
+        slots: batch slots in the ring for the fillers and the caller's batch:
+            ``prefetch``, or more while batches are small (handed over a chunk at a
+            time, at most ``2 * 16 + 1`` slots of batches under 4 MiB together, see
+            the Loader's ``prefetch``). The ring has one slot more for the previous
+            batch while the next is asked for, and one more for each further batch
+            the caller keeps.
+        held_batches: batches the caller still references (the batch, its Blobs,
+            an array or export taken from them); their memory is not reused.
+        held_bytes: bytes of host and device memory those batches hold.
     """
 
     batches: int
@@ -43,6 +49,8 @@ class LoaderStatistics:
     pool: PoolStatistics
     device_pool: PoolStatistics | None
     slots: int = 0
+    held_batches: int = 0
+    held_bytes: int = 0
 
 
 class Counters:
@@ -75,9 +83,11 @@ class Counters:
             self._batches += 1
             self._records += records
 
-    def snapshot(self, backend: Backend, slots: int) -> LoaderStatistics:
-        """The totals so far, with ``backend``'s pools' statistics and the ring's
-        ``slots``."""
+    def snapshot(
+        self, backend: Backend, slots: int, held_batches: int = 0, held_bytes: int = 0
+    ) -> LoaderStatistics:
+        """The totals so far, with ``backend``'s pools' statistics, the ring's
+        ``slots`` and the batches the caller holds."""
         with self._lock:
             return LoaderStatistics(
                 batches=self._batches,
@@ -90,4 +100,6 @@ class Counters:
                     get_pool(backend, "device").statistics() if backend.has_device else None
                 ),
                 slots=slots,
+                held_batches=held_batches,
+                held_bytes=held_bytes,
             )
