@@ -1,17 +1,25 @@
 """Paired A/B of blobpipe's batch work between two checkouts, on the workload databases.
 
 Run: ``python bench/bench_ab.py OTHER_CHECKOUT [--pairs N] [--epochs N] [--workloads W1,W2]
-[--loader] [--data-dir DIR] [--quick]``
+[--loader [blocking|async]] [--control] [--data-dir DIR] [--quick]``
 
-For each workload (W1–W4 of ``bench_workloads.py``, the same databases and recipes) it
-starts one fresh process per side, alternating (this checkout, the other, this, ...), each
-reading ``--epochs`` epochs and reporting its best later epoch: with ``Batches`` driven by
-hand in one thread (the workload benchmark's "Batches, one thread" row), the thread's CPU
-seconds; with ``--loader``, a blocking ``Loader`` (2 workers, device "cpu"), the whole
-process's CPU seconds and the wall-clock seconds. It prints, per workload, both sides'
-minimum and median and the median over pairs of this side / the other side: below 1.00
-means this checkout spends less. Pairing keeps the ratio meaningful when the machine's
-speed drifts; on a shared VM single runs differ by ±20%, so use 8 pairs or more.
+For each workload (W1–W5 and W3-test of ``bench_workloads.py``, the same databases and
+recipes; default W1–W4) it starts one fresh process per side, alternating (this checkout,
+the other, this, ...), each reading ``--epochs`` epochs: with ``Batches`` driven by hand in
+one thread (the workload benchmark's "Batches, one thread" row), the thread's CPU seconds
+of its best later epoch; with ``--loader``, a ``Loader`` (2 workers, device "cpu") in its
+blocking form (``for batch in loader``) or, with ``--loader async``, its ``async for``
+form under asyncio, the whole process's CPU seconds and the wall-clock seconds of its best
+later epoch, and the wall-clock seconds of its first epoch (open to close). The loop
+reads each batch's data on the host and keeps nothing but its loop variable, as a
+training loop does. It prints, per workload and figure, both sides' minimum and median
+and the median over pairs of this side / the other side: below 1.00 means this checkout
+spends less. Pairing keeps the ratio meaningful when the machine's speed drifts; on a
+shared VM single runs differ by ±20%, so use 8 pairs or more. ``--control`` adds an A/A
+control: each pair also runs this checkout a second time (the three in an order rotated
+each pair), and the last column gives the median and the range over pairs of this side
+/ its second run: how far two measurements of the same code differ in this run, the
+spread a this / other ratio is read against.
 
 The other checkout is put first on ``PYTHONPATH``, so its ``blobpipe`` is the one imported
 (e.g. ``git worktree add ../before HEAD~3``). Databases are made on first use and cached
@@ -41,14 +49,32 @@ spec = json.loads(sys.argv[1])
 t = blobpipe.Transform(**spec["transform"])
 kw = dict(transform=t, phase=spec["phase"], order=spec["order"], mode="epoch")
 walls, cpus = [], []
-if spec["loader"]:
+first = 0.0
+if spec["loader"] == "blocking":
+    t0 = time.perf_counter()
     with blobpipe.Loader(spec["db"], spec["batch"], device="cpu", workers=2, **kw) as loader:
         for _ in range(spec["epochs"]):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = (t0 if not walls else time.perf_counter()), time.process_time()
             for batch in loader:
                 batch.data.cpu_data()
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
+elif spec["loader"] == "async":
+    import anyio
+
+    async def run():
+        t0 = time.perf_counter()
+        async with blobpipe.Loader(
+            spec["db"], spec["batch"], device="cpu", workers=2, **kw
+        ) as loader:
+            for _ in range(spec["epochs"]):
+                t0, c0 = (t0 if not walls else time.perf_counter()), time.process_time()
+                async for batch in loader:
+                    batch.data.cpu_data()
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+
+    anyio.run(run)
 else:
     b = blobpipe.Batches(spec["db"], spec["batch"], **kw)
     label = np.empty(spec["batch"], np.float32)
@@ -62,7 +88,9 @@ else:
         walls.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
     b.close()
-print(json.dumps({"file": blobpipe.__file__, "cpu": min(cpus[1:]), "wall": min(walls[1:])}))
+print(json.dumps({
+    "file": blobpipe.__file__, "cpu": min(cpus[1:]), "wall": min(walls[1:]), "first": walls[0],
+}))
 """
 
 
@@ -89,8 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("other", type=Path, help="the other checkout (its root folder)")
     ap.add_argument("--pairs", type=int, default=8, help="alternating pairs (default 8)")
     ap.add_argument("--epochs", type=int, default=4, help="epochs per process (default 4)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W4", help="default W1,W2,W3,W4")
-    ap.add_argument("--loader", action="store_true", help="a blocking Loader, not Batches")
+    ap.add_argument(
+        "--workloads", default="W1,W2,W3,W4", help="of W1,W2,W3,W3-test,W4,W5; default W1-W4"
+    )
+    ap.add_argument(
+        "--loader",
+        nargs="?",
+        const="blocking",
+        choices=["blocking", "async"],
+        help="a Loader (blocking form, or async for), not Batches",
+    )
+    ap.add_argument(
+        "--control", action="store_true", help="an A/A control: this checkout run twice a pair"
+    )
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--quick", action="store_true", help="tiny databases: a smoke test")
     args = ap.parse_args(argv)
@@ -104,11 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     from bench_workloads import workloads
 
     wanted = {w.strip() for w in args.workloads.split(",")}
-    figure = "process CPU s and wall s (Loader)" if args.loader else "thread CPU s (Batches)"
-    print(f"paired A/B: this checkout ({ROOT}) / {args.other}; best later epoch, {figure}")
+    figure = (
+        f"Loader ({args.loader} form): process CPU s and wall s of the best later epoch, "
+        "wall s of the first (open to close)"
+        if args.loader
+        else "Batches: thread CPU s of the best later epoch"
+    )
+    print(f"paired A/B: this checkout ({ROOT}) / {args.other}; {figure}")
     print(f"{args.pairs} pairs, {args.epochs} epochs a process, load {os.getloadavg()[0]:.2f}")
-    print("| workload | figure | this: min · median | other: min · median | this / other |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    head = "| workload | figure | this: min · median | other: min · median | this / other |"
+    rule = "| --- | --- | ---: | ---: | ---: |"
+    if args.control:
+        head += " A/A: median (range) |"
+        rule += " ---: |"
+    print(head)
+    print(rule)
     for w in workloads(args.quick):
         if w.name not in wanted:
             continue
@@ -131,21 +180,26 @@ def main(argv: list[str] | None = None) -> int:
                 "layout": r.layout,
             },
         }
-        mine: list[dict[str, float]] = []
-        theirs: list[dict[str, float]] = []
-        for _ in range(args.pairs):
-            mine.append(_measure(ROOT, spec))
-            theirs.append(_measure(args.other, spec))
-            time.sleep(0.2)
-        for key in ("cpu", "wall") if args.loader else ("cpu",):
-            a = [m[key] for m in mine]
-            b = [t[key] for t in theirs]
+        sides = [("this", ROOT), ("other", args.other)]
+        if args.control:
+            sides.append(("again", ROOT))
+        got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+        for k in range(args.pairs):
+            for name, checkout in sides[k % len(sides) :] + sides[: k % len(sides)]:
+                got[name].append(_measure(checkout, spec))
+                time.sleep(0.2)
+        for key in ("cpu", "wall", "first") if args.loader else ("cpu",):
+            a = [m[key] for m in got["this"]]
+            b = [t[key] for t in got["other"]]
             ratio = statistics.median(x / y for x, y in zip(a, b, strict=True))
-            print(
+            row = (
                 f"| {w.name} | {key} s | {min(a):.3f} · {statistics.median(a):.3f} | "
-                f"{min(b):.3f} · {statistics.median(b):.3f} | {ratio:.2f}× |",
-                flush=True,
+                f"{min(b):.3f} · {statistics.median(b):.3f} | {ratio:.2f}× |"
             )
+            if args.control:
+                aa = [x / y[key] for x, y in zip(a, got["again"], strict=True)]
+                row += f" {statistics.median(aa):.2f}× ({min(aa):.2f}–{max(aa):.2f}) |"
+            print(row, flush=True)
     return 0
 
 

@@ -157,6 +157,13 @@ class Blob(BlobMath):
         view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
         return view
 
+    def references(self) -> MemoryPair:
+        """This blob's references to its data and diff memories: their ``release()``
+        (once; later calls do nothing) is what :meth:`close` and the finalizer do
+        to them. A view made with ``finalizer=False`` whose lifetime another object
+        tracks (a loader batch's lease) hands them to it."""
+        return self._holder
+
     def add_finalizer(self) -> None:
         """Give a view made with ``finalizer=False`` the safety net every other Blob
         has: a finalizer releasing its references when it is garbage-collected

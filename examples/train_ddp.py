@@ -17,8 +17,7 @@ Run it with torchrun, one process per rank::
    batches, and no rank is left waiting in DDP's gradient all-reduce.
 3. Labels come as int64 (``label_dtype="int64"``), the class indices
    ``CrossEntropyLoss`` takes. Batches reach torch through DLPack without a copy;
-   the tensors are used before the next batch is requested (see the README's batch
-   lifetime rules).
+   a tensor kept longer keeps its batch (see the README's batch lifetime).
 
 The process group is gloo on CPU and NCCL when torch sees CUDA GPUs (one per rank,
 ``LOCAL_RANK``); run without torchrun, it trains as one rank. Each rank prints its

@@ -186,7 +186,7 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     """Both sides run in their own processes, the other checkout's blobpipe imported there."""
     root = BENCH.parent
@@ -195,6 +195,17 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     assert [r.split("|")[1].strip() for r in rows] == ["W1", "W3"]
     for row in rows:
         assert row.rstrip(" |").endswith("×")  # the median ratio of this side over the other
+    proc = run_quick(
+        "bench_ab.py", tmp_path, str(root), "--pairs", "2", "--workloads", "W1,W5",
+        "--loader", "async", "--control",
+    )  # fmt: skip
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| W")]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [f" {w} ", f" {figure} s "] for w in ("W1", "W5") for figure in ("cpu", "wall", "first")
+    ]
+    for row in rows:  # this / other, then the A/A control's median and range
+        assert re.search(r"\| [\d.]+× \| [\d.]+× \([\d.]+–[\d.]+\) \|$", row), row
+    assert "Loader (async form)" in proc.stdout
     bad = [sys.executable, str(BENCH / "bench_ab.py"), str(tmp_path)]
     proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "holds no blobpipe/ package" in proc.stderr

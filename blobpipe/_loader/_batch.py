@@ -91,7 +91,7 @@ class Batch:
         pairs = lease.pairs
         for blob in (data, label, *(extra or {}).values()):
             view = blob.view(readonly_export=True, finalizer=False, owner=lease)
-            pairs.append(view._holder)
+            pairs.append(view.references())
             views.append(view)
         self._lease: Lease | None = lease
         self._data, self._label = views[0], views[1]

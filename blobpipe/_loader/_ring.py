@@ -48,6 +48,7 @@ from .._blob import Blob
 from .._errors import PoolMemoryError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry
+from .._syncedmem import MemoryPair
 
 __all__ = ["Lease", "Ring", "Slot"]
 
@@ -180,7 +181,7 @@ class Lease:
         self._ring: Ring | None = ring
         self.slot = slot
         self.stream = stream
-        self.pairs: list[Any] = []  # the batch views' MemoryPairs
+        self.pairs: list[MemoryPair] = []  # the batch views' memory references
 
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
