@@ -15,6 +15,7 @@ import gc
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -458,3 +459,43 @@ def test_fifty_closed_loaders_hold_no_file(
             anyio.run(run)
         closed.append(loader)
     assert (_descriptors() - fds, _maps(tmp_path) - maps) == (0, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_batch_dropped_in_a_forked_child_leaves_the_ring_alone(db30: Path) -> None:
+    """A batch kept across a fork and dropped in the child gives nothing back there:
+    the ring's lock may be held by a thread of the parent (held here while forking),
+    and the child's memory is its own copy."""
+    import signal
+
+    from tests._helpers import in_forked_child
+
+    with Loader(db30, 4, device="cpu", prefetch=2) as loader:
+        kept = [next(loader)]
+        ring = loader._pipe._ring
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with ring._cond:
+                holding.set()
+                done.wait()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        holding.wait()
+
+        def child() -> bool:
+            signal.alarm(10)  # a give-back waiting for the parent's lock never returns
+            kept.clear()
+            gc.collect()
+            return True
+
+        t0 = time.monotonic()
+        try:
+            code = in_forked_child(child)
+        finally:
+            done.set()
+            holder.join()
+        assert code == 0
+        assert time.monotonic() - t0 < 5  # (not released by the alarm)
+        np.testing.assert_array_equal(kept[0].data.cpu_data(), epoch(db30)[0][0])

@@ -36,6 +36,8 @@ Invariants:
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -185,7 +187,10 @@ class Lease:
 
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
-        if ring is not None:
+        # At the interpreter's end nothing reuses the slot; in a forked child the
+        # ring's locks may be held by threads of the parent (the memory is this
+        # process's copy and goes with it).
+        if ring is not None and not sys.is_finalizing() and os.getpid() == ring.pid:
             ring.give_back(self)
 
 
@@ -217,7 +222,7 @@ class Ring:
         self._needs: list[int] = []  # how many free slots each waiting filler needs
         self._stopped = False
         self._closed = False
-
+        self.pid = os.getpid()  # the process whose leases give slots back
     @property
     def size(self) -> int:
         """The slots the ring has now (those it is made with before it opens)."""
@@ -238,6 +243,7 @@ class Ring:
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
+        self.pid = os.getpid()
         self.grow(self._size)
 
     def grow(self, size: int) -> None:
