@@ -105,7 +105,8 @@ class Blob(BlobMath):
         self._holder = MemoryPair(self._new_memory(nbytes), self._new_memory(nbytes))
         self._closed = False
         self._closed_message: str | None = None
-        self._typed: dict[str, tuple[Any, tuple[int, ...], np.ndarray[Any, Any]]] = {}
+        self._typed: dict[str, _Typed] = {}
+        self._held: dict[str, tuple[_Typed, np.ndarray[Any, Any]]] = {}
         self._readonly_export = False
         # What the memory's lifetime depends on beyond this blob (a loader batch's
         # lease): every array and export made from this blob references it.
@@ -151,9 +152,10 @@ class Blob(BlobMath):
         view._holder = MemoryPair(data.acquire(), diff.acquire())
         view._closed = False
         view._closed_message = None
-        view._typed = {}
+        view._typed = dict(self._typed)  # the same buffers: their typed views are shared
+        view._held = {}
         view._readonly_export = readonly_export
-        view._owner = _owners(self._owner, owner)
+        view._owner = owner if self._owner is None else _owners(self._owner, owner)
         view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
         return view
 
@@ -190,6 +192,7 @@ class Blob(BlobMath):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._typed.clear()
+        self._held.clear()
         self._owner = None
         self._holder.release()
 
@@ -408,17 +411,19 @@ class Blob(BlobMath):
             raw = mem.overwrite_cpu_data()
         else:
             raw = mem.mutable_cpu_data() if mutable else mem.host_bytes()
-        # The typed view of a buffer is made once per (buffer, shape); callers get
-        # a fresh view of it, so nothing they do to theirs reaches the next caller.
+        # The typed view of a buffer is made once per (buffer, shape), and shared with
+        # the blob's views; callers get a fresh view of it, so nothing they do to
+        # theirs reaches the next caller.
         cached = self._typed.get(which)
-        typed: np.ndarray[Any, Any]
-        if cached is not None and cached[0] is raw and cached[1] == self._shape:
-            typed = cached[2]
-        else:
+        if cached is None or cached.raw is not raw or cached.shape != self._shape:
             typed = raw[: self.nbytes].view(self._dtype).reshape(self._shape)
-            if self._owner is not None:  # it and every view of it keep the owner
-                typed = hold_array(typed, self._owner)
-            self._typed[which] = (raw, self._shape, typed)
+            cached = self._typed[which] = _Typed(raw, self._shape, typed)
+        typed = cached.typed
+        if self._owner is not None:  # it and every view of it keep the owner
+            held = self._held.get(which)
+            if held is None or held[0] is not cached:
+                held = self._held[which] = (cached, cached.hold(self._owner))
+            typed = held[1]
         out: np.ndarray[Any, Any] = typed.view()
         if not mutable:
             out.flags.writeable = False
@@ -701,6 +706,7 @@ class Blob(BlobMath):
             old, self._holder.diff = self._holder.diff, new
         self._owner = _owners(self._owner, other._owner)  # the shared memory's lifetime
         self._typed.clear()
+        self._held.clear()
         if old is not None:
             old.release()
 
@@ -798,6 +804,26 @@ class Blob(BlobMath):
         data = self.cpu_data() if self._count else None
         diff = self.cpu_diff() if self._count and write_diff else None
         return fill_blobproto(proto, self._shape, data, diff)
+
+
+class _Typed:
+    """A buffer's typed view for a shape (made once, shared by a blob and its views),
+    and its array interface, made on first use by :meth:`hold`."""
+
+    __slots__ = ("interface", "raw", "shape", "typed")
+
+    def __init__(self, raw: Any, shape: tuple[int, ...], typed: np.ndarray[Any, Any]) -> None:
+        self.raw = raw
+        self.shape = shape
+        self.typed = typed
+        self.interface: dict[str, Any] | None = None
+
+    def hold(self, owner: object) -> np.ndarray[Any, Any]:
+        """The typed view as an array whose base references ``owner``
+        (:func:`hold_array`, with the interface made once per buffer and shape)."""
+        if self.interface is None:
+            self.interface = self.typed.__array_interface__
+        return hold_array(self.typed, owner, self.interface)
 
 
 def _owners(mine: object, other: object) -> object:

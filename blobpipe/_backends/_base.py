@@ -95,19 +95,23 @@ class _Held:
 
     __slots__ = ("__array_interface__", "_array", "_owner")
 
-    def __init__(self, array: np.ndarray[Any, Any], owner: object) -> None:
-        self.__array_interface__ = array.__array_interface__
+    def __init__(self, array: np.ndarray[Any, Any], owner: object, interface: Any) -> None:
+        self.__array_interface__ = interface
         self._array = array
         self._owner = owner
 
 
-def hold_array(array: np.ndarray[Any, Any], owner: object) -> np.ndarray[Any, Any]:
+def hold_array(
+    array: np.ndarray[Any, Any], owner: object, interface: dict[str, Any] | None = None
+) -> np.ndarray[Any, Any]:
     """A NumPy array over ``array``'s memory whose base references ``owner``: the
     owner lives as long as the array or anything exported from it (a DLPack
-    capsule and the consumer's array keep their producer referenced)."""
-    held: np.ndarray[Any, Any] = np.asarray(_Held(array, owner))
-    if not array.flags.writeable:
-        held.flags.writeable = False
+    capsule and the consumer's array keep their producer referenced).
+    ``interface``: ``array.__array_interface__``, when the caller kept it (it is
+    the same for every call on the same array)."""
+    held: np.ndarray[Any, Any] = np.asarray(
+        _Held(array, owner, array.__array_interface__ if interface is None else interface)
+    )
     return held
 
 

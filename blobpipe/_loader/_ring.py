@@ -213,6 +213,7 @@ class Ring:
         self, backend: Backend, size: int, release: Callable[[Stream | None, Slot], Event]
     ) -> None:
         self._backend = backend
+        self._has_device = backend.has_device
         self._release = release  # the event after the consumer's work on a slot
         self._size = size
         self.slots: list[Slot] = []
@@ -327,7 +328,8 @@ class Ring:
         try:
             for pair in lease.pairs:
                 pair.release()
-            released = self._release(lease.stream, slot)
+            if self._has_device:
+                released = self._release(lease.stream, slot)
         except RuntimeError:
             pass  # at interpreter exit no event can be made, and nothing reuses the slot
         except BaseException:
@@ -336,12 +338,15 @@ class Ring:
                 self._wake_for_room()
             raise
         with self._cond:
-            self._held.discard(slot)
+            held = self._held
+            held.discard(slot)
             slot.released = released
-            keep = not self._closed and len(self.slots) <= self._limit()
+            # (:meth:`_limit` and :meth:`_wake`, written out: this runs once a batch)
+            keep = not self._closed and len(self.slots) <= self._size + 1 + max(0, len(held) - 2)
             if keep:
                 self._free.append(slot)
-                self._wake()
+                if self._needs and len(self._free) >= min(self._needs):
+                    self._cond.notify_all()
             elif slot in self.slots:
                 self.slots.remove(slot)
                 self._wake_for_room()
