@@ -185,11 +185,11 @@ def _add_mean(sub: Any) -> None:
     p = _parser_with(
         sub,
         "compute-mean",
-        "Per-pixel mean of an LMDB as a Caffe mean file (Caffe's compute_image_mean).",
+        "Per-pixel mean of an LMDB or LevelDB as a Caffe mean file (Caffe's compute_image_mean).",
         "  blobpipe compute-mean train_lmdb mean.binaryproto\n"
         "  blobpipe compute-mean train_lmdb            # print the channel means only\n",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument(
         "out",
         metavar="OUT.binaryproto",
@@ -312,7 +312,8 @@ def _add_export(sub: Any) -> None:
     p = _parser_with(
         sub,
         "export",
-        "Export an LMDB to blobs: a directory of .npy files, an .npz, or a BlobProtoVector.",
+        "Export an LMDB or LevelDB to blobs: a directory of .npy files, an .npz, or a "
+        "BlobProtoVector.",
         "  blobpipe export train_lmdb train_npy            # train_npy/data.npy + labels.npy\n"
         "  blobpipe export train_lmdb train.npz --mean-file mean.binaryproto --scale 0.017\n"
         "  blobpipe export train_lmdb train.binaryproto --limit 1000\n"
@@ -322,7 +323,7 @@ def _add_export(sub: Any) -> None:
         "unless --format is given. Memory use is one batch: .npy files are written through\n"
         "memory maps. Reading the export back gives the loader's batches, concatenated.",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument("out", metavar="OUT", help="output directory, .npz or .binaryproto")
     p.add_argument(
         "--format",
@@ -397,7 +398,7 @@ def _add_bench(sub: Any) -> None:
         "  blobpipe bench train_lmdb --batches 100 --json\n"
         "  blobpipe bench train_lmdb --device cpu --workers 2\n",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument(
         "--batch-size",
         type=_positive,
@@ -470,7 +471,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"INCOMPLETE (conversion stopped at line {done} of {lines}; "
             "rerun the same convert-imageset command to finish it)"
         )
-    print(f"database:  {_printable(data['path'])}  ({_human(info.size_bytes)} on disk, {status})")
+    kind = "LevelDB, " if info.kind == "leveldb" else ""
+    print(
+        f"database:  {_printable(data['path'])}  ({kind}{_human(info.size_bytes)} on disk, "
+        f"{status})"
+    )
     scanned = "" if info.scanned == info.records else f"  (first {info.scanned} scanned)"
     print(f"records:   {info.records}{scanned}")
     print("first keys:")
@@ -502,12 +507,14 @@ def _add_inspect(sub: Any) -> None:
     p = _parser_with(
         sub,
         "inspect",
-        "Summarise an LMDB: records, keys, Datum kinds, shapes, labels, size.",
+        "Summarise an LMDB or LevelDB: records, keys, Datum kinds, shapes, labels, size.",
         "  blobpipe inspect train_lmdb\n"
         "  blobpipe inspect --json train_lmdb | jq .shapes\n"
         "  blobpipe inspect --limit 1000 huge_lmdb   # scan only the first 1000 records\n",
     )
-    p.add_argument("db", metavar="DB", help="LMDB to inspect (also an unfinished DB.partial)")
+    p.add_argument(
+        "db", metavar="DB", help="LMDB or LevelDB to inspect (also an unfinished DB.partial)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--limit",
@@ -553,12 +560,12 @@ def _add_show(sub: Any) -> None:
     p = _parser_with(
         sub,
         "show",
-        "Draw the first records of an LMDB (or transformed batch rows) as a PNG grid, "
+        "Draw the first records of an LMDB or LevelDB (or transformed batch rows) as a PNG grid, "
         "each with its key and label; BGR records are shown in their true colours.",
         "  blobpipe show train_lmdb -o grid.png\n"
         "  blobpipe show train_lmdb -o crops.png --count 64 --crop-size 24 --mirror\n",
     )
-    p.add_argument("db", metavar="DB", help="LMDB to draw")
+    p.add_argument("db", metavar="DB", help="LMDB or LevelDB to draw")
     p.add_argument("-o", "--output", required=True, metavar="GRID.png", help="the PNG to write")
     p.add_argument("--count", type=_positive, default=16, metavar="N", help="records (16)")
     p.add_argument("--columns", type=_positive, default=None, metavar="K", help="per row")
@@ -613,8 +620,9 @@ _FALSE = frozenset({"false", "f", "no", "n", "0"})
 def _caffe_spellings(argv: list[str]) -> list[str]:
     """``argv`` with the gflags spellings of Caffe's own tools (as its scripts, e.g.
     ``create_imagenet.sh``, write them) turned into this CLI's: ``-resize_height=32``,
-    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend=lmdb`` is
-    accepted (LMDB is all blobpipe reads and writes) and any other backend refused."""
+    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend`` names what
+    blobpipe tells from the directory itself when it reads (lmdb or leveldb) and
+    what it writes (lmdb only); any other backend is refused."""
     if not argv or argv[0] not in _GFLAGS:
         return argv
     booleans, others = _GFLAGS[argv[0]]
@@ -643,10 +651,11 @@ def _caffe_spellings(argv: list[str]) -> list[str]:
             if not eq:
                 value = next(tokens, "")
             if name == "backend":
-                if value.lower() != "lmdb":
+                reads = argv[0] == "compute-mean" and value.lower() == "leveldb"
+                if value.lower() != "lmdb" and not reads:
                     raise _UsageError(
-                        f"--backend={value}: blobpipe reads and writes LMDB only; convert "
-                        "a LEVELDB with Caffe's tools or write the dataset as LMDB"
+                        f"--backend={value}: blobpipe reads LMDB and LevelDB (told from the "
+                        "directory) and writes LMDB only: write the dataset as LMDB"
                     )
                 continue
             out.append(f"--{name}={value}")

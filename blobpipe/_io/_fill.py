@@ -124,7 +124,8 @@ def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
         )
     return (
         f"their sizes differ ({a[1]}×{a[2]} and {b[1]}×{b[2]}): resize when building the "
-        "databases (convert_imageset --resize_height/--resize_width), or crop them to one "
+        "databases (convert_imageset --resize_height/--resize_width; an ImageList or "
+        "ImageData layer: new_height/new_width), or crop them to one "
         "size (crop_size no larger than the smallest), or use batch_size=1"
     )
 

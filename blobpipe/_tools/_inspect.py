@@ -1,4 +1,4 @@
-"""``inspect``: what an LMDB of Datums (or BlobProtos) holds, without changing it."""
+"""``inspect``: what an LMDB or LevelDB of Datums (or BlobProtos) holds, without changing it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from .._codec import blobproto_array
 from .._errors import DataError, ProtoError
 from .._io._datum import decode_datum
+from .._io._leveldb import LevelDbReader
 from .._io._records import BLOBPROTO, record_kind
 from .._io._wire import ParsedDatum, parse_datum
 from ._output import open_database, read_marker
@@ -43,6 +44,7 @@ class DatabaseInfo:
     complete: bool
     progress: tuple[int, int] | None = None
     errors: dict[bytes, str] = field(default_factory=dict)
+    kind: str = "lmdb"  # the database's kind: "lmdb" or "leveldb"
 
     def label_summary(self, top: int = 5) -> dict[str, Any]:
         """Distinct labels, min, max and the ``top`` most common ``[label, count]`` pairs."""
@@ -60,6 +62,7 @@ class DatabaseInfo:
         """A JSON-ready dict (keys decoded as UTF-8 with replacement characters)."""
         return {
             "path": str(self.path),
+            "kind": self.kind,
             "records": self.records,
             "scanned": self.scanned,
             "complete": self.complete,
@@ -85,7 +88,9 @@ def _kind(datum: ParsedDatum) -> str:
     return "raw"
 
 
-def _size(path: Path) -> int:
+def _size(path: Path, reader: object) -> int:
+    if isinstance(reader, LevelDbReader):
+        return reader.nbytes  # its live tables and logs
     if not path.is_dir():  # an LMDB data file opened directly
         return path.stat().st_size
     # LMDB's own files, by name: a directory that can be entered but not listed is
@@ -101,10 +106,10 @@ def inspect_db(
     first: int = 5,
     quiet: bool = True,
 ) -> DatabaseInfo:
-    """Summarise the LMDB ``db`` (the first ``limit`` records, all by default).
+    """Summarise the LMDB or LevelDB ``db`` (the first ``limit`` records, all by default).
 
     Unreadable records are counted under ``errors`` instead of stopping the scan.
-    Raises :class:`DatabaseNotFoundError` when ``db`` is not an LMDB.
+    Raises :class:`DatabaseNotFoundError` when ``db`` is neither.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -139,6 +144,8 @@ def inspect_db(
                 except DataError as exc:
                     errors[key] = str(exc)
         first_keys = tuple(key for key, _ in islice(reader.items(), first))
+        size = _size(path, reader)
+        kind = "leveldb" if isinstance(reader, LevelDbReader) else "lmdb"
     marker = read_marker(path)
     complete = marker is None or bool(marker.get("complete"))
     progress = None
@@ -152,8 +159,9 @@ def inspect_db(
         kinds=dict(kinds),
         shapes=dict(shapes),
         labels=dict(labels),
-        size_bytes=_size(path),
+        size_bytes=size,
         complete=complete,
         progress=progress,
         errors=errors,
+        kind=kind,
     )
