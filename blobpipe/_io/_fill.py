@@ -340,7 +340,12 @@ class Filler:
         if index is not None:
             rows = plan.indices[start:stop].astype(np.intp, copy=False)
         else:
-            index = RecordIndex.joined(self._values(plan.keys[start:stop]))
+            values_at = getattr(self._reader, "values_at", None)  # by position (LevelDB)
+            index = RecordIndex.joined(
+                values_at(plan.indices[start:stop])
+                if values_at is not None
+                else self._values(plan.keys[start:stop])
+            )
             rows = np.arange(n, dtype=np.intp)
         c, h, w = plan.record_shape  # a Datum's
         shape = (c, h, w)

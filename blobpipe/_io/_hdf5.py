@@ -24,6 +24,7 @@ and the last two files read are kept.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -79,6 +80,7 @@ class _Files:
             with f:
                 self.rows.append(self._check(f, path))
         self.starts = np.cumsum([0, *self.rows], dtype=np.int64)
+        self._prefixes = [b"%08d_%s[" % (f, os.fsencode(p)) for f, p in enumerate(paths)]
 
     def _check(self, f: Any, path: str) -> int:
         """The rows of file ``f``, its datasets checked (see the module docstring)."""
@@ -134,7 +136,8 @@ class _Files:
                 self._kept.move_to_end(key)
                 return found
             with _h5py().File(self.paths[file], "r") as f:
-                values = np.asarray(f[top].astype(dtype)[()])
+                ds = f[top]  # HDF5 converts, as H5LTread_dataset_float does
+                values = np.asarray(ds[()] if ds.dtype == dtype else ds.astype(dtype)[()])
             values.setflags(write=False)
             self._kept[key] = values
             files = list(dict.fromkeys(k[0] for k in self._kept))
@@ -143,10 +146,28 @@ class _Files:
                     del self._kept[k]
             return values
 
-    def key(self, row: int) -> bytes:
-        file, local = self.locate(np.array([row], np.int64))
-        f = int(file[0])
-        return b"%08d_%s[%d]" % (f, os.fsencode(self.paths[f]), int(local[0]))
+    def keys(self, rows: npt.NDArray[np.int64]) -> tuple[bytes, ...]:
+        """The keys of global rows ``rows``: ``%08d_<file>[<row>]``."""
+        files, local = self.locate(rows)
+        prefixes = self._prefixes
+        return tuple(
+            [prefixes[f] + b"%d]" % r for f, r in zip(files.tolist(), local.tolist(), strict=True)]
+        )
+
+    def gather(self, top: str, dtype: np.dtype[Any], rows: npt.NDArray[np.int64],
+               out: np.ndarray) -> None:  # fmt: skip
+        """Global rows ``rows`` of ``top`` into ``out``: each run of rows of one file
+        as a slice where they are consecutive, else by index."""
+        files, local = self.locate(rows)
+        n = len(rows)
+        cuts = [0, *(np.flatnonzero(files[1:] != files[:-1]) + 1).tolist(), n]
+        for a, b in itertools.pairwise(cuts):
+            values = self.dataset(int(files[a]), top, dtype)
+            lo, hi = int(local[a]), int(local[b - 1])
+            if hi - lo == b - a - 1 and (b - a < 3 or bool((np.diff(local[a:b]) == 1).all())):
+                out[a:b] = values[lo : hi + 1]
+            else:
+                out[a:b] = values[local[a:b]]
 
 
 class _RowKeys(Sequence[bytes]):
@@ -172,7 +193,11 @@ class _RowKeys(Sequence[bytes]):
         j = int(i) + (self._n if int(i) < 0 else 0)
         if not 0 <= j < self._n:
             raise IndexError(f"row {i} out of range for {self._n} rows")
-        return self._files.key(j)
+        return self._files.keys(np.array([j], np.int64))[0]
+
+    def take(self, indices: npt.ArrayLike) -> tuple[bytes, ...]:
+        """The keys at positions ``indices`` (each in range), in that order."""
+        return self._files.keys(np.asarray(indices, np.int64))
 
 
 class Hdf5Top:
@@ -253,18 +278,20 @@ class _RowFiller:
 
     def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
         stop = start + sum(len(part.label) for part in parts)
-        files, local = self._top._files.locate(plan.indices[start:stop])
-        out = np.empty((stop - start, *plan.record_shape), self.blob_dtype)
-        for f in np.unique(files).tolist():
-            at = np.flatnonzero(files == f)
-            out[at] = self._top._files.dataset(f, self._top.top, self.blob_dtype)[local[at]]
-        a = 0
+        rows = plan.indices[start:stop]
+        files, top = self._top._files, self._top.top
+        if len(parts) == 1:
+            files.gather(top, self.blob_dtype, rows, parts[0].data)
+        else:
+            out = np.empty((stop - start, *plan.record_shape), self.blob_dtype)
+            files.gather(top, self.blob_dtype, rows, out)
+            a = 0
+            for part in parts:
+                part.data[...] = out[a : a + len(part.label)]
+                a += len(part.label)
         for part in parts:
-            m = len(part.label)
-            part.data[...] = out[a : a + m]
             if part.geometry is not None:
-                store_geometry(part.geometry, slice(None), Geometry.zeros(m))
-            a += m
+                store_geometry(part.geometry, slice(None), Geometry.zeros(len(part.label)))
 
     def close(self) -> None:
         """Nothing to release (the files' datasets go with the source)."""

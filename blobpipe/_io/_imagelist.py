@@ -13,12 +13,15 @@
 * a batch takes its shape from its first image; the cursor wraps to line 0 in the
   middle of a batch (blobpipe's ``mode="wrap"``).
 
-Each record is that image as a raw Datum (C, H, W planes; the list line's label),
-made when a batch asks for it: a Loader's workers read and decode their batches'
-images in parallel (OpenCV releases the GIL). Keys are Caffe's ``%08d_<path>``
-(the line index), so every error names the line and the path. Where Caffe aborts
-(an image that is missing or does not decode), blobpipe raises a DataError naming
-the list line, the file and the fix.
+Each record is made when a batch asks for it: without a resize, an encoded Datum
+holding the file's bytes, which the batch path decodes with the ``is_color`` flag
+(the source's filler decodes as ``force_color``/``force_gray`` say, so a batch's
+JPEGs and PNGs of one size decode straight into it in one call); with a resize,
+the image decoded and resized here, as a raw Datum. A Loader's workers read and
+decode their batches' images in parallel (the decoders release the GIL). Keys are
+Caffe's ``%08d_<path>`` (the line index), so every error names the line and the
+path. Where Caffe aborts (an image that is missing or does not decode), blobpipe
+raises a DataError naming the list line or key, the file and the fix.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
 
 from .._errors import ArgumentError, DataError, FileMissingError
-from ._encode import encode_raw_datum
+from ._encode import encode_encoded_datum, encode_raw_datum
+from ._fill import Filler
 from ._image import DEFAULT_MAX_PIXELS, Undecodable, decode_image, imread_flag, resize_image
+from ._imagehead import image_size
 from ._records import DATUM, RecordKind
+from ._transform import Phase, Transform
 
 __all__ = ["ImageList"]
 
@@ -148,16 +157,35 @@ class ImageList:
                 f"aborts here: fix the line, or root_folder ({os.fsdecode(self._root)!r}, "
                 "joined to each path as written, no separator added)"
             ) from None
-        hwc = decode_image(data, self._flag, DEFAULT_MAX_PIXELS)
+        height, width = self._size
+        if not height:
+            size = image_size(data)
+            if not isinstance(size, str):
+                return encode_encoded_datum(data, label)  # decoded by the batch path
+            hwc: npt.NDArray[np.uint8] | Undecodable = Undecodable(
+                f"OpenCV cannot decode it: {size}", True
+            )
+        else:
+            hwc = decode_image(data, self._flag, DEFAULT_MAX_PIXELS)
         if isinstance(hwc, Undecodable):
             raise DataError(
                 f"{where}, but {name!r} cannot be decoded: {hwc.reason}; Caffe's ImageData "
                 "layer aborts here: replace the file or remove the line"
             )
-        height, width = self._size
-        if height:
-            hwc = resize_image(hwc, height, width)
-        return encode_raw_datum(hwc.transpose(2, 0, 1), label)
+        return encode_raw_datum(resize_image(hwc, height, width).transpose(2, 0, 1), label)
+
+    def row_filler(
+        self, transform: Transform, phase: Phase, path: object, blob_dtype: np.dtype[Any]
+    ) -> Filler:
+        """The batch path's filler of these records: ``transform`` decoding as
+        ``is_color`` says (``cv::imread``'s flag), whatever its own force flags."""
+        t = transform
+        decoding = Transform(
+            float(t.scale), t.mirror, t.crop_size, t.mean_file, t.mean_value,
+            force_color=self.is_color, force_gray=not self.is_color, layout=t.layout,
+            dtype="uint8" if t.dtype == np.uint8 else "float32",
+        )  # fmt: skip
+        return Filler(self, self._keys, decoding, phase, path, DATUM, blob_dtype)
 
     def _index(self, key: bytes) -> int:
         head, _, _ = key.partition(b"_")

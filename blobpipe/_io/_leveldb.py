@@ -41,6 +41,7 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .._codec import BlobProto, decode_blobproto
 from .._errors import (
@@ -364,6 +365,23 @@ class LevelDbReader:
         if i is None:
             raise self._missing(key)
         return fn(self._view(i))
+
+    def values_at(self, indices: npt.NDArray[np.int64]) -> list[bytes | None]:
+        """The values of the records at positions ``indices`` of :meth:`keys` (None
+        where one cannot be read: reading it by key names why); for the batch path,
+        which knows positions and need not look keys up.
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        out: list[bytes | None] = []
+        for i in np.asarray(indices, np.int64).tolist():
+            try:
+                out.append(bytes(self._view(i)))
+            except DataError:
+                out.append(None)
+        return out
 
     def transaction(self) -> LevelDbTransaction:
         """A ``with`` block that reads views (as :meth:`LmdbReader.transaction`)."""
