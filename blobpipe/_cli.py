@@ -85,6 +85,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             commit_every=args.commit_every,
             quiet=args.quiet,
             report=report,
+            backend=args.backend,
         )
     except KeyboardInterrupt:
         return 130  # convert_imageset has reported what is committed and how to resume
@@ -101,7 +102,8 @@ def _add_convert(sub: Any) -> None:
     p = _parser_with(
         sub,
         "convert-imageset",
-        "Convert images and a Caffe list file into an LMDB of Datums (Caffe's convert_imageset).",
+        "Convert images and a Caffe list file into an LMDB (or a LevelDB) of Datums (Caffe's "
+        "convert_imageset).",
         "  blobpipe convert-imageset --resize-height 32 --resize-width 40 images/ list.txt db\n"
         "  blobpipe convert-imageset --encoded --encode-type jpg images/ list.txt train_jpg_lmdb\n"
         "  blobpipe convert-imageset --shuffle --seed 1 --gray images/ list.txt gray_lmdb\n"
@@ -158,11 +160,17 @@ def _add_convert(sub: Any) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace DB if it exists")
     p.add_argument(
+        "--backend",
+        choices=["lmdb", "leveldb"],
+        default="lmdb",
+        help="the database to write (default lmdb; leveldb as Caffe's --backend=leveldb)",
+    )
+    p.add_argument(
         "--commit-every",
         type=_positive,
         default=1000,
         metavar="N",
-        help="records per LMDB transaction (default 1000, as Caffe)",
+        help="records per LMDB transaction or LevelDB write batch (default 1000, as Caffe)",
     )
     p.set_defaults(handler=_cmd_convert)
 
@@ -620,9 +628,9 @@ _FALSE = frozenset({"false", "f", "no", "n", "0"})
 def _caffe_spellings(argv: list[str]) -> list[str]:
     """``argv`` with the gflags spellings of Caffe's own tools (as its scripts, e.g.
     ``create_imagenet.sh``, write them) turned into this CLI's: ``-resize_height=32``,
-    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend`` names what
-    blobpipe tells from the directory itself when it reads (lmdb or leveldb) and
-    what it writes (lmdb only); any other backend is refused."""
+    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend`` is lmdb or
+    leveldb (what convert-imageset writes; compute-mean tells the kind from the
+    directory) and any other backend is refused."""
     if not argv or argv[0] not in _GFLAGS:
         return argv
     booleans, others = _GFLAGS[argv[0]]
@@ -651,12 +659,13 @@ def _caffe_spellings(argv: list[str]) -> list[str]:
             if not eq:
                 value = next(tokens, "")
             if name == "backend":
-                reads = argv[0] == "compute-mean" and value.lower() == "leveldb"
-                if value.lower() != "lmdb" and not reads:
+                if value.lower() not in ("lmdb", "leveldb"):
                     raise _UsageError(
-                        f"--backend={value}: blobpipe reads LMDB and LevelDB (told from the "
-                        "directory) and writes LMDB only: write the dataset as LMDB"
+                        f"--backend={value}: blobpipe reads and writes LMDB and LevelDB "
+                        "(a database's kind is told from its directory when it is read)"
                     )
+                if argv[0] == "convert-imageset":
+                    out.append(f"--backend={value.lower()}")
                 continue
             out.append(f"--{name}={value}")
             continue

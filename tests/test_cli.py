@@ -430,7 +430,7 @@ def test_caffes_create_script_runs_with_the_tools_name_changed(tmp_path: Path) -
 @pytest.mark.parametrize(
     "argv",
     [
-        ["convert-imageset", "--backend=leveldb", "a/", "l.txt", "db"],
+        ["convert-imageset", "--backend=rocksdb", "a/", "l.txt", "db"],
         ["compute-mean", "-backend=rocksdb", "db"],
         ["convert-imageset", "--shuffle=maybe", "a/", "l.txt", "db"],
     ],
@@ -441,7 +441,7 @@ def test_gflags_that_cannot_mean_anything_are_usage_errors(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"blobpipe {argv[0]}: error:" in err
-    assert ("writes LMDB only" in err) == ("backend" in " ".join(argv))
+    assert ("reads and writes LMDB and LevelDB" in err) == ("backend" in " ".join(argv))
 
 
 # -- pipes, usage, what inspect prints -------------------------------------------------------

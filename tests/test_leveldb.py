@@ -446,3 +446,48 @@ def test_no_file_is_opened_for_writing(tmp_path: Path, monkeypatch: pytest.Monke
         list(reader.items())
     assert flags_seen
     assert all(f & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) == 0 for f in flags_seen)
+
+
+# -- writing: convert-imageset --backend=leveldb ---------------------------------------------------
+
+
+def test_convert_imageset_writes_caffes_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(CAFFE)
+    out = tmp_path / "raw_color"
+    argv = ["convert-imageset", "--backend=leveldb", "--resize_height=32", "--resize_width=40",
+            "images/", "list_color.txt", str(out), "-q"]  # fmt: skip
+    assert main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["000003.log", "CURRENT", "LOCK",
+                                                     "MANIFEST-000002"]  # fmt: skip
+    for name in ("000003.log", "CURRENT", "MANIFEST-000002", "LOCK"):
+        assert (out / name).read_bytes() == (AS_WRITTEN / name).read_bytes(), name
+    plyvel = pytest.importorskip("plyvel")
+    with plyvel.DB(str(copy_db(out, tmp_path / "copy"))) as db, LmdbReader(LMDB) as lmdb:
+        assert list(db.iterator()) == list(lmdb.items())
+
+
+def test_the_writer_splits_batches_across_blocks_and_resumes_after_a_torn_one(
+    tmp_path: Path,
+) -> None:
+    from blobpipe._tools._leveldbwrite import LevelDbWriter
+
+    rng = random.Random(4)
+    items = [(b"%06d" % i, rng.randbytes(rng.choice([0, 10, 5000, 40000]))) for i in range(60)]
+    with LevelDbWriter(tmp_path / "db") as w:
+        for a in range(0, 60, 7):
+            w.put_many(items[a : a + 7])
+        assert w.entries() == 60
+    log = tmp_path / "db" / "000003.log"
+    whole = log.read_bytes()
+    log.write_bytes(whole + whole[100:5000])  # a batch cut short by a writer that died
+    with LevelDbWriter(tmp_path / "db") as w:  # resumes after the last whole batch
+        assert w.entries() == 60
+        w.put_many([(b"000003", b"new")])
+    expected = dict(items) | {b"000003": b"new"}
+    with LevelDbReader(tmp_path / "db") as reader:
+        assert list(reader.items()) == sorted(expected.items())
+    plyvel = pytest.importorskip("plyvel")
+    with plyvel.DB(str(copy_db(tmp_path / "db", tmp_path / "copy"))) as db:
+        assert list(db.iterator()) == sorted(expected.items())
