@@ -491,3 +491,76 @@ def test_the_writer_splits_batches_across_blocks_and_resumes_after_a_torn_one(
     plyvel = pytest.importorskip("plyvel")
     with plyvel.DB(str(copy_db(tmp_path / "db", tmp_path / "copy"))) as db:
         assert list(db.iterator()) == sorted(expected.items())
+
+
+def test_many_table_files_stay_within_the_open_file_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from blobpipe._io import _leveldb
+
+    plyvel = pytest.importorskip("plyvel")
+    monkeypatch.setattr(_leveldb, "_OPEN_FILES", 3)
+    db = plyvel.DB(str(tmp_path / "db"), create_if_missing=True, write_buffer_size=64 << 10)
+    expected = {}
+    for i in range(12):  # each flush makes a table file
+        batch = {b"%04d" % (i * 10 + j): bytes([i]) * 20_000 for j in range(10)}
+        for k, v in batch.items():
+            db.put(k, v)
+        expected |= batch
+    db.close()
+    tables = list((tmp_path / "db").glob("*.ldb"))
+    assert len(tables) > 3
+    with LevelDbReader(tmp_path / "db") as reader:
+        assert len(os.listdir("/proc/self/fd")) < 40
+        assert list(reader.items()) == sorted(expected.items())
+        reader.close()
+        with pytest.raises(StateError):
+            reader.get(b"0000")
+
+
+@settings(max_examples=600, derandomize=True, deadline=None)
+@given(data=st.binary(max_size=600), kind=st.integers(0, 6))
+def test_the_format_parsers_raise_damaged_and_nothing_else(data: bytes, kind: int) -> None:
+    """Random bytes, raw or framed with valid checksums (so that the parsers behind
+    the checksum see them): a result within the bytes, or Damaged."""
+    from blobpipe._io import _leveldbfile as f
+    from blobpipe._tools._leveldbwrite import _records
+
+    if kind in (4, 5):  # a log record, checksum right, holding random bytes
+        data = _records(data, 0)[0]
+    elif kind == 6:  # a stored or snappy block, checksum right
+        raw = data + bytes([len(data) % 2])
+        data = raw + struct.pack("<I", f.masked_crc(raw))
+
+    def drain() -> None:
+        if kind in (0, 4):
+            for record in f.log_records(data):
+                list(f.write_batch(record.data))
+        elif kind in (1, 5):
+            f.manifest_of(data)
+        elif kind == 2:
+            for key, start, length in f.block_entries(data):
+                assert 0 <= start <= start + length <= len(data)
+                f.internal_key(key)
+            f.data_block_handles(data, len(data))
+        elif kind == 3:
+            f.table_index(data[-48:].rjust(48, b"\0"), len(data) + 48)
+        else:
+            contents = f.block_contents(data, "the block")
+            assert len(contents) <= 22 * len(data) + 64
+            for _ in f.block_entries(contents):
+                pass
+
+    try:
+        drain()
+    except f.Damaged:
+        pass
+
+
+def test_a_snappy_block_announcing_more_than_it_can_hold_is_refused() -> None:
+    from blobpipe._io import _leveldbfile as f
+
+    body = b"\xff\xff\xff\xff\x0f" + b"\x00" * 10  # announces 4 GiB from 15 bytes
+    raw = body + b"\x01" + struct.pack("<I", f.masked_crc(body + b"\x01"))
+    with pytest.raises(f.Damaged, match="more than snappy can expand to"):
+        f.block_contents(raw, "the block")

@@ -100,16 +100,19 @@ class _Files:
         self.paths = paths
         self._open: OrderedDict[int, int] = OrderedDict(held)  # file id -> descriptor
         self._users: dict[int, int] = {}
+        self._closed = False
         self.lock = threading.Lock()
 
     def read(self, file: int, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` of file ``file``.
 
         Raises:
-            OSError: the file cannot be opened or read.
+            OSError: the file cannot be opened or read (EBADF once closed).
             Damaged: fewer bytes than asked for (the file shrank).
         """
         with self.lock:
+            if self._closed:
+                raise OSError(9, "the reader was closed")
             fd = self._open.get(file)
             if fd is None:
                 fd = os.open(self.paths[file], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -128,18 +131,19 @@ class _Files:
         return data
 
     def _trim(self) -> None:
-        while len(self._open) > _OPEN_FILES:
+        keep = 0 if self._closed else _OPEN_FILES
+        while len(self._open) > keep:
             idle = next((f for f in self._open if not self._users.get(f)), None)
             if idle is None:
                 return
-            os.close(self._open.pop(idle))
+            with contextlib.suppress(OSError):
+                os.close(self._open.pop(idle))
 
     def close(self) -> None:
+        """Close every descriptor no read uses now; the others when their reads end."""
         with self.lock:
-            for fd in self._open.values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._open.clear()
+            self._closed = True
+            self._trim()
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()
@@ -557,8 +561,8 @@ def _read_file(path: str, held: dict[int, int] | None = None, file: int = -1) ->
     except BaseException:
         os.close(fd)
         raise
-    if held is None:
-        os.close(fd)
+    if held is None or len(held) >= _OPEN_FILES:
+        os.close(fd)  # opened again by path when read (a database may have many files)
     else:
         held[file] = fd
     return data
