@@ -1,6 +1,6 @@
 """Caffe's other inputs, each against its plain loop: records/s into float32 batches.
 
-Run: ``python bench/bench_inputs.py [--records 4000] [--images 800] [--workers 2] [--quick]``
+Run: ``python bench/bench_inputs.py [--records 4000] [--images 2400] [--workers 2] [--quick]``
 
 Writes its data into a temporary directory, then times one epoch of each contender,
 best of ``--repeat`` runs; every contender produces the same float32 batches (checked):
@@ -178,11 +178,12 @@ def h5py_slicing(files: list[Path]) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=4000)
-    ap.add_argument("--images", type=int, default=800)
+    ap.add_argument("--images", type=int, default=2400)
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small data, one run each")
+    ap.add_argument("--only", choices=["leveldb", "imagedata", "hdf5"], help="one input alone")
     ap.add_argument("--data-dir", help="ignored (the data is written to a temporary directory)")
     args = ap.parse_args()
     if args.quick:
@@ -198,39 +199,59 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         db = root / "leveldb"
-        write_leveldb(db, args.records)
-        ref = plyvel_loop(db, root / "copy")
-        n = args.records
-        run("LevelDB", "plyvel loop", n, lambda: plyvel_loop(db, root / "copy"), ref)
-        run("LevelDB", "Batches", n, lambda: epoch_of(
-            lambda: Batches(db, BATCH, mode="epoch"), False), ref)  # fmt: skip
-        run("LevelDB", f"Loader x{w}", n, lambda: epoch_of(
-            lambda: Loader(db, BATCH, device="cpu", workers=w, mode="epoch"),
-            True), ref)  # fmt: skip
+        wanted = {"leveldb", "imagedata", "hdf5"} if args.only is None else {args.only}
+        if "leveldb" in wanted:
+            leveldb(root, db, args.records, w, run)
+        if "imagedata" in wanted:
+            imagedata(root, args.images, w, run)
+        if "hdf5" in wanted:
+            hdf5(root, args.rows, w, run)
+    report(rows)
 
-        images = root / "images"
-        images.mkdir()
-        listing = write_images(images, args.images)
-        ref = imread_loop(images, listing)
-        n = args.images
-        source = ImageList(listing, f"{images}/")
-        run("ImageData", "imread loop", n, lambda: imread_loop(images, listing), ref)
-        run("ImageData", "Batches", n, lambda: epoch_of(
-            lambda: Batches(source, BATCH, mode="epoch"), False), ref)  # fmt: skip
-        run("ImageData", f"Loader x{w}", n, lambda: epoch_of(
-            lambda: Loader(source, BATCH, device="cpu", workers=w, mode="epoch"),
-            True), ref)  # fmt: skip
 
-        files = write_h5(root, args.rows)
-        ref = h5py_slicing(files)
-        n = args.rows
-        run("HDF5Data", "h5py slicing", n, lambda: h5py_slicing(files), ref)
-        run("HDF5Data", "Batches", n, lambda: epoch_of(
-            lambda: Batches(Hdf5Data(files), BATCH, mode="epoch"), False), ref)  # fmt: skip
-        run("HDF5Data", f"Loader x{w}", n, lambda: epoch_of(
-            lambda: Loader(Hdf5Data(files), BATCH, device="cpu", workers=w, mode="epoch"),
-            True), ref)  # fmt: skip
+Run = Callable[[str, str, int, Callable[[], np.ndarray], np.ndarray], None]
 
+
+def leveldb(root: Path, db: Path, n: int, w: int, run: Run) -> None:
+    write_leveldb(db, n)
+    ref = plyvel_loop(db, root / "copy")
+    run("LevelDB", "plyvel loop", n, lambda: plyvel_loop(db, root / "copy"), ref)
+    run("LevelDB", "Batches", n, lambda: epoch_of(
+        lambda: Batches(db, BATCH, mode="epoch"), False), ref)  # fmt: skip
+    run("LevelDB", f"Loader x{w}", n, lambda: epoch_of(
+        lambda: Loader(db, BATCH, device="cpu", workers=w, mode="epoch"),
+        True), ref)  # fmt: skip
+
+
+def imagedata(root: Path, n: int, w: int, run: Run) -> None:
+    images = root / "images"
+    images.mkdir()
+    listing = write_images(images, n)
+    ref = imread_loop(images, listing)
+    source = ImageList(listing, f"{images}/")
+    run("ImageData", "imread loop", n, lambda: imread_loop(images, listing), ref)
+    run("ImageData", "Batches", n, lambda: epoch_of(
+        lambda: Batches(source, BATCH, mode="epoch"), False), ref)  # fmt: skip
+    run("ImageData", "Loader x1", n, lambda: epoch_of(
+        lambda: Loader(source, BATCH, device="cpu", workers=1, mode="epoch"),
+        True), ref)  # fmt: skip
+    run("ImageData", f"Loader x{w}", n, lambda: epoch_of(
+        lambda: Loader(source, BATCH, device="cpu", workers=w, mode="epoch"),
+        True), ref)  # fmt: skip
+
+
+def hdf5(root: Path, n: int, w: int, run: Run) -> None:
+    files = write_h5(root, n)
+    ref = h5py_slicing(files)
+    run("HDF5Data", "h5py slicing", n, lambda: h5py_slicing(files), ref)
+    run("HDF5Data", "Batches", n, lambda: epoch_of(
+        lambda: Batches(Hdf5Data(files), BATCH, mode="epoch"), False), ref)  # fmt: skip
+    run("HDF5Data", f"Loader x{w}", n, lambda: epoch_of(
+        lambda: Loader(Hdf5Data(files), BATCH, device="cpu", workers=w, mode="epoch"),
+        True), ref)  # fmt: skip
+
+
+def report(rows: list[tuple[str, str, int, float]]) -> None:
     print(f"| input | contender | records | records/s | vs plain loop |  (batch {BATCH})")
     print("| --- | --- | ---: | ---: | ---: |")
     base = 0.0
