@@ -467,6 +467,11 @@ def _printable(text: str) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._tools import inspect_db
 
+    if str(args.db).endswith(".prototxt"):  # a net's data layer: what it reads
+        from ._tools._inspect import describe_layer
+
+        print(json.dumps(describe_layer(args.db), indent=2))
+        return 0
     info = inspect_db(args.db, limit=args.limit, first=args.first, quiet=args.quiet)
     if args.json:
         print(json.dumps(info.to_json(), indent=2))
@@ -521,7 +526,10 @@ def _add_inspect(sub: Any) -> None:
         "  blobpipe inspect --limit 1000 huge_lmdb   # scan only the first 1000 records\n",
     )
     p.add_argument(
-        "db", metavar="DB", help="LMDB or LevelDB to inspect (also an unfinished DB.partial)"
+        "db",
+        metavar="DB",
+        help="LMDB or LevelDB to inspect (also an unfinished DB.partial), or a net .prototxt: "
+        "what its data layer reads (Data, ImageData, HDF5Data), as JSON",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -573,7 +581,9 @@ def _add_show(sub: Any) -> None:
         "  blobpipe show train_lmdb -o grid.png\n"
         "  blobpipe show train_lmdb -o crops.png --count 64 --crop-size 24 --mirror\n",
     )
-    p.add_argument("db", metavar="DB", help="LMDB or LevelDB to draw")
+    p.add_argument(
+        "db", metavar="DB", help="LMDB or LevelDB to draw, or a net .prototxt (its data layer)"
+    )
     p.add_argument("-o", "--output", required=True, metavar="GRID.png", help="the PNG to write")
     p.add_argument("--count", type=_positive, default=16, metavar="N", help="records (16)")
     p.add_argument("--columns", type=_positive, default=None, metavar="K", help="per row")

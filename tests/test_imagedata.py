@@ -197,3 +197,31 @@ def test_list_parsing_and_argument_errors(tmp_path: Path) -> None:
                    'image_data_param { source: "x" batch_size: 2 new_height: 4 } }')  # fmt: skip
     with pytest.raises(ProtoError, match=r"sets only one of image_data_param\.new_height"):
         read_data_layer(net)
+
+
+@pytest.mark.parametrize("case", ["imagedata_color_b8", "hdf5_b4", "leveldb_raw_color_b8"])
+def test_inspect_and_show_take_a_nets_data_layer(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from blobpipe._cli import main
+
+    pytest.importorskip("h5py")
+    monkeypatch.chdir(CAFFE)
+    net = f"ref/{case}/net.prototxt"
+    assert main(["inspect", net]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["type"] == {"imagedata": "ImageData", "hdf5": "HDF5Data"}.get(
+        case.split("_")[0], "Data"
+    )
+    if case == "imagedata_color_b8":
+        assert (described["records"], described["first_shape"]) == (50, [3, 32, 40])
+    elif case == "hdf5_b4":
+        assert described["records"] == 15
+        assert described["row_shapes"] == {"data": [3, 8, 10], "label": []}
+    else:
+        assert described["database"]["kind"] == "leveldb"
+    out = tmp_path / "grid.png"
+    assert main(["show", net, "-o", str(out), "--count", "6", "-q"]) == 0
+    assert cv2.imread(str(out)) is not None

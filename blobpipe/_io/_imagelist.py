@@ -130,6 +130,11 @@ class ImageList:
         """One key per list line, ``%08d_<path>`` (the line index), in list order."""
         return self._keys
 
+    @property
+    def lines(self) -> list[tuple[bytes, int]]:
+        """Each list line's ``(path, label)``, in list order."""
+        return list(self._lines)
+
     def file(self, index: int) -> str:
         """The file list line ``index`` (0-based) names: the root and the path joined."""
         return os.fsdecode(self._root + self._lines[index][0])

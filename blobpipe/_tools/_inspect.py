@@ -12,13 +12,16 @@ from typing import Any
 from .._codec import blobproto_array
 from .._errors import DataError, ProtoError
 from .._io._datum import decode_datum
+from .._io._hdf5 import Hdf5Data
+from .._io._imagelist import ImageList
 from .._io._leveldb import LevelDbReader
+from .._io._prototxt import read_data_layer
 from .._io._records import BLOBPROTO, record_kind
 from .._io._wire import ParsedDatum, parse_datum
 from ._output import open_database, read_marker
 from ._progress import Progress
 
-__all__ = ["DatabaseInfo", "inspect_db"]
+__all__ = ["DatabaseInfo", "describe_layer", "inspect_db"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +168,50 @@ def inspect_db(
         errors=errors,
         kind=kind,
     )
+
+
+def describe_layer(prototxt: str | os.PathLike[str], phase: str = "test") -> dict[str, Any]:
+    """What the data layer of a net prototxt reads, as a JSON-ready dict: its type and
+    source; a Data layer's database (as :func:`inspect_db`), an ImageData layer's
+    lines (count, first keys, labels, the first image's shape as decoded), an
+    HDF5Data layer's files, rows and each top's row shape.
+
+    Raises:
+        ProtoError, FileMissingError, DataError: as ``Loader.from_prototxt``.
+    """
+    config = read_data_layer(prototxt, phase)
+    out: dict[str, Any] = {"layer": config.name, "type": config.type, "source": config.source,
+                           "batch_size": config.batch_size, "tops": list(config.tops)}  # fmt: skip
+    if config.type == "Data":
+        out["database"] = inspect_db(config.source).to_json()
+        return out
+    source = config.batches_kwargs()["source"]
+    if isinstance(source, ImageList):
+        keys = source.keys()
+        labels = Counter(label for _, label in source.lines)
+        first = parse_datum(source.get(keys[0]))
+        if first.encoded:
+            shape = decode_datum(source.get(keys[0]), force_color=source.is_color,
+                                 force_gray=not source.is_color)[0].shape  # fmt: skip
+        else:
+            shape = (first.channels, first.height, first.width)
+        common = sorted(labels.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
+        out |= {
+            "records": len(keys),
+            "first_keys": [k.decode(errors="replace") for k in keys[:5]],
+            "first_shape": list(shape),
+            "labels": {
+                "distinct": len(labels),
+                "min": min(labels),
+                "max": max(labels),
+                "most_common": [list(x) for x in common],
+            },
+        }
+        return out
+    assert isinstance(source, Hdf5Data)
+    out |= {
+        "records": source.rows,
+        "files": list(source.files),
+        "row_shapes": {t: list(source[t].row(0).shape) for t in source},
+    }
+    return out
