@@ -565,3 +565,23 @@ def test_a_snappy_block_announcing_more_than_it_can_hold_is_refused() -> None:
     raw = body + b"\x01" + struct.pack("<I", f.masked_crc(body + b"\x01"))
     with pytest.raises(f.Damaged, match="more than snappy can expand to"):
         f.block_contents(raw, "the block")
+
+
+def test_resume_shards_and_quasi_order_work_as_on_lmdb() -> None:
+    def rows(src: Path, **kwargs: Any) -> list[np.ndarray]:
+        with Batches(src, 8, phase="test", mode="epoch", **kwargs) as b:
+            return [x.data.copy() for x in b]
+
+    for kwargs in ({"order": "shuffle", "seed": 3}, {"shard": (1, 3)},
+                   {"order": "quasi", "buffer_size": 16}):
+        got, want = rows(LEVELDB, **kwargs), rows(LMDB, **kwargs)
+        assert len(got) == len(want), kwargs
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), kwargs
+    with Batches(AS_WRITTEN, 8, order="shuffle", seed=5) as b:
+        it = iter(b)
+        next(it)
+        state = b.state_dict()
+        expected = [next(it).data.copy() for _ in range(3)]
+    with Batches(AS_WRITTEN, 8, order="shuffle", seed=5, state=state) as b:
+        it = iter(b)
+        assert all(np.array_equal(next(it).data, e) for e in expected)

@@ -188,7 +188,7 @@ class LevelDbReader:
             comparator, zstd blocks).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readahead: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = os.fsdecode(os.fspath(path))
         self._closed = False
         self._local = threading.local()
