@@ -26,6 +26,7 @@ from ._errors import DatabaseNotFoundError as DatabaseNotFoundError
 from ._errors import DataError as DataError
 from ._errors import DiskFullError as DiskFullError
 from ._errors import FileMissingError as FileMissingError
+from ._errors import MissingDependencyError as MissingDependencyError
 from ._errors import OutputExistsError as OutputExistsError
 from ._errors import PoolMemoryError as PoolMemoryError
 from ._errors import ProtoError as ProtoError
@@ -42,9 +43,12 @@ from ._io._datum import decode_datum_into as decode_datum_into
 from ._io._encode import encode_encoded_datum as encode_encoded_datum
 from ._io._encode import encode_float_datum as encode_float_datum
 from ._io._encode import encode_raw_datum as encode_raw_datum
+from ._io._hdf5 import Hdf5Data as Hdf5Data
 from ._io._image import jpeg_window_decoding as jpeg_window_decoding
+from ._io._imagelist import ImageList as ImageList
 from ._io._kernels import Geometry as Geometry
 from ._io._kernels import compiled_row_kernel as compiled_row_kernel
+from ._io._leveldb import LevelDbReader as LevelDbReader
 from ._io._lmdb import LmdbReader as LmdbReader
 from ._io._lmdb import ReadTransaction as ReadTransaction
 from ._io._prototxt import DataLayerConfig as DataLayerConfig

@@ -85,6 +85,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             commit_every=args.commit_every,
             quiet=args.quiet,
             report=report,
+            backend=args.backend,
         )
     except KeyboardInterrupt:
         return 130  # convert_imageset has reported what is committed and how to resume
@@ -101,7 +102,8 @@ def _add_convert(sub: Any) -> None:
     p = _parser_with(
         sub,
         "convert-imageset",
-        "Convert images and a Caffe list file into an LMDB of Datums (Caffe's convert_imageset).",
+        "Convert images and a Caffe list file into an LMDB (or a LevelDB) of Datums (Caffe's "
+        "convert_imageset).",
         "  blobpipe convert-imageset --resize-height 32 --resize-width 40 images/ list.txt db\n"
         "  blobpipe convert-imageset --encoded --encode-type jpg images/ list.txt train_jpg_lmdb\n"
         "  blobpipe convert-imageset --shuffle --seed 1 --gray images/ list.txt gray_lmdb\n"
@@ -158,11 +160,17 @@ def _add_convert(sub: Any) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace DB if it exists")
     p.add_argument(
+        "--backend",
+        choices=["lmdb", "leveldb"],
+        default="lmdb",
+        help="the database to write (default lmdb; leveldb as Caffe's --backend=leveldb)",
+    )
+    p.add_argument(
         "--commit-every",
         type=_positive,
         default=1000,
         metavar="N",
-        help="records per LMDB transaction (default 1000, as Caffe)",
+        help="records per LMDB transaction or LevelDB write batch (default 1000, as Caffe)",
     )
     p.set_defaults(handler=_cmd_convert)
 
@@ -185,11 +193,11 @@ def _add_mean(sub: Any) -> None:
     p = _parser_with(
         sub,
         "compute-mean",
-        "Per-pixel mean of an LMDB as a Caffe mean file (Caffe's compute_image_mean).",
+        "Per-pixel mean of an LMDB or LevelDB as a Caffe mean file (Caffe's compute_image_mean).",
         "  blobpipe compute-mean train_lmdb mean.binaryproto\n"
         "  blobpipe compute-mean train_lmdb            # print the channel means only\n",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument(
         "out",
         metavar="OUT.binaryproto",
@@ -312,7 +320,8 @@ def _add_export(sub: Any) -> None:
     p = _parser_with(
         sub,
         "export",
-        "Export an LMDB to blobs: a directory of .npy files, an .npz, or a BlobProtoVector.",
+        "Export an LMDB or LevelDB to blobs: a directory of .npy files, an .npz, or a "
+        "BlobProtoVector.",
         "  blobpipe export train_lmdb train_npy            # train_npy/data.npy + labels.npy\n"
         "  blobpipe export train_lmdb train.npz --mean-file mean.binaryproto --scale 0.017\n"
         "  blobpipe export train_lmdb train.binaryproto --limit 1000\n"
@@ -322,7 +331,7 @@ def _add_export(sub: Any) -> None:
         "unless --format is given. Memory use is one batch: .npy files are written through\n"
         "memory maps. Reading the export back gives the loader's batches, concatenated.",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument("out", metavar="OUT", help="output directory, .npz or .binaryproto")
     p.add_argument(
         "--format",
@@ -397,7 +406,7 @@ def _add_bench(sub: Any) -> None:
         "  blobpipe bench train_lmdb --batches 100 --json\n"
         "  blobpipe bench train_lmdb --device cpu --workers 2\n",
     )
-    p.add_argument("db", metavar="DB", help="input LMDB of Datums")
+    p.add_argument("db", metavar="DB", help="input LMDB or LevelDB of Datums")
     p.add_argument(
         "--batch-size",
         type=_positive,
@@ -458,6 +467,11 @@ def _printable(text: str) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._tools import inspect_db
 
+    if str(args.db).endswith(".prototxt"):  # a net's data layer: what it reads
+        from ._tools._inspect import describe_layer
+
+        print(json.dumps(describe_layer(args.db), indent=2))
+        return 0
     info = inspect_db(args.db, limit=args.limit, first=args.first, quiet=args.quiet)
     if args.json:
         print(json.dumps(info.to_json(), indent=2))
@@ -470,7 +484,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"INCOMPLETE (conversion stopped at line {done} of {lines}; "
             "rerun the same convert-imageset command to finish it)"
         )
-    print(f"database:  {_printable(data['path'])}  ({_human(info.size_bytes)} on disk, {status})")
+    kind = "LevelDB, " if info.kind == "leveldb" else ""
+    print(
+        f"database:  {_printable(data['path'])}  ({kind}{_human(info.size_bytes)} on disk, "
+        f"{status})"
+    )
     scanned = "" if info.scanned == info.records else f"  (first {info.scanned} scanned)"
     print(f"records:   {info.records}{scanned}")
     print("first keys:")
@@ -502,12 +520,17 @@ def _add_inspect(sub: Any) -> None:
     p = _parser_with(
         sub,
         "inspect",
-        "Summarise an LMDB: records, keys, Datum kinds, shapes, labels, size.",
+        "Summarise an LMDB or LevelDB: records, keys, Datum kinds, shapes, labels, size.",
         "  blobpipe inspect train_lmdb\n"
         "  blobpipe inspect --json train_lmdb | jq .shapes\n"
         "  blobpipe inspect --limit 1000 huge_lmdb   # scan only the first 1000 records\n",
     )
-    p.add_argument("db", metavar="DB", help="LMDB to inspect (also an unfinished DB.partial)")
+    p.add_argument(
+        "db",
+        metavar="DB",
+        help="LMDB or LevelDB to inspect (also an unfinished DB.partial), or a net .prototxt: "
+        "what its data layer reads (Data, ImageData, HDF5Data), as JSON",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--limit",
@@ -553,12 +576,14 @@ def _add_show(sub: Any) -> None:
     p = _parser_with(
         sub,
         "show",
-        "Draw the first records of an LMDB (or transformed batch rows) as a PNG grid, "
+        "Draw the first records of an LMDB or LevelDB (or transformed batch rows) as a PNG grid, "
         "each with its key and label; BGR records are shown in their true colours.",
         "  blobpipe show train_lmdb -o grid.png\n"
         "  blobpipe show train_lmdb -o crops.png --count 64 --crop-size 24 --mirror\n",
     )
-    p.add_argument("db", metavar="DB", help="LMDB to draw")
+    p.add_argument(
+        "db", metavar="DB", help="LMDB or LevelDB to draw, or a net .prototxt (its data layer)"
+    )
     p.add_argument("-o", "--output", required=True, metavar="GRID.png", help="the PNG to write")
     p.add_argument("--count", type=_positive, default=16, metavar="N", help="records (16)")
     p.add_argument("--columns", type=_positive, default=None, metavar="K", help="per row")
@@ -613,8 +638,9 @@ _FALSE = frozenset({"false", "f", "no", "n", "0"})
 def _caffe_spellings(argv: list[str]) -> list[str]:
     """``argv`` with the gflags spellings of Caffe's own tools (as its scripts, e.g.
     ``create_imagenet.sh``, write them) turned into this CLI's: ``-resize_height=32``,
-    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend=lmdb`` is
-    accepted (LMDB is all blobpipe reads and writes) and any other backend refused."""
+    ``--shuffle=true``, ``--gray=false``, ``--noshuffle``; ``--backend`` is lmdb or
+    leveldb (what convert-imageset writes; compute-mean tells the kind from the
+    directory) and any other backend is refused."""
     if not argv or argv[0] not in _GFLAGS:
         return argv
     booleans, others = _GFLAGS[argv[0]]
@@ -643,11 +669,13 @@ def _caffe_spellings(argv: list[str]) -> list[str]:
             if not eq:
                 value = next(tokens, "")
             if name == "backend":
-                if value.lower() != "lmdb":
+                if value.lower() not in ("lmdb", "leveldb"):
                     raise _UsageError(
-                        f"--backend={value}: blobpipe reads and writes LMDB only; convert "
-                        "a LEVELDB with Caffe's tools or write the dataset as LMDB"
+                        f"--backend={value}: blobpipe reads and writes LMDB and LevelDB "
+                        "(a database's kind is told from its directory when it is read)"
                     )
+                if argv[0] == "convert-imageset":
+                    out.append(f"--backend={value.lower()}")
                 continue
             out.append(f"--{name}={value}")
             continue

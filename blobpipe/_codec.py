@@ -56,6 +56,7 @@ from ._proto.caffe_pb2 import (
 from ._shape import MAX_BLOB_AXES, format_shape, validate_shape
 
 __all__ = [
+    "DATA_LAYER_TYPES",
     "BlobProto",
     "DataLayerFields",
     "TransformFields",
@@ -82,6 +83,9 @@ _M = TypeVar("_M", bound=Message)
 _LEGACY_FIELDS: Final = ("num", "channels", "height", "width")
 _INT_MAX: Final = 2**31 - 1
 _DEPRECATED_DATA_FIELDS: Final = ("scale", "mean_file", "crop_size", "mirror")
+#: The data layers a net prototxt is read for, and the V1 fields that mark each.
+DATA_LAYER_TYPES: Final = ("Data", "ImageData", "HDF5Data")
+_V1_DATA_PARAMS: Final = ("data_param", "image_data_param", "hdf5_data_param")
 
 _BLOBPROTO_FIX: Final = (
     "expected a binary caffe.BlobProto such as Caffe's compute_image_mean writes; "
@@ -472,7 +476,9 @@ def transform_fields(param: TransformationParameter, base_dir: StrPath = ".") ->
 
 @dataclass(frozen=True)
 class DataLayerFields:
-    """What a net prototxt's selected ``Data`` layer sets, as plain values."""
+    """What a net prototxt's selected data layer (``Data``, ``ImageData`` or
+    ``HDF5Data``) sets, as plain values; fields another type lacks keep their
+    defaults (Caffe's)."""
 
     name: str
     source: str
@@ -481,6 +487,15 @@ class DataLayerFields:
     rand_skip: int
     tops: tuple[str, ...]
     transform: TransformFields
+    type: str = "Data"
+    backend: str = "leveldb"  # Data: data_param.backend, "lmdb" or "leveldb"
+    backend_set: bool = False  # the prototxt names the backend (else protobuf's default)
+    shuffle: bool = False  # ImageData, HDF5Data
+    root_folder: str = ""  # ImageData
+    new_height: int = 0
+    new_width: int = 0
+    is_color: bool = True
+    has_transform: bool = False  # a transform_param block is present
 
 
 def parse_net(text: str, where: str = "<string>") -> NetParameter:
@@ -551,7 +566,8 @@ def data_layer_fields(
     level: int = 0,
     stages: Sequence[str] = (),
 ) -> DataLayerFields:
-    """The ``Data`` layer of the net prototxt ``text`` that runs in ``phase``.
+    """The data layer (``Data``, ``ImageData``, ``HDF5Data``) of the net prototxt
+    ``text`` that runs in ``phase``.
 
     Layers are selected as Caffe's ``Net::FilterNet`` does (``phase`` is
     "train" or "test"; ``stages`` add to the file's ``state { stage }``); V1
@@ -559,10 +575,10 @@ def data_layer_fields(
     names the file in messages.
 
     Raises:
-        ProtoError: the text does not parse; no Data layer (or several, without
-            ``name``) is selected; the backend is not LMDB; ``source`` or
-            ``batch_size`` is missing; deprecated ``data_param`` transform
-            fields in a new-format layer.
+        ProtoError: the text does not parse; no data layer (or several, without
+            ``name``) is selected; ``source`` or ``batch_size`` is missing;
+            deprecated transform fields in a new-format layer; an ImageData
+            layer with only one of new_height and new_width.
     """
     net = parse_net(text, where)
     phase_enum = TRAIN if phase == "train" else TEST
@@ -572,17 +588,20 @@ def data_layer_fields(
     found: list[str] = []
     for layer in net.layer:
         found.append(f"{layer.name!r} (type {layer.type!r}, {_rules_text(layer)})")
-        if layer.type == "Data" and _included(layer, where, phase_enum, level, all_stages):
+        if layer.type in DATA_LAYER_TYPES and _included(
+            layer, where, phase_enum, level, all_stages
+        ):
             candidates.append((layer, False))
     for v1 in net.layers:
-        is_data = v1.HasField("data_param")
+        is_data = any(v1.HasField(f) for f in _V1_DATA_PARAMS)
         found.append(f"{v1.name!r} (V1 {'data ' if is_data else ''}layer, {_rules_text(v1)})")
         if is_data and _included(v1, where, phase_enum, level, all_stages):
             candidates.append((v1, True))
     if name is not None:
         candidates = [c for c in candidates if c[0].name == name]
+    kinds = "/".join(DATA_LAYER_TYPES)
     if not candidates:
-        wanted = "Data layer" if name is None else f"Data layer named {name!r}"
+        wanted = f"{kinds} layer" if name is None else f"{kinds} layer named {name!r}"
         listing = "; ".join(found) if found else "none"
         raise ProtoError(
             f"{where}: no {wanted} runs in phase {phase.upper()}; layers found: {listing}"
@@ -590,7 +609,7 @@ def data_layer_fields(
     if len(candidates) > 1:
         names = ", ".join(repr(c[0].name) for c in candidates)
         raise ProtoError(
-            f"{where}: several Data layers run in phase {phase.upper()} ({names}); "
+            f"{where}: several {kinds} layers run in phase {phase.upper()} ({names}); "
             "choose one with name=..."
         )
     chosen, is_v1 = candidates[0]
@@ -601,29 +620,55 @@ def _layer_fields(
     layer: LayerParameter | V1LayerParameter, is_v1: bool, where: str
 ) -> DataLayerFields:
     label = f"{where}: layer {layer.name!r}"
-    dp = layer.data_param
+    if isinstance(layer, V1LayerParameter):
+        kind = next(t for t, f in zip(DATA_LAYER_TYPES, _V1_DATA_PARAMS, strict=True)
+                    if layer.HasField(f))  # fmt: skip
+    else:
+        kind = layer.type
     tp = TransformationParameter()
     tp.CopyFrom(layer.transform_param)
-    deprecated = [f for f in _DEPRECATED_DATA_FIELDS if dp.HasField(f)]
+    if kind == "HDF5Data":
+        hp = layer.hdf5_data_param
+        if not hp.source:
+            raise ProtoError(f"{label} has no hdf5_data_param.source")
+        if hp.batch_size <= 0:
+            raise ProtoError(f"{label} needs hdf5_data_param.batch_size > 0, got {hp.batch_size}")
+        return DataLayerFields(
+            name=layer.name, source=hp.source, batch_size=int(hp.batch_size), prefetch=0,
+            rand_skip=0, tops=tuple(layer.top), transform=transform_fields(tp), type=kind,
+            shuffle=bool(hp.shuffle), has_transform=layer.HasField("transform_param"),
+        )  # fmt: skip
+    param = layer.image_data_param if kind == "ImageData" else layer.data_param
+    prefix = "image_data_param" if kind == "ImageData" else "data_param"
+    deprecated = [f for f in _DEPRECATED_DATA_FIELDS if param.HasField(f)]
     if deprecated and not is_v1:
-        fields = ", ".join(f"data_param.{f}" for f in deprecated)
+        fields = ", ".join(f"{prefix}.{f}" for f in deprecated)
         raise ProtoError(
             f"{label} sets deprecated {fields}, which Caffe ignores in a `layer` block; "
             "move them into transform_param { ... }"
         )
     for field in deprecated:  # Caffe's UpgradeNetDataTransformation for V1 layers
-        setattr(tp, field, getattr(dp, field))
-    if dp.backend != DataParameter.LMDB:
-        implicit = "" if dp.HasField("backend") else " (protobuf's default when no backend is set)"
-        raise ProtoError(
-            f"{label} uses backend LEVELDB{implicit}; blobpipe reads LMDB only: convert "
-            "the database to LMDB (e.g. rerun Caffe's convert_imageset with --backend=lmdb, "
-            "or copy its records into an LMDB) and set `backend: LMDB` in data_param"
-        )
-    if not dp.source:
-        raise ProtoError(f"{label} has no data_param.source")
-    if dp.batch_size <= 0:
-        raise ProtoError(f"{label} needs data_param.batch_size > 0, got {dp.batch_size}")
+        setattr(tp, field, getattr(param, field))
+    if not param.source:
+        raise ProtoError(f"{label} has no {prefix}.source")
+    if param.batch_size <= 0:
+        raise ProtoError(f"{label} needs {prefix}.batch_size > 0, got {param.batch_size}")
+    if kind == "ImageData":
+        ip = layer.image_data_param
+        if (ip.new_height == 0) != (ip.new_width == 0):
+            raise ProtoError(
+                f"{label} sets only one of image_data_param.new_height ({ip.new_height}) "
+                f"and new_width ({ip.new_width}); Caffe resizes only with both: set both, "
+                "or neither"
+            )
+        return DataLayerFields(
+            name=layer.name, source=ip.source, batch_size=int(ip.batch_size), prefetch=4,
+            rand_skip=int(ip.rand_skip), tops=tuple(layer.top), transform=transform_fields(tp),
+            type=kind, shuffle=bool(ip.shuffle), root_folder=ip.root_folder,
+            new_height=int(ip.new_height), new_width=int(ip.new_width),
+            is_color=bool(ip.is_color), has_transform=layer.HasField("transform_param"),
+        )  # fmt: skip
+    dp = layer.data_param
     return DataLayerFields(
         name=layer.name,
         source=dp.source,
@@ -632,4 +677,8 @@ def _layer_fields(
         rand_skip=int(dp.rand_skip),
         tops=tuple(layer.top),
         transform=transform_fields(tp),
+        type=kind,
+        backend="lmdb" if dp.backend == DataParameter.LMDB else "leveldb",
+        backend_set=dp.HasField("backend"),
+        has_transform=layer.HasField("transform_param"),
     )

@@ -13,6 +13,7 @@ keeps working::
     ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
     ├── StateError(RuntimeError)           use after close, recycled batch, wrong head
     ├── BackendUnavailableError(RuntimeError)  CuPy / a CUDA device is missing
+    ├── MissingDependencyError(ImportError)  an optional package (h5py) is not installed
     ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
     ├── ProtoError(ValueError)             a BlobProto / prototxt that cannot be used
     ├── OutputExistsError(FileExistsError)  a tool's output exists and force was not given
@@ -36,6 +37,7 @@ __all__ = [
     "DatabaseNotFoundError",
     "DiskFullError",
     "FileMissingError",
+    "MissingDependencyError",
     "OutputExistsError",
     "PoolMemoryError",
     "ProtoError",
@@ -99,6 +101,11 @@ class StateError(BlobpipeError, RuntimeError):
 
 class BackendUnavailableError(BlobpipeError, RuntimeError):
     """The requested device backend cannot be used on this machine."""
+
+
+class MissingDependencyError(BlobpipeError, ImportError):
+    """An optional package a feature needs is not installed; the message names the
+    package and the extra that installs it."""
 
 
 class PoolMemoryError(BlobpipeError, MemoryError):

@@ -421,3 +421,15 @@ def test_gpu_check_without_a_gpu_fails_fast_and_says_why(tmp_path: Path) -> None
     assert any(m.startswith("cupy-cuda12x or cupy-cuda13x >= 13") for m in summary["missing"])
     assert "numpy" in summary["found"] and "lmdb" in summary["found"]
     assert "packages missing" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_inputs_quick(tmp_path: Path) -> None:
+    """LevelDB, ImageData and HDF5Data against their plain loops: every row printed
+    (each contender's batches were checked equal to its plain loop's)."""
+    text = run_quick("bench_inputs.py", tmp_path).stdout
+    rows = ("LevelDB | plyvel loop", "LevelDB | Loader x2", "ImageData | imread loop",
+            "ImageData | Loader x2", "HDF5Data | h5py slicing", "HDF5Data | Loader x2")
+    for row in rows:
+        assert f"| {row} |" in text, text

@@ -190,7 +190,8 @@ def test_inspect_missing_db_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert err.startswith("blobpipe inspect: error: no such file or directory; check the path")
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty")]) == 1
-    assert "holds no data.mdb, so it is not an LMDB database" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "neither data.mdb (an LMDB) nor CURRENT (a LevelDB); it is empty" in err
 
 
 def test_export_with_transform_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -429,8 +430,8 @@ def test_caffes_create_script_runs_with_the_tools_name_changed(tmp_path: Path) -
 @pytest.mark.parametrize(
     "argv",
     [
-        ["convert-imageset", "--backend=leveldb", "a/", "l.txt", "db"],
-        ["compute-mean", "-backend=leveldb", "db"],
+        ["convert-imageset", "--backend=rocksdb", "a/", "l.txt", "db"],
+        ["compute-mean", "-backend=rocksdb", "db"],
         ["convert-imageset", "--shuffle=maybe", "a/", "l.txt", "db"],
     ],
 )
@@ -440,7 +441,7 @@ def test_gflags_that_cannot_mean_anything_are_usage_errors(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"blobpipe {argv[0]}: error:" in err
-    assert ("LMDB only" in err) == ("leveldb" in " ".join(argv))
+    assert ("reads and writes LMDB and LevelDB" in err) == ("backend" in " ".join(argv))
 
 
 # -- pipes, usage, what inspect prints -------------------------------------------------------
@@ -479,7 +480,7 @@ def test_a_closed_stdout_ends_the_command_quietly(argv: list[str]) -> None:
     [
         (["inspect", "--bogus", "db"], "usage: blobpipe inspect"),
         (["export", "db", "out", "--frobnicate"], "usage: blobpipe export"),
-        (["compute-mean", "-backend=leveldb", "db"], "usage: blobpipe compute-mean"),
+        (["compute-mean", "-backend=rocksdb", "db"], "usage: blobpipe compute-mean"),
         (["convert-imageset", "--shuffle=maybe", "a/", "l.txt", "db"], "usage: blobpipe convert"),
     ],
 )

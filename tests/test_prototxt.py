@@ -65,7 +65,8 @@ def test_reference_prototxts(case: str, monkeypatch: pytest.MonkeyPatch) -> None
     assert kwargs["transform"] is t
     # Only the TEST phase has a Data layer in these nets.
     with pytest.raises(
-        ProtoError, match=r"no Data layer runs in phase TRAIN; layers found: 'data'"
+        ProtoError,
+        match=r"no Data/ImageData/HDF5Data layer runs in phase TRAIN; layers found: 'data'",
     ):
         read_data_layer(f"ref/{case}/net.prototxt", "train")
 
@@ -86,7 +87,7 @@ def test_unknown_layers_and_nested_fields_are_skipped(tmp_path: Path) -> None:
     # tiny.prototxt alone has no Data layer: the error lists what it found.
     with pytest.raises(
         ProtoError,
-        match=r"no Data layer runs in phase TEST; layers found: "
+        match=r"no Data/ImageData/HDF5Data layer runs in phase TEST; layers found: "
         r"'data' \(type 'Input', all phases\); 'conv1' \(type 'Convolution'",
     ):
         read_data_layer(CAFFE / "model" / "tiny.prototxt", "test")
@@ -105,7 +106,7 @@ def test_phase_selection_include_exclude(tmp_path: Path) -> None:
     text = _data_layer("not_test", "exclude { phase: TEST }", source="a")
     path = _write(tmp_path, text)
     assert read_data_layer(path, "train").name == "not_test"
-    with pytest.raises(ProtoError, match="no Data layer runs in phase TEST"):
+    with pytest.raises(ProtoError, match="no Data/ImageData/HDF5Data layer runs in phase TEST"):
         read_data_layer(path, "test")
     # no rules: both phases
     path = _write(tmp_path, _data_layer("both"))
@@ -128,10 +129,12 @@ def test_levels_and_stages(tmp_path: Path) -> None:
 
 def test_several_matching_layers_need_a_name(tmp_path: Path) -> None:
     path = _write(tmp_path, _data_layer("a", source="x") + _data_layer("b", source="y"))
-    with pytest.raises(ProtoError, match=r"several Data layers run in phase TRAIN \('a', 'b'\)"):
+    with pytest.raises(
+        ProtoError, match=r"several Data/ImageData/HDF5Data layers run in phase TRAIN \('a', 'b'\)"
+    ):
         read_data_layer(path)
     assert read_data_layer(path, name="b").source == "y"
-    with pytest.raises(ProtoError, match="no Data layer named 'c' runs"):
+    with pytest.raises(ProtoError, match="no Data/ImageData/HDF5Data layer named 'c' runs"):
         read_data_layer(path, name="c")
 
 
@@ -141,15 +144,21 @@ def test_include_and_exclude_together_is_an_error(tmp_path: Path) -> None:
         read_data_layer(path)
 
 
-def test_leveldb_is_rejected(tmp_path: Path) -> None:
+def test_the_backend_must_be_what_the_source_holds(tmp_path: Path) -> None:
+    lmdb, leveldb = CAFFE / "lmdb" / "raw_color", CAFFE / "leveldb" / "raw_color"
     with pytest.raises(
         ProtoError,
-        match=r"backend LEVELDB \(protobuf's default when no backend is set\); "
-        r"blobpipe reads LMDB only: convert",
+        match=r"reads backend LEVELDB \(LEVELDB is protobuf's default when data_param sets no "
+        r"backend\), but its source .* holds an LMDB, which Caffe cannot open so: set "
+        r"`backend: LMDB`",
     ):
-        read_data_layer(_write(tmp_path, _data_layer("d", backend="")))
-    with pytest.raises(ProtoError, match=r"uses backend LEVELDB; blobpipe reads LMDB only"):
-        read_data_layer(_write(tmp_path, _data_layer("d", backend="LEVELDB")))
+        read_data_layer(_write(tmp_path, _data_layer("d", source=str(lmdb), backend="")))
+    with pytest.raises(ProtoError, match=r"reads backend LEVELDB, but its source"):
+        read_data_layer(_write(tmp_path, _data_layer("d", source=str(lmdb), backend="LEVELDB")))
+    config = read_data_layer(_write(tmp_path, _data_layer("d", source=str(leveldb), backend="")))
+    assert (config.backend, config.source) == ("leveldb", str(leveldb))
+    # a source that does not exist (yet): the reader names it when it opens it
+    assert read_data_layer(_write(tmp_path, _data_layer("d", backend=""))).backend == "leveldb"
 
 
 def test_missing_source_or_batch_size(tmp_path: Path) -> None:

@@ -124,7 +124,8 @@ def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
         )
     return (
         f"their sizes differ ({a[1]}×{a[2]} and {b[1]}×{b[2]}): resize when building the "
-        "databases (convert_imageset --resize_height/--resize_width), or crop them to one "
+        "databases (convert_imageset --resize_height/--resize_width; an ImageList or "
+        "ImageData layer: new_height/new_width), or crop them to one "
         "size (crop_size no larger than the smallest), or use batch_size=1"
     )
 
@@ -340,7 +341,12 @@ class Filler:
         if index is not None:
             rows = plan.indices[start:stop].astype(np.intp, copy=False)
         else:
-            index = RecordIndex.joined(self._values(plan.keys[start:stop]))
+            values_at = getattr(self._reader, "values_at", None)  # by position (LevelDB)
+            index = RecordIndex.joined(
+                values_at(plan.indices[start:stop])
+                if values_at is not None
+                else self._values(plan.keys[start:stop])
+            )
             rows = np.arange(n, dtype=np.intp)
         c, h, w = plan.record_shape  # a Datum's
         shape = (c, h, w)

@@ -52,6 +52,7 @@ __all__ = [
     "imread_flag",
     "jpeg_frame",
     "jpeg_window_decoding",
+    "resize_image",
     "rows_decodable",
 ]
 
@@ -312,3 +313,11 @@ def imread_flag(force_color: bool, force_gray: bool) -> int:
     if force_gray:
         return 0  # cv2.IMREAD_GRAYSCALE
     return -1  # cv2.IMREAD_UNCHANGED; Caffe's DecodeDatumToCVMatNative: cv::imdecode(.., -1)
+
+
+def resize_image(hwc: npt.NDArray[np.uint8], height: int, width: int) -> npt.NDArray[np.uint8]:
+    """``hwc`` (``(H, W, C)``) resized to ``height`` × ``width`` as Caffe's
+    ``ReadImageToCVMat`` does: ``cv::resize`` with its default bilinear filter."""
+    cv2 = _opencv()
+    out = np.asarray(cv2.resize(hwc, (width, height)))
+    return out.reshape(height, width, hwc.shape[2])

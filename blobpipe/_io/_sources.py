@@ -28,8 +28,10 @@ import numpy.typing as npt
 
 from .._errors import ArgumentError, ArgumentTypeError, DataError
 from ._concat import ConcatFiller
+from ._database import open_reader
 from ._fill import Filler, RecordSource, RowFiller, shape_fix
 from ._kernels import mix_words
+from ._leveldb import LevelDbReader
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan, read_only
 from ._records import BLOBPROTO, DATUM, RecordKind, record_kind
@@ -141,12 +143,14 @@ def open_sources(
             raise ArgumentError(f"source {name!r} is an empty list: name at least one database")
         for one in ones:
             if isinstance(one, (str, os.PathLike)):
-                part = Part(LmdbReader(one, readahead=readahead), True, os.fspath(one))
+                part = Part(open_reader(one, readahead=readahead), True, os.fspath(one))
             else:
                 part = Part(one, False, getattr(one, "path", None))
             src.parts.append(part)
             keys = part.reader.keys()
-            if not isinstance(part.reader, LmdbReader):  # LmdbReader's are bytes already
+            # readers' keys are bytes already, as are those of sources that make records
+            made = (LmdbReader, LevelDbReader)
+            if not isinstance(part.reader, made) and not hasattr(part.reader, "record_kind"):
                 keys = tuple(bytes(k) for k in keys)
             part.keys = keys
         if len(src.parts) == 1:
@@ -258,9 +262,13 @@ def _salt(name: str) -> int:
 def _make_filler(
     src: Source, transform: Transform, phase: Phase, kind: RecordKind, blob_dtype: Any
 ) -> RowFiller:
-    """The filler of ``src``: one database's, or one per database joined."""
+    """The filler of ``src``: one database's, or one per database joined; a source
+    that fills its own rows (``row_filler``: Hdf5Data's) makes its own."""
     fillers = [
-        Filler(p.reader, p.keys, transform, phase, p.path, kind, blob_dtype) for p in src.parts
+        own(transform, phase, p.path, blob_dtype)
+        if (own := getattr(p.reader, "row_filler", None)) is not None
+        else Filler(p.reader, p.keys, transform, phase, p.path, kind, blob_dtype)
+        for p in src.parts
     ]
     if len(fillers) == 1:
         return fillers[0]
@@ -279,6 +287,9 @@ def _record_kind(record: Any, src: Part) -> RecordKind:
         return BLOBPROTO
     if record != "auto":
         raise ArgumentError(f"record must be 'auto', 'datum' or 'blobproto', got {record!r}")
+    known: RecordKind | None = getattr(src.reader, "record_kind", None)
+    if known is not None:  # a source that makes its records (ImageList, Hdf5Data's)
+        return known
     keys = src.keys
     n = len(keys)
     if not n:
@@ -341,7 +352,7 @@ def _check_same_keys(a: Source, b: Source) -> None:
         DataError: naming the first key that differs and both databases.
     """
     ka, kb = a.keys, b.keys
-    if len(ka) == len(kb) and tuple(ka) == tuple(kb):
+    if ka is kb or (len(ka) == len(kb) and tuple(ka) == tuple(kb)):
         return
     for has, lacks in ((a, b), (b, a)):
         present = set(lacks.keys)

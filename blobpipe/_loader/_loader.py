@@ -42,7 +42,8 @@ class Loader(AsyncForm, BlockingForm):
     the interpreter's exit; ``with`` releases its threads and memory at a known point.
 
     Args:
-        source: an LMDB path (or an open :class:`~blobpipe.LmdbReader`); a list of
+        source: an LMDB or LevelDB path (or an open :class:`~blobpipe.LmdbReader`,
+            :class:`~blobpipe.LevelDbReader`, :class:`~blobpipe.ImageList`); a list of
             them, read as one dataset; or named sources read in lockstep,
             ``{"data": images, "label": label_maps}`` (see :class:`~blobpipe.Batches`).
         batch_size: records per batch.
@@ -80,7 +81,8 @@ class Loader(AsyncForm, BlockingForm):
             also ValueError and TypeError.
         BackendUnavailableError: ``device="cuda"`` without CuPy or a GPU, or a
             ``stream`` on a backend without a device.
-        DatabaseNotFoundError: the LMDB does not exist.
+        DatabaseNotFoundError: the database does not exist, or the directory is
+            neither an LMDB nor a LevelDB.
     """
 
     def __init__(
@@ -113,19 +115,31 @@ class Loader(AsyncForm, BlockingForm):
     def from_prototxt(
         cls, path: str | os.PathLike[str], phase: Phase | str = "train", **options: Any
     ) -> Loader:
-        """A Loader from the ``Data`` layer of a Caffe net prototxt: its ``data_param``
-        (source, batch_size, prefetch; an LMDB backend) and ``transform_param`` for
-        ``phase`` ("train"/"test", or Caffe's "TRAIN"/"TEST"). Paths are relative to
+        """A Loader from the data layer of a Caffe net prototxt for ``phase``
+        ("train"/"test", or Caffe's "TRAIN"/"TEST"): a ``Data`` layer's ``data_param``
+        (source, an LMDB or a LevelDB as ``backend`` says, batch_size, prefetch), an
+        ``ImageData`` layer's ``image_data_param`` (a list file and its images), an
+        ``HDF5Data`` layer's ``hdf5_data_param`` (a list of ``.h5`` files; each top a
+        dataset, ``batch["name"]``), with ``transform_param``. Paths are relative to
         the working directory, as in Caffe; ``options`` (Loader keywords) override it.
 
         Raises:
-            ProtoError: no Data layer for the phase, a LEVELDB backend, a bad prototxt.
-            FileMissingError: the prototxt or its mean file does not exist.
+            ProtoError: no data layer for the phase, a backend that is not what the
+                source holds, a bad prototxt.
+            FileMissingError: the prototxt, its mean file or its list file does not
+                exist.
+            DataError: an ImageData or HDF5Data layer's list, or an ``.h5`` file,
+                cannot be used.
+            MissingDependencyError: an HDF5Data layer without h5py.
         """
         config = read_data_layer(path, phase)
-        kwargs: dict[str, Any] = {"batch_size": config.batch_size, "prefetch": config.prefetch}
-        kwargs |= {"transform": config.transform, "phase": config.phase, **options}
-        return cls(kwargs.pop("source", config.source), **kwargs)
+        kwargs = config.batches_kwargs()
+        source = kwargs.pop("source")
+        kwargs.pop("mode")
+        if kwargs.pop("order") == "shuffle" and "order" not in options:
+            options.setdefault("shuffle", True)
+        kwargs |= {"prefetch": config.prefetch, **options}
+        return cls(kwargs.pop("source", source), **kwargs)
 
     @property
     def backend(self) -> Backend:

@@ -113,7 +113,7 @@ class NetStateRule(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., min_level: _Optional[int] = ..., max_level: _Optional[int] = ..., stage: _Optional[_Iterable[str]] = ..., not_stage: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LayerParameter(_message.Message):
-    __slots__ = ("name", "type", "bottom", "top", "phase", "loss_weight", "blobs", "propagate_down", "include", "exclude", "transform_param", "data_param")
+    __slots__ = ("name", "type", "bottom", "top", "phase", "loss_weight", "blobs", "propagate_down", "include", "exclude", "transform_param", "data_param", "hdf5_data_param", "image_data_param")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     BOTTOM_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class LayerParameter(_message.Message):
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_PARAM_FIELD_NUMBER: _ClassVar[int]
     DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
+    HDF5_DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     bottom: _containers.RepeatedScalarFieldContainer[str]
@@ -138,7 +140,9 @@ class LayerParameter(_message.Message):
     exclude: _containers.RepeatedCompositeFieldContainer[NetStateRule]
     transform_param: TransformationParameter
     data_param: DataParameter
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., bottom: _Optional[_Iterable[str]] = ..., top: _Optional[_Iterable[str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., loss_weight: _Optional[_Iterable[float]] = ..., blobs: _Optional[_Iterable[_Union[BlobProto, _Mapping]]] = ..., propagate_down: _Optional[_Iterable[bool]] = ..., include: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., exclude: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., transform_param: _Optional[_Union[TransformationParameter, _Mapping]] = ..., data_param: _Optional[_Union[DataParameter, _Mapping]] = ...) -> None: ...
+    hdf5_data_param: HDF5DataParameter
+    image_data_param: ImageDataParameter
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., bottom: _Optional[_Iterable[str]] = ..., top: _Optional[_Iterable[str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., loss_weight: _Optional[_Iterable[float]] = ..., blobs: _Optional[_Iterable[_Union[BlobProto, _Mapping]]] = ..., propagate_down: _Optional[_Iterable[bool]] = ..., include: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., exclude: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., transform_param: _Optional[_Union[TransformationParameter, _Mapping]] = ..., data_param: _Optional[_Union[DataParameter, _Mapping]] = ..., hdf5_data_param: _Optional[_Union[HDF5DataParameter, _Mapping]] = ..., image_data_param: _Optional[_Union[ImageDataParameter, _Mapping]] = ...) -> None: ...
 
 class TransformationParameter(_message.Message):
     __slots__ = ("scale", "mirror", "crop_size", "mean_file", "mean_value", "force_color", "force_gray")
@@ -188,8 +192,46 @@ class DataParameter(_message.Message):
     prefetch: int
     def __init__(self, source: _Optional[str] = ..., batch_size: _Optional[int] = ..., rand_skip: _Optional[int] = ..., backend: _Optional[_Union[DataParameter.DB, str]] = ..., scale: _Optional[float] = ..., mean_file: _Optional[str] = ..., crop_size: _Optional[int] = ..., mirror: _Optional[bool] = ..., force_encoded_color: _Optional[bool] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
+class HDF5DataParameter(_message.Message):
+    __slots__ = ("source", "batch_size", "shuffle")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    batch_size: int
+    shuffle: bool
+    def __init__(self, source: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ...) -> None: ...
+
+class ImageDataParameter(_message.Message):
+    __slots__ = ("source", "batch_size", "rand_skip", "shuffle", "new_height", "new_width", "is_color", "scale", "mean_file", "crop_size", "mirror", "root_folder")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RAND_SKIP_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    NEW_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NEW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    IS_COLOR_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FILE_FIELD_NUMBER: _ClassVar[int]
+    CROP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FOLDER_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    batch_size: int
+    rand_skip: int
+    shuffle: bool
+    new_height: int
+    new_width: int
+    is_color: bool
+    scale: float
+    mean_file: str
+    crop_size: int
+    mirror: bool
+    root_folder: str
+    def __init__(self, source: _Optional[str] = ..., batch_size: _Optional[int] = ..., rand_skip: _Optional[int] = ..., shuffle: _Optional[bool] = ..., new_height: _Optional[int] = ..., new_width: _Optional[int] = ..., is_color: _Optional[bool] = ..., scale: _Optional[float] = ..., mean_file: _Optional[str] = ..., crop_size: _Optional[int] = ..., mirror: _Optional[bool] = ..., root_folder: _Optional[str] = ...) -> None: ...
+
 class V1LayerParameter(_message.Message):
-    __slots__ = ("bottom", "top", "name", "include", "exclude", "blobs", "transform_param", "data_param")
+    __slots__ = ("bottom", "top", "name", "include", "exclude", "blobs", "transform_param", "data_param", "hdf5_data_param", "image_data_param")
     BOTTOM_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +240,8 @@ class V1LayerParameter(_message.Message):
     BLOBS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_PARAM_FIELD_NUMBER: _ClassVar[int]
     DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
+    HDF5_DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DATA_PARAM_FIELD_NUMBER: _ClassVar[int]
     bottom: _containers.RepeatedScalarFieldContainer[str]
     top: _containers.RepeatedScalarFieldContainer[str]
     name: str
@@ -206,4 +250,6 @@ class V1LayerParameter(_message.Message):
     blobs: _containers.RepeatedCompositeFieldContainer[BlobProto]
     transform_param: TransformationParameter
     data_param: DataParameter
-    def __init__(self, bottom: _Optional[_Iterable[str]] = ..., top: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., include: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., exclude: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., blobs: _Optional[_Iterable[_Union[BlobProto, _Mapping]]] = ..., transform_param: _Optional[_Union[TransformationParameter, _Mapping]] = ..., data_param: _Optional[_Union[DataParameter, _Mapping]] = ...) -> None: ...
+    hdf5_data_param: HDF5DataParameter
+    image_data_param: ImageDataParameter
+    def __init__(self, bottom: _Optional[_Iterable[str]] = ..., top: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., include: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., exclude: _Optional[_Iterable[_Union[NetStateRule, _Mapping]]] = ..., blobs: _Optional[_Iterable[_Union[BlobProto, _Mapping]]] = ..., transform_param: _Optional[_Union[TransformationParameter, _Mapping]] = ..., data_param: _Optional[_Union[DataParameter, _Mapping]] = ..., hdf5_data_param: _Optional[_Union[HDF5DataParameter, _Mapping]] = ..., image_data_param: _Optional[_Union[ImageDataParameter, _Mapping]] = ...) -> None: ...

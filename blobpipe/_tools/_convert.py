@@ -42,6 +42,7 @@ from .._errors import DataError
 from .._io._encode import encode_encoded_datum, encode_raw_datum
 from .._io._image import DEFAULT_MAX_PIXELS
 from .._io._imagehead import image_size
+from ._leveldbwrite import LEVELDB_FILES, LevelDbWriter
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
     MARKER_NAME,
@@ -59,7 +60,7 @@ __all__ = ["ConvertResult", "SkippedImage", "convert_imageset", "read_list_file"
 
 _log = logging.getLogger("blobpipe")
 
-_LMDB_FILES = frozenset({"data.mdb", "lock.mdb"})
+_DB_FILES = frozenset({"data.mdb", "lock.mdb"}) | LEVELDB_FILES
 _CHUNK_BYTES = 64 << 20
 _INT32 = (-(2**31), 2**31 - 1)
 # C's atoi: leading white space (isspace in the C locale), a sign, decimal digits;
@@ -268,8 +269,13 @@ def convert_imageset(
     map_size: int = DEFAULT_MAP_SIZE,
     quiet: bool = True,
     report: Callable[[str], None] | None = None,
+    backend: str = "lmdb",
 ) -> ConvertResult:
     """Convert ``root`` + ``list_file`` into the LMDB ``db``, exactly as Caffe's tool does.
+
+    ``backend="leveldb"`` writes a LevelDB instead, as Caffe's ``--backend=leveldb``
+    leaves one (its write-ahead log holding every record, one write batch per
+    ``commit_every`` records; byte for byte Caffe's log, MANIFEST and CURRENT).
 
     The database is built in ``<db>.partial`` (committed every ``commit_every``
     records, with the map doubled whenever it fills) and renamed to ``db`` when
@@ -293,6 +299,8 @@ def convert_imageset(
         raise ValueError(f"commit_every must be >= 1, got {commit_every}")
     if seed is not None and not shuffle:
         raise ValueError("seed is only meaningful with shuffle=True")
+    if backend not in ("lmdb", "leveldb"):
+        raise ValueError(f"backend must be 'lmdb' or 'leveldb', got {backend!r}")
     say = report if report is not None else _log.warning
     root_s = os.fspath(root)
     out = Path(db)
@@ -318,6 +326,8 @@ def convert_imageset(
         "encode_type": encoding,
         "check_size": check_size,
     }
+    if backend != "lmdb":
+        options["backend"] = backend
     if seed is not None:
         options["seed"] = seed
     fingerprint = _fingerprint(list_bytes, options)
@@ -327,11 +337,11 @@ def convert_imageset(
         marker.get("kind") != _MARKER_KIND or marker.get("fingerprint") != fingerprint
     ):
         say(f"{str(partial)!r} holds an unfinished conversion with other inputs; starting over")
-        remove_partial(partial, _LMDB_FILES)
+        remove_partial(partial, _DB_FILES)
         marker = None
     elif marker is None:
         # The marker is written before LMDB creates a file: no marker, nothing to keep.
-        remove_partial(partial, _LMDB_FILES)
+        remove_partial(partial, _DB_FILES)
 
     if marker is None:
         used_seed = (
@@ -365,8 +375,11 @@ def convert_imageset(
 
     pending: list[tuple[bytes, bytes]] = []
     pending_bytes = 0
+    writer: LmdbWriter | LevelDbWriter = (
+        LevelDbWriter(partial) if backend == "leveldb" else LmdbWriter(partial, map_size=map_size)
+    )
     with (
-        LmdbWriter(partial, map_size=map_size) as writer,
+        writer,
         Progress(len(entries), "convert", quiet=quiet) as bar,
     ):
         bar.skip(start)

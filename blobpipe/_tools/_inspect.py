@@ -1,4 +1,4 @@
-"""``inspect``: what an LMDB of Datums (or BlobProtos) holds, without changing it."""
+"""``inspect``: what an LMDB or LevelDB of Datums (or BlobProtos) holds, without changing it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from typing import Any
 from .._codec import blobproto_array
 from .._errors import DataError, ProtoError
 from .._io._datum import decode_datum
+from .._io._hdf5 import Hdf5Data
+from .._io._imagelist import ImageList
+from .._io._leveldb import LevelDbReader
+from .._io._prototxt import read_data_layer
 from .._io._records import BLOBPROTO, record_kind
 from .._io._wire import ParsedDatum, parse_datum
 from ._output import open_database, read_marker
 from ._progress import Progress
 
-__all__ = ["DatabaseInfo", "inspect_db"]
+__all__ = ["DatabaseInfo", "describe_layer", "inspect_db"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class DatabaseInfo:
     complete: bool
     progress: tuple[int, int] | None = None
     errors: dict[bytes, str] = field(default_factory=dict)
+    kind: str = "lmdb"  # the database's kind: "lmdb" or "leveldb"
 
     def label_summary(self, top: int = 5) -> dict[str, Any]:
         """Distinct labels, min, max and the ``top`` most common ``[label, count]`` pairs."""
@@ -60,6 +65,7 @@ class DatabaseInfo:
         """A JSON-ready dict (keys decoded as UTF-8 with replacement characters)."""
         return {
             "path": str(self.path),
+            "kind": self.kind,
             "records": self.records,
             "scanned": self.scanned,
             "complete": self.complete,
@@ -85,7 +91,9 @@ def _kind(datum: ParsedDatum) -> str:
     return "raw"
 
 
-def _size(path: Path) -> int:
+def _size(path: Path, reader: object) -> int:
+    if isinstance(reader, LevelDbReader):
+        return reader.nbytes  # its live tables and logs
     if not path.is_dir():  # an LMDB data file opened directly
         return path.stat().st_size
     # LMDB's own files, by name: a directory that can be entered but not listed is
@@ -101,10 +109,10 @@ def inspect_db(
     first: int = 5,
     quiet: bool = True,
 ) -> DatabaseInfo:
-    """Summarise the LMDB ``db`` (the first ``limit`` records, all by default).
+    """Summarise the LMDB or LevelDB ``db`` (the first ``limit`` records, all by default).
 
     Unreadable records are counted under ``errors`` instead of stopping the scan.
-    Raises :class:`DatabaseNotFoundError` when ``db`` is not an LMDB.
+    Raises :class:`DatabaseNotFoundError` when ``db`` is neither.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -139,6 +147,8 @@ def inspect_db(
                 except DataError as exc:
                     errors[key] = str(exc)
         first_keys = tuple(key for key, _ in islice(reader.items(), first))
+        size = _size(path, reader)
+        kind = "leveldb" if isinstance(reader, LevelDbReader) else "lmdb"
     marker = read_marker(path)
     complete = marker is None or bool(marker.get("complete"))
     progress = None
@@ -152,8 +162,56 @@ def inspect_db(
         kinds=dict(kinds),
         shapes=dict(shapes),
         labels=dict(labels),
-        size_bytes=_size(path),
+        size_bytes=size,
         complete=complete,
         progress=progress,
         errors=errors,
+        kind=kind,
     )
+
+
+def describe_layer(prototxt: str | os.PathLike[str], phase: str = "test") -> dict[str, Any]:
+    """What the data layer of a net prototxt reads, as a JSON-ready dict: its type and
+    source; a Data layer's database (as :func:`inspect_db`), an ImageData layer's
+    lines (count, first keys, labels, the first image's shape as decoded), an
+    HDF5Data layer's files, rows and each top's row shape.
+
+    Raises:
+        ProtoError, FileMissingError, DataError: as ``Loader.from_prototxt``.
+    """
+    config = read_data_layer(prototxt, phase)
+    out: dict[str, Any] = {"layer": config.name, "type": config.type, "source": config.source,
+                           "batch_size": config.batch_size, "tops": list(config.tops)}  # fmt: skip
+    if config.type == "Data":
+        out["database"] = inspect_db(config.source).to_json()
+        return out
+    source = config.batches_kwargs()["source"]
+    if isinstance(source, ImageList):
+        keys = source.keys()
+        labels = Counter(label for _, label in source.lines)
+        first = parse_datum(source.get(keys[0]))
+        if first.encoded:
+            shape = decode_datum(source.get(keys[0]), force_color=source.is_color,
+                                 force_gray=not source.is_color)[0].shape  # fmt: skip
+        else:
+            shape = (first.channels, first.height, first.width)
+        common = sorted(labels.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
+        out |= {
+            "records": len(keys),
+            "first_keys": [k.decode(errors="replace") for k in keys[:5]],
+            "first_shape": list(shape),
+            "labels": {
+                "distinct": len(labels),
+                "min": min(labels),
+                "max": max(labels),
+                "most_common": [list(x) for x in common],
+            },
+        }
+        return out
+    assert isinstance(source, Hdf5Data)
+    out |= {
+        "records": source.rows,
+        "files": list(source.files),
+        "row_shapes": {t: list(source[t].row(0).shape) for t in source},
+    }
+    return out

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DatabaseNotFoundError, DiskFullError, OutputExistsError
-from .._io._lmdb import LmdbReader
+from .._io._database import Reader, open_reader
 
 __all__ = [
     "MARKER_NAME",
@@ -47,15 +47,15 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def open_database(db: str | os.PathLike[str]) -> LmdbReader:
-    """Open the LMDB ``db`` for reading; the caller closes it.
+def open_database(db: str | os.PathLike[str]) -> Reader:
+    """Open the database ``db`` (an LMDB or a LevelDB) for reading; the caller closes it.
 
-    Raises :class:`DatabaseNotFoundError` as :class:`LmdbReader` does, except
+    Raises :class:`DatabaseNotFoundError` as the readers do, except
     that when ``db`` is missing but ``<db>.partial`` exists the message says the
     conversion is unfinished and how to finish it.
     """
     try:
-        return LmdbReader(db)
+        return open_reader(db)
     except DatabaseNotFoundError as exc:
         partial = partial_path(Path(db))
         if not partial.is_dir():

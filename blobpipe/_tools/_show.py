@@ -20,6 +20,7 @@ import numpy as np
 
 from .._errors import ArgumentError, DataError, ShapeError
 from .._io._batches import Batches
+from .._io._prototxt import read_data_layer
 from .._io._transform import Transform
 
 __all__ = ["CAPTION_HEIGHT", "GridLayout", "show_grid"]
@@ -76,7 +77,10 @@ def show_grid(
     zoom: int | None = None,
 ) -> GridLayout:
     """Write the first ``count`` records of ``db`` (through ``transform``, TEST
-    phase, when given) to the PNG ``out``; returns where each one lies.
+    phase, when given) to the PNG ``out``; returns where each one lies. ``db`` is a
+    database (LMDB or LevelDB) or a net ``.prototxt`` whose data layer's source is
+    drawn (a Data layer's database, an ImageData layer's images, an HDF5Data
+    layer's first top, each row stretched to 0..255).
 
     Raises:
         ArgumentError: ``count``, ``columns`` or ``zoom`` below 1, or ``out`` not a
@@ -92,11 +96,18 @@ def show_grid(
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ArgumentError(f"show writes a PNG: name the output *.png, got {str(out)!r}")
+    source: Any = db
+    axes = "NCHW" if transform is None else transform.layout
     if transform is None:
         transform = Transform(dtype="uint8")
-    with Batches(db, count, transform=transform, phase="test", mode="epoch") as batches:
+    if os.fspath(db).endswith(".prototxt"):  # the data layer of a net: its source
+        config = read_data_layer(db, "test")
+        source = config.batches_kwargs()["source"]
+        if config.type == "HDF5Data":
+            transform, axes = None, "NCHW"  # no transform in Caffe's HDF5Data
+    with Batches(source, count, transform=transform, phase="test", mode="epoch") as batches:
         batch = next(iter(batches))
-        rows = _displayable(batch.data, transform.layout)
+        rows = _displayable(batch.data, axes)
         keys = tuple(batch.keys)
         labels = None if batch.label is None else tuple(float(v) for v in batch.label)
     n, h, w, _ = rows.shape
