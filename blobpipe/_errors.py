@@ -11,7 +11,7 @@ keeps working::
     ├── ShapeError(ValueError)             bad shape, axis count, negative dim, dtype
     ├── BlobIndexError(IndexError)         axis or index out of range
     ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
-    ├── StateError(RuntimeError)           use after close, recycled batch, wrong head
+    ├── StateError(RuntimeError)           use after close, closed batch, wrong head
     ├── BackendUnavailableError(RuntimeError)  CuPy / a CUDA device is missing
     ├── MissingDependencyError(ImportError)  an optional package (h5py) is not installed
     ├── PoolMemoryError(MemoryError)       the pool's limit or the device is exhausted
@@ -96,7 +96,7 @@ class UnsupportedOperationError(BlobpipeError, TypeError):
 
 
 class StateError(BlobpipeError, RuntimeError):
-    """An object is used in a state that does not allow it (closed, recycled, ...)."""
+    """An object is used in a state that does not allow it (closed, ...)."""
 
 
 class BackendUnavailableError(BlobpipeError, RuntimeError):
