@@ -116,7 +116,12 @@ class Blob(BlobMath):
         )
 
     def view(
-        self, *, readonly_export: bool = False, finalizer: bool = True, owner: object = None
+        self,
+        *,
+        readonly_export: bool = False,
+        finalizer: bool = True,
+        owner: object = None,
+        references_to: list[MemoryPair] | None = None,
     ) -> Blob:
         """A new Blob of the same shape and dtype sharing this blob's data *and* diff
         memories (as ``ndarray.view()`` shares an array's memory).
@@ -136,6 +141,8 @@ class Blob(BlobMath):
         ``owner``: an object the view, and every array and DLPack export made from
         it, keep referenced (a loader batch's lease: its slot is refilled only once
         nothing made from the batch lives); a view of a view keeps its owner too.
+        ``references_to``: a list the view's memory references are appended to
+        (:meth:`references`), for whoever releases them in place of a finalizer.
 
         Raises StateError when this blob is closed.
         """
@@ -157,6 +164,8 @@ class Blob(BlobMath):
         view._readonly_export = readonly_export
         view._owner = owner if self._owner is None else _owners(self._owner, owner)
         view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
+        if references_to is not None:
+            references_to.append(view._holder)
         return view
 
     def references(self) -> MemoryPair:
@@ -422,7 +431,10 @@ class Blob(BlobMath):
         if self._owner is not None:  # it and every view of it keep the owner
             held = self._held.get(which)
             if held is None or held[0] is not cached:
-                held = self._held[which] = (cached, cached.hold(self._owner))
+                if cached.interface is None:  # made once per buffer and shape
+                    cached.interface = cached.typed.__array_interface__
+                held = (cached, hold_array(cached.typed, self._owner, cached.interface))
+                self._held[which] = held
             typed = held[1]
         out: np.ndarray[Any, Any] = typed.view()
         if not mutable:
@@ -808,7 +820,7 @@ class Blob(BlobMath):
 
 class _Typed:
     """A buffer's typed view for a shape (made once, shared by a blob and its views),
-    and its array interface, made on first use by :meth:`hold`."""
+    and its array interface, made when a view with an owner first holds it."""
 
     __slots__ = ("interface", "raw", "shape", "typed")
 
@@ -818,12 +830,6 @@ class _Typed:
         self.typed = typed
         self.interface: dict[str, Any] | None = None
 
-    def hold(self, owner: object) -> np.ndarray[Any, Any]:
-        """The typed view as an array whose base references ``owner``
-        (:func:`hold_array`, with the interface made once per buffer and shape)."""
-        if self.interface is None:
-            self.interface = self.typed.__array_interface__
-        return hold_array(self.typed, owner, self.interface)
 
 
 def _owners(mine: object, other: object) -> object:

@@ -38,7 +38,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import anyio
@@ -90,17 +90,6 @@ def aligned(
     return raw[skip : skip + nbytes]
 
 
-class _Held:
-    """The base of a held array: the view's memory interface and the owner."""
-
-    __slots__ = ("__array_interface__", "_array", "_owner")
-
-    def __init__(self, array: np.ndarray[Any, Any], owner: object, interface: Any) -> None:
-        self.__array_interface__ = interface
-        self._array = array
-        self._owner = owner
-
-
 def hold_array(
     array: np.ndarray[Any, Any], owner: object, interface: dict[str, Any] | None = None
 ) -> np.ndarray[Any, Any]:
@@ -109,9 +98,13 @@ def hold_array(
     capsule and the consumer's array keep their producer referenced).
     ``interface``: ``array.__array_interface__``, when the caller kept it (it is
     the same for every call on the same array)."""
-    held: np.ndarray[Any, Any] = np.asarray(
-        _Held(array, owner, array.__array_interface__ if interface is None else interface)
+    # the base: the memory's interface, the array whose memory it is, and the owner
+    base = SimpleNamespace(
+        __array_interface__=array.__array_interface__ if interface is None else interface,
+        array=array,
+        owner=owner,
     )
+    held: np.ndarray[Any, Any] = np.asarray(base)
     return held
 
 

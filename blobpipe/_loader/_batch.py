@@ -90,9 +90,9 @@ class Batch:
         views: list[Blob] = []
         pairs = lease.pairs
         for blob in (data, label, *(extra or {}).values()):
-            view = blob.view(readonly_export=True, finalizer=False, owner=lease)
-            pairs.append(view.references())
-            views.append(view)
+            views.append(
+                blob.view(readonly_export=True, finalizer=False, owner=lease, references_to=pairs)
+            )
         self._lease: Lease | None = lease
         self._data, self._label = views[0], views[1]
         self._extra = dict(zip((extra or {}), views[2:], strict=True))

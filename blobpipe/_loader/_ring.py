@@ -185,6 +185,7 @@ class Lease:
         self.stream = stream
         self.pairs: list[MemoryPair] = []  # the batch views' memory references
 
+
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
         # At the interpreter's end nothing reuses the slot; in a forked child the
@@ -219,7 +220,9 @@ class Ring:
         self.slots: list[Slot] = []
         self._free: deque[Slot] = deque()
         self._held: set[Slot] = set()  # slots whose lease lives
-        self._cond = threading.Condition(threading.RLock())
+        # the lock the condition waits on, taken directly where it is taken per batch
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._needs: list[int] = []  # how many free slots each waiting filler needs
         self._stopped = False
         self._closed = False
@@ -227,7 +230,7 @@ class Ring:
     @property
     def size(self) -> int:
         """The slots the ring has now (those it is made with before it opens)."""
-        with self._cond:
+        with self._lock:
             return max(len(self.slots), self._size + 1)
 
     def _limit(self) -> int:
@@ -238,7 +241,7 @@ class Ring:
 
     def held(self) -> tuple[int, int]:
         """Batches the caller holds, and the bytes of their slots' buffers."""
-        with self._cond:
+        with self._lock:
             held = list(self._held)
         return len(held), sum(slot.nbytes() for slot in held)
 
@@ -251,7 +254,7 @@ class Ring:
         """At least ``size`` slots for the fillers and the caller's batch, and one for
         the previous batch (new ones free; their buffers come with their first
         batch)."""
-        with self._cond:
+        with self._lock:
             self._size = max(self._size, size)
             while len(self.slots) < self._size + 1:
                 self._new_slot()
@@ -272,7 +275,7 @@ class Ring:
         """``n`` free slots (at most the ring's size), waiting until that many are
         free (making new ones while the caller holds more than the ring keeps room
         for); None once :meth:`stop` was called."""
-        with self._cond:
+        with self._lock:
             n = max(1, min(n, self._size))
             waiting = False
             try:
@@ -294,7 +297,7 @@ class Ring:
 
     def put(self, slot: Slot) -> None:
         """Give back a slot a filler took and did not fill."""
-        with self._cond:
+        with self._lock:
             self._free.append(slot)
             self._wake()
 
@@ -312,7 +315,7 @@ class Ring:
         every object made for its batch references. ``stream``: the consumer's
         stream (see :class:`Lease`)."""
         lease = Lease(self, slot, stream)
-        with self._cond:
+        with self._lock:
             self._held.add(slot)
             if len(self._held) > 2:
                 self._wake_for_room()
@@ -333,11 +336,11 @@ class Ring:
         except RuntimeError:
             pass  # at interpreter exit no event can be made, and nothing reuses the slot
         except BaseException:
-            with self._cond:  # unordered: never reused (the ring makes another slot)
+            with self._lock:  # unordered: never reused (the ring makes another slot)
                 self._held.discard(slot)
                 self._wake_for_room()
             raise
-        with self._cond:
+        with self._lock:
             held = self._held
             held.discard(slot)
             slot.released = released
@@ -373,13 +376,13 @@ class Ring:
     def stop(self) -> None:
         """Wake every filler waiting in :meth:`take` (they get None), and every later
         call of it."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._cond.notify_all()
 
     def unheld(self) -> list[Slot]:
         """The slots the caller does not hold."""
-        with self._cond:
+        with self._lock:
             return [slot for slot in self.slots if slot not in self._held]
 
     async def settle(self) -> None:
@@ -392,7 +395,7 @@ class Ring:
     def close(self) -> None:
         """Release the buffers of every slot the caller does not hold (after its device
         work completed); the others are released when their leases end."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             slots = [slot for slot in self.slots if slot not in self._held]
             self.slots = [slot for slot in self.slots if slot in self._held]
