@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe._errors import (
     ArgumentError,
+    ArgumentTypeError,
     DatabaseNotFoundError,
     DataError,
     ShapeError,
@@ -406,6 +407,83 @@ def test_shard_errors(db10: Path, tmp_path: Path) -> None:
         assert [x.keys for x in b] == [[b"k"]]
     with pytest.raises(ValueError, match="pad_shards must be True, False or 'drop'"):
         Batches(small, 1, pad_shards="pad")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("shard", "which"),
+    [
+        ((0.5, 2), "rank"),  # was truncated to rank 0
+        ((1, 2.5), "world_size"),  # was world 2
+        ((True, 2), "rank"),
+        ((0, "2"), "world_size"),
+        ((np.float64(1), 2), "rank"),
+        ((None, 2), "rank"),
+    ],
+)
+def test_a_rank_or_world_size_that_is_no_integer_is_a_type_error(
+    db10: Path, shard: Any, which: str
+) -> None:
+    with pytest.raises(ArgumentTypeError, match=rf"shard's {which} must be an integer, got "):
+        Batches(db10, 2, shard=shard)
+
+
+@pytest.mark.parametrize(
+    ("shard", "match"),
+    [
+        ((0, 0), r"world_size must be between 1 and 2\*\*31 - 1 .*, got 0"),
+        ((0, -3), r"world_size must be between 1 and 2\*\*31 - 1 .*, got -3"),
+        ((0, 2**31), r"world_size must be between 1 and 2\*\*31 - 1 .*, got 2147483648"),
+        ((0, 2**40), r"world_size must be between"),
+        ((-1, 2), r"0 <= rank < world_size, got \(-1, 2\)"),
+        ((2, 2), r"0 <= rank < world_size, got \(2, 2\)"),
+    ],
+)
+@pytest.mark.parametrize("shard_mode", ["strided", "node"])
+def test_a_rank_or_world_size_out_of_bounds_is_refused_before_anything_is_sized_by_it(
+    db10: Path, shard: Any, match: str, shard_mode: str
+) -> None:
+    """``shard=(0, 2**40)`` in node mode with one rank per node sized a list by the
+    2**40 nodes (a bare MemoryError): refused as an argument first."""
+    with pytest.raises(ArgumentError, match=match):
+        Batches(db10, 2, shard=shard, shard_mode=shard_mode, ranks_per_node=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shard_mode", ["strided", "contiguous", "node"])
+def test_the_largest_world_costs_what_its_records_cost(db10: Path, shard_mode: str) -> None:
+    """Nothing is sized by the world or the node count: the last rank of a world of
+    2**31 - 1 (as many nodes in node mode) reads its one padded record at once."""
+    world = 2**31 - 1
+    with Batches(
+        db10, 2, shard=(np.int64(world - 1), world), shard_mode=shard_mode, ranks_per_node=1,
+        mode="epoch",
+    ) as b:  # fmt: skip
+        assert b.shard == (world - 1, world) and type(b.shard[0]) is int
+        assert b.records_per_epoch == 1
+        assert len([x for x in b]) == 1
+
+
+@pytest.mark.parametrize(
+    ("per_node", "error", "match"),
+    [
+        (2.0, ArgumentTypeError, r"ranks_per_node must be an integer, got 2\.0"),
+        (True, ArgumentTypeError, r"ranks_per_node must be an integer, got True"),
+        ("2", ArgumentTypeError, r"ranks_per_node must be an integer, got '2'"),
+        (0, ArgumentError, r"ranks_per_node must divide the world size 4 .*got 0"),
+        (3, ArgumentError, r"ranks_per_node must divide the world size 4 .*got 3"),
+        (8, ArgumentError, r"ranks_per_node must divide the world size 4 .*got 8"),
+    ],
+)
+def test_ranks_per_node_is_checked_as_an_integer(
+    db10: Path, per_node: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        Batches(db10, 2, shard=(0, 4), shard_mode="node", ranks_per_node=per_node)
+
+
+def test_local_world_size_must_be_an_integer(db10: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2.0")
+    with pytest.raises(ArgumentError, match=r"LOCAL_WORLD_SIZE must be an integer, got '2\.0'"):
+        Batches(db10, 2, shard=(0, 4), shard_mode="node")
 
 
 # -- randomness ---------------------------------------------------------------------------------
