@@ -156,7 +156,8 @@ class Batches:
     Raises:
         ArgumentError: a bad argument (batch size, order, mode, last, shard...);
             also a ValueError.
-        ArgumentTypeError: ``shard`` of the wrong type; also a TypeError.
+        ArgumentTypeError: ``shard`` of the wrong type, a rank, world size or
+            ``ranks_per_node`` that is not an integer; also a TypeError.
         DatabaseNotFoundError: ``source`` does not exist.
         DataError: the database is empty, this shard holds no records, or the
             resume state does not match the database.

@@ -122,9 +122,9 @@ def node_shard(
     (see the module docstring), in order."""
     nodes = world // ranks_per_node
     node, local = divmod(rank, ranks_per_node)
-    padded = pad_shards and world > 1
-    # a node past the records has an empty part; padded, it wraps around to another's
-    source = node % n if padded is True and node >= n else node
+    padded = bool(pad_shards) and world > 1
+    # a node past the records has an empty part; padded (not dropped), it reads another's
+    source = node % n if padded and pad_shards is True and node >= n else node
     part = node_part(n, nodes, seed, source)
     m = len(part)
     ordered = part[_global_order(m, order, buffer_size, [seed, epoch, node])]
@@ -159,6 +159,7 @@ def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
 
     Raises:
         ValueError: neither given, not a positive divisor of ``world``.
+        TypeError: ``ranks_per_node`` is not an integer.
     """
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
