@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ import blobpipe
 from blobpipe import LmdbReader
 from blobpipe._io import _indexcache
 from blobpipe._io._keys import PackedKeys
-from tests._helpers import key, open_lmdb, raw_db, write_lmdb
+from tests._helpers import key, open_lmdb, raw_db, run_script, write_lmdb
 
 
 def data_file(db: Path) -> str:
@@ -268,3 +270,172 @@ def test_packed_keys_behave_as_the_tuple(keys: set[bytes], probe: bytes) -> None
     for each in (packed, mapped):  # the joined keys as bytes, and as a mapped array
         if picks:
             assert each.take(picks) == tuple(ordered[i] for i in picks)
+
+
+# -- the cache directory: only regular files, only a private directory ---------------------------
+
+_OPEN_AND_COUNT = """
+    import sys
+    from blobpipe import LmdbReader
+
+    with LmdbReader(sys.argv[1]) as r:
+        print(len(r))
+"""
+
+
+def _open_in_a_child(db: Path) -> str:
+    """The record count an open of ``db`` in a fresh interpreter prints; a hang fails
+    the test after 20 seconds instead of stalling the run."""
+    try:
+        done = run_script(_OPEN_AND_COUNT, str(db), timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"opening {db} hung (over 20 s)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo()")
+def test_a_fifo_at_the_index_path_is_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO where the index belongs (its name is predictable) would block an open
+    for reading until a writer came: it is not opened as an index, and the index
+    written after the walk replaces it."""
+    db = raw_db(tmp_path / "db", 20)
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)
+    assert _open_in_a_child(db) == "20"
+    assert stat.S_ISREG(os.lstat(path).st_mode)
+    calls = walks(monkeypatch)
+    assert len(read_all(db)[0]) == 20 and calls == []  # the index replaced the FIFO
+
+
+def test_a_lock_file_that_is_a_link_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``<index>.lock`` as a link to a path that does not exist: nothing is created where
+    it points (as root, that could be any path); the open walks the tree, and a warning
+    names the link and says to remove it."""
+    db = raw_db(tmp_path / "db", 20)
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    target = tmp_path / "nologin"
+    os.symlink(target, path + ".lock")
+    calls = walks(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"\.index\.lock' is not a regular file.*remove it"):
+        assert len(read_all(db)[0]) == 20
+    assert not target.exists() and not os.path.lexists(path)  # no lock: nothing stored
+    os.unlink(path + ".lock")
+    assert len(read_all(db)[0]) == 20
+    assert calls == [1, 1] and os.path.exists(path)
+
+
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int) -> Path:
+    """A cache directory of ``mode`` in a private folder, as ``$BLOBPIPE_CACHE_DIR``."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    folder.chmod(mode)
+    monkeypatch.setenv("BLOBPIPE_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777, 0o702])
+def test_a_cache_directory_others_can_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """Anyone who can write to the cache directory could put a forged index in it, a
+    FIFO, or a lock held forever: a directory writable by group or others (sticky or
+    not) is not used, with a warning that names it and says how to fix it."""
+    db = raw_db(tmp_path / "db", 20)
+    folder = _cache(tmp_path, monkeypatch, 0o700)
+    calls = walks(monkeypatch)
+    expected = read_all(db)
+    assert len(os.listdir(folder)) == 2  # the index and its lock
+    folder.chmod(mode)
+    warning = rf"'{folder}' is writable by (group|others).*chmod go-w"
+    with pytest.warns(RuntimeWarning, match=warning):
+        assert read_all(db) == expected
+    assert read_all(db) == expected  # warned once a process; walked each time
+    assert calls == [1, 1, 1]
+
+
+def test_a_cache_directory_under_a_directory_others_can_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above the cache directory, a directory others can write (and not sticky, as
+    ``/tmp`` is) lets them rename the cache directory away and put theirs instead."""
+    db = raw_db(tmp_path / "db", 20)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "cache").mkdir(mode=0o700)
+    monkeypatch.setenv("BLOBPIPE_CACHE_DIR", str(shared / "cache"))
+    calls = walks(monkeypatch)
+    shared.chmod(0o777)
+    warning = rf"'{shared}', is writable by group and others and not sticky"
+    with pytest.warns(RuntimeWarning, match=warning):
+        read_all(db)
+    assert os.listdir(shared / "cache") == []
+    shared.chmod(0o1777)  # sticky: others cannot rename or remove what is not theirs
+    read_all(db)
+    read_all(db)
+    assert calls == [1, 1] and len(os.listdir(shared / "cache")) == 2
+
+
+def test_a_missing_cache_directory_is_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = raw_db(tmp_path / "db", 20)
+    folder = tmp_path / "new" / "cache"
+    monkeypatch.setenv("BLOBPIPE_CACHE_DIR", str(folder))
+    read_all(db)
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in folder.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to give files to another user)")
+def test_a_cache_directory_or_index_of_another_user_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as root with another user's cache directory (``sudo`` keeping ``$HOME``):
+    that user could have put anything there; an index file in our own directory that
+    another user owns is not trusted either (it is rebuilt and replaced)."""
+    db = raw_db(tmp_path / "db", 20)
+    folder = _cache(tmp_path, monkeypatch, 0o700)
+    calls = walks(monkeypatch)
+    expected = read_all(db)
+    path = _indexcache.index_path(data_file(db), "cache")
+    assert path is not None
+    os.chown(path, 12345, 12345)
+    assert read_all(db) == expected
+    assert calls == [1, 1] and os.stat(path).st_uid == 0  # replaced by our own
+    os.chown(folder, 12345, 12345)
+    with pytest.warns(RuntimeWarning, match=rf"'{folder}' is owned by uid 12345"):
+        assert read_all(db) == expected
+    assert calls == [1, 1, 1]
+
+
+def test_a_data_file_rewritten_in_place_with_its_mtime_restored_is_walked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another database of the same size, transaction, root page and entry count copied
+    over the data file in place (same inode), its modification time set back: the
+    index's snapshot also holds the file's change time, which no one can set back."""
+    a = write_lmdb(tmp_path / "a", ((b"a%03d" % i, b"v" * 30) for i in range(40)))
+    b = write_lmdb(tmp_path / "b", ((b"b%03d" % i, b"v" * 30) for i in range(40)))
+    assert read_all(a)[0][0] == b"a000"
+    before = os.stat(data_file(a))
+    assert before.st_size == os.stat(data_file(b)).st_size
+    time.sleep(0.05)  # past the file system's clock tick
+    with open(data_file(a), "r+b") as f:
+        f.write(Path(data_file(b)).read_bytes())
+    os.utime(data_file(a), ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(data_file(a))
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns
+    )  # fmt: skip
+    calls = walks(monkeypatch)
+    keys, _ = read_all(a)
+    assert keys[0] == b"b000" and calls == [1]

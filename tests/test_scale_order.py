@@ -90,7 +90,17 @@ def test_quasi_needs_a_window(tmp_path: Path) -> None:
         Batches(db, 2, order="quasi")
 
 
-NODE_CASES = [(103, 2, 2), (103, 3, 2), (10, 2, 3), (1000, 4, 1), (7, 2, 2), (64 * 5 + 3, 2, 4)]
+NODE_CASES = [
+    (103, 2, 2), (103, 3, 2), (10, 2, 3), (1000, 4, 1), (7, 2, 2), (64 * 5 + 3, 2, 4),
+    (3, 4, 2), (2, 5, 1), (5, 3, 3), (1, 3, 2),  # fewer records than nodes or ranks
+]  # fmt: skip
+
+
+def node_records(parts: list[np.ndarray], node: int) -> set[int]:
+    """What node ``node`` may read: its part, or where that is empty (more nodes than
+    records) the part it wraps around to, as strided shards wrap."""
+    part = parts[node] if len(parts[node]) else parts[node % sum(map(len, parts))]
+    return set(part.tolist())
 
 
 @pytest.mark.parametrize(("n", "nodes", "per_node"), NODE_CASES)
@@ -113,19 +123,40 @@ def test_node_shards_are_fixed_disjoint_and_even(
             orders.setdefault(rank, []).append(mine)
             lengths.add(len(mine))
             node = rank // per_node
-            assert set(mine.tolist()) <= set(parts[node].tolist())  # only its node's part
+            assert set(mine.tolist()) <= node_records(parts, node)  # only its node's part
             every += mine.tolist()
         counts = Counter(every)
         if pad is False:
             assert sorted(every) == list(range(n))  # a partition: each record once
         elif pad is True:
+            assert all(len(orders[r][epoch]) == -(-n // world) for r in range(world))
             assert set(counts) == set(range(n)) and len(every) == world * -(-n // world)
         else:
-            assert len(every) == world * (n // world) and max(counts.values()) == 1
+            assert len(every) == world * (n // world) and max(counts.values(), default=1) == 1
     if pad is not False:
         assert len(lengths) == 1  # every rank of every node reads as many records
     if order == "shuffle" and n > 50:
         assert any(not np.array_equal(a, b) for a, b in orders.values())  # reshuffled
+
+
+def test_node_shards_of_fewer_records_than_nodes_give_every_rank_its_batch(
+    tmp_path: Path,
+) -> None:
+    """3 records, 4 nodes of 2 ranks: the nodes past the records wrap around to the
+    others' parts (as strided shards wrap), so every rank has its batch; ranks 6 and
+    7 raised DataError "holds no records" and in DDP the others waited for them at
+    their all-reduce."""
+    db = raw_db(tmp_path / "db", 3, shape=(1, 2, 2))
+    counts, seen = [], []
+    for rank in range(8):
+        with Batches(
+            db, 2, shard=(rank, 8), shard_mode="node", ranks_per_node=2, pad_shards=True,
+            order="shuffle", mode="epoch",
+        ) as b:  # fmt: skip
+            counts.append(len(b))
+            seen += [i for batch in b for i in batch.indices[: batch.valid]]
+    assert counts == [1] * 8
+    assert len(seen) == 8 and set(seen) == {0, 1, 2}  # every record, some twice
 
 
 def test_batches_node_mode_needs_ranks_per_node(

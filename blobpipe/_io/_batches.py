@@ -156,7 +156,8 @@ class Batches:
     Raises:
         ArgumentError: a bad argument (batch size, order, mode, last, shard...);
             also a ValueError.
-        ArgumentTypeError: ``shard`` of the wrong type; also a TypeError.
+        ArgumentTypeError: ``shard`` of the wrong type, a rank, world size or
+            ``ranks_per_node`` that is not an integer; also a TypeError.
         DatabaseNotFoundError: ``source`` does not exist.
         DataError: the database is empty, this shard holds no records, or the
             resume state does not match the database.
@@ -402,7 +403,9 @@ class Batches:
 
         Keys: ``epoch``, ``position`` (in this shard's order of that epoch), ``key``
         (the record at that position, checked on restore), ``seed``, ``order``,
-        ``buffer_size``, ``shard``, ``shard_mode``, ``num_records``, ``version``.
+        ``buffer_size``, ``shard``, ``shard_mode``, ``pad_shards``,
+        ``ranks_per_node`` (``shard_mode="node"``), ``num_records``, ``version``;
+        every key but the first three must match when the state is loaded.
         Plain JSON types (the key a str: bytes that are not UTF-8 as
         ``surrogateescape`` surrogates), so ``json.dumps``/``json.loads``
         round-trip it; states holding the key as bytes are accepted too. After
@@ -416,16 +419,17 @@ class Batches:
         The cursor seeks directly to the saved position; nothing is replayed.
 
         Raises:
-            ValueError: the state was saved with another seed, order, buffer size or
-                shard, or is malformed.
+            ValueError: the state was saved with another seed, order, buffer size,
+                shard, shard mode, padding or ranks per node, or is malformed (a
+                field missing, an epoch or position that is not an integer).
+            TypeError: ``state`` is not a mapping.
             DataError: the database changed (other record count, or another key at
                 the saved position).
         """
         epoch, pos, key = check_state(
             state,
+            settings=self._settings,
             shard=(self._rank, self._world),
-            settings=self._epochs.settings(),
-            num_records=self._n,
             shard_len=self._shard_len,
             path=self._path,
         )

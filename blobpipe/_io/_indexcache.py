@@ -10,19 +10,38 @@ What it holds
 
 When it is trusted
     Only for the exact snapshot it was built from: the data file's device, inode,
-    size and modification time, and the picked meta page's page size, transaction,
-    root page and entry count, all compared at open. Any commit changes the
-    transaction (and the file's time), so the index is rebuilt after it. The file
-    ends with a footer holding a CRC-32 of everything before it; an index whose
-    length, magic, footer or checksum is wrong is not used (and is rebuilt), and
-    its extents must lie inside the data file. It is built only by the checked walk
-    (``_lmdbfile.read_tree``): a damaged database is refused as without an index.
+    size, modification time and change time (which no one can set back: a file
+    rewritten in place with its modification time restored still shows), and the
+    picked meta page's page size, transaction, root page and entry count, all
+    compared at open. Any commit changes the transaction (and the file's times), so
+    the index is rebuilt after it. The file ends with a footer holding a CRC-32 of
+    everything before it; an index whose length, magic, footer or checksum is wrong
+    is not used (and is rebuilt), and its extents must lie inside the data file. It
+    is built only by the checked walk (``_lmdbfile.read_tree``): a damaged database
+    is refused as without an index.
 
 Where it lives
     ``index="cache"`` (the default): ``$BLOBPIPE_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/blobpipe``, else ``~/.cache/blobpipe``, one file per data file
     (named by a hash of its real path). ``index="beside"``: ``<data file>.blobpipe-index``,
     next to the database. ``index=None``: none (every open walks the tree).
+
+What it opens
+    The names in the cache directory are predictable, so whoever can write to it
+    could put there a FIFO (an open for reading would wait for a writer forever), a
+    link (the lock's ``O_CREAT`` would create the file it points to), or a forged
+    index. So the cache directory is used only when no one but this user and root
+    can change it (:func:`private_folder`: owned by this user, not writable by group
+    or others, and every directory above it owned by this user or root and not
+    writable by group or others unless sticky, as ``/tmp``), made with mode 0700 where it is
+    missing; otherwise a warning says what is unsafe and how to fix it, and every
+    open walks. In either place, an index and its lock are opened only as regular
+    files (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``; in the cache directory also
+    owned by this user and not writable by others), never a link, FIFO, socket,
+    device or directory. An index refused so is rebuilt and replaced (the rename
+    replaces whatever held its name); a lock refused so leaves the index unwritten,
+    with a warning naming it. Beside the database, the index is trusted as far as
+    the database itself: whoever can write the one can write the other.
 
 Writing, and many processes
     Written to a temporary file in the same directory, flushed with ``fsync`` and
@@ -41,8 +60,10 @@ import fcntl
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import tempfile
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Literal, NamedTuple
@@ -53,14 +74,28 @@ import numpy.typing as npt
 from ._keys import PackedKeys
 from ._lmdbfile import Advise, Meta, Tree, meta_of, read_tree
 
-__all__ = ["IndexPlace", "Snapshot", "cache_dir", "index_path", "load", "store", "tree_of"]
+__all__ = [
+    "IndexPlace",
+    "Snapshot",
+    "cache_dir",
+    "index_path",
+    "load",
+    "private_folder",
+    "store",
+    "tree_of",
+]
 
 IndexPlace = Literal["cache", "beside"] | None
 
 _MAGIC = b"BPINDEX1"
 _END = b"BPINDEND"
-_VERSION = 1
-_HEADER = struct.Struct("<8sII12Q")  # magic, version, header size, 12 fields
+_VERSION = 2
+_HEADER = struct.Struct("<8sII13Q")  # magic, version, header size, 13 fields
+# An index or lock file is opened with these: never through a link, never waiting
+# (a FIFO's open for reading waits for a writer without O_NONBLOCK).
+_NO_FOLLOW_NO_WAIT = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Mode bits that let group or others write.
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _FOOTER = struct.Struct("<II8s")  # crc32, 0, end magic
 
 
@@ -72,6 +107,7 @@ class Snapshot(NamedTuple):
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int
     psize: int
     txnid: int
     root: int
@@ -81,9 +117,11 @@ class Snapshot(NamedTuple):
 def snapshot_of(st: os.stat_result, meta: Meta) -> Snapshot:
     """The snapshot of a data file of status ``st`` whose picked meta page is ``meta``."""
     mtime = st.st_mtime_ns % (1 << 64)
+    ctime = st.st_ctime_ns % (1 << 64)
     return Snapshot(
-        st.st_dev, st.st_ino, st.st_size, mtime, meta.psize, meta.txnid, meta.root, meta.entries
-    )
+        st.st_dev, st.st_ino, st.st_size, mtime, ctime, meta.psize, meta.txnid, meta.root,
+        meta.entries,
+    )  # fmt: skip
 
 
 def cache_dir() -> str:
@@ -122,17 +160,23 @@ def _layout(n: int, ends_size: int, keys_len: int) -> tuple[int, int, int, int, 
     return at_off, at_len, at_ends, at_keys, footer
 
 
-def load(path: str, snap: Snapshot) -> Tree | None:
+def load(path: str, snap: Snapshot, *, private: bool = False) -> Tree | None:
     """The tree stored at ``path`` when it is whole and of snapshot ``snap``, its arrays
-    views of a read-only map of the file; else None."""
+    views of a read-only map of the file; else None (also where ``path`` is not a
+    regular file, or with ``private`` not this user's own, see :func:`_open_regular`)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < _HEADER.size + _FOOTER.size:
-                return None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = _open_regular(path, os.O_RDONLY, private)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < _HEADER.size + _FOOTER.size:
+            return None
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)  # the map keeps its own reference to the file
     try:
         tree = _read(mapped, size, snap)
     except (ValueError, struct.error):
@@ -143,11 +187,145 @@ def load(path: str, snap: Snapshot) -> Tree | None:
     return tree
 
 
+class _NotRegular(OSError):
+    """A name in the index's folder that is not a regular file of the kind expected
+    (the message says what it is instead)."""
+
+
+def _open_regular(path: str, flags: int, private: bool) -> int:
+    """A descriptor of the regular file ``path`` opened with ``flags`` (``O_CREAT``
+    among them: made, mode 0600, where missing), never following a link nor waiting on
+    a FIFO, and checked with ``fstat`` once open: a regular file and, with
+    ``private``, owned by this user and not writable by group or others.
+
+    Raises:
+        _NotRegular: ``path`` is something else (a link, FIFO, socket, device,
+            directory), or another user's or others may write it.
+        OSError: it cannot be opened (missing, no permission).
+    """
+    with contextlib.suppress(FileNotFoundError):
+        # refused before the open where possible: opening a device may act on it
+        _check_regular(path, os.lstat(path), private)
+    fd = os.open(path, flags | _NO_FOLLOW_NO_WAIT, 0o600)
+    try:
+        _check_regular(path, os.fstat(fd), private)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_regular(path: str, st: os.stat_result, private: bool) -> None:
+    """Raises _NotRegular where ``st`` is not of a file :func:`_open_regular` opens."""
+    if not stat.S_ISREG(st.st_mode):
+        raise _NotRegular(f"{path!r} is not a regular file ({_kind(st.st_mode)})")
+    if private and st.st_uid != os.geteuid():
+        raise _NotRegular(f"{path!r} is owned by uid {st.st_uid}, not by this user")
+    if private and st.st_mode & _OTHERS_WRITE:
+        raise _NotRegular(
+            f"{path!r} is writable by {_writers(st.st_mode)} (mode {stat.filemode(st.st_mode)})"
+        )
+
+
+def _writers(mode: int) -> str:
+    """Who besides the owner may write a file of ``mode``: "group", "others" or both."""
+    return " and ".join(
+        who for bit, who in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if mode & bit
+    )
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {stat.filemode(mode)}"
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Warn (RuntimeWarning) of ``message`` the first time this process meets it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def private_folder(folder: str) -> str | None:
+    """The real path of ``folder`` (made, mode 0700, where missing) when no one but this
+    user and root can change what it holds: a directory owned by this user, not
+    writable by group or others, under directories each owned by this user or root
+    and not writable by group or others unless sticky (as ``/tmp``: there no one can
+    rename or remove what is not theirs). None where it cannot be made or is not a
+    directory (the open then walks, as where the cache is unwritable); None with a
+    warning (once a process) that says what is unsafe and what to do otherwise."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        real = os.path.realpath(folder)
+        st = os.lstat(real)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    uid = os.geteuid()
+    problem = ""
+    if st.st_uid != uid:
+        problem = (
+            f"{real!r} is owned by uid {st.st_uid}, not by this user (uid {uid}); use a "
+            "directory of your own"
+        )
+    elif st.st_mode & _OTHERS_WRITE:
+        problem = (
+            f"{real!r} is writable by {_writers(st.st_mode)} (mode "
+            f"{stat.filemode(st.st_mode)}); make it private: chmod go-w {real!r}"
+        )
+    else:
+        above = os.path.dirname(real)
+        while not problem:
+            try:
+                up = os.lstat(above)
+            except OSError:
+                return None
+            if up.st_uid not in (0, uid):
+                problem = (
+                    f"the directory above it, {above!r}, is owned by uid {up.st_uid}, not "
+                    f"by this user (uid {uid}) or root, who alone may own the directories "
+                    "above a cache directory"
+                )
+            elif up.st_mode & _OTHERS_WRITE and not up.st_mode & stat.S_ISVTX:
+                problem = (
+                    f"the directory above it, {above!r}, is writable by "
+                    f"{_writers(up.st_mode)} and not sticky (mode {stat.filemode(up.st_mode)}): "
+                    f"they could rename the cache directory away and put theirs there; "
+                    f"chmod go-w {above!r}"
+                )
+            parent = os.path.dirname(above)
+            if parent == above:
+                break
+            above = parent
+    if problem:
+        _warn_once(
+            f"blobpipe does not use the LMDB index cache directory {real!r}: {problem}, or "
+            "set BLOBPIPE_CACHE_DIR to a directory only you can write. Until then every "
+            "open walks the database's B-tree instead of reading its saved index."
+        )
+        return None
+    return real
+
+
 def _read(mapped: mmap.mmap, size: int, snap: Snapshot) -> Tree | None:
     magic, version, header, *fields = _HEADER.unpack_from(mapped, 0)
     if magic != _MAGIC or version != _VERSION or header != _HEADER.size:
         return None
-    n, ends_size, keys_len, *stored = fields[:3] + fields[3:11]
+    n, ends_size, keys_len, *stored = fields[:3] + fields[3:12]
     if tuple(stored) != tuple(snap) or n != snap.entries or ends_size not in (4, 8):
         return None
     at_off, at_len, at_ends, at_keys, footer = _layout(n, ends_size, keys_len)
@@ -191,7 +369,6 @@ def store(path: str, tree: Tree, snap: Snapshot) -> bool:
     folder = os.path.dirname(path) or "."
     tmp = None
     try:
-        os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "wb") as f:
             crc = 0
@@ -224,7 +401,7 @@ def store(path: str, tree: Tree, snap: Snapshot) -> bool:
 
 def _fsync_dir(folder: str) -> None:
     with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NO_FOLLOW_NO_WAIT)
         try:
             os.fsync(fd)
         finally:
@@ -232,13 +409,22 @@ def _fsync_dir(folder: str) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[bool]:
-    """Hold an exclusive POSIX lock (``lockf``) on ``<path>.lock`` (waiting for another process that
-    holds it); yields False where the lock file cannot be made (nothing is then
-    stored: without the lock another process may be writing)."""
+def _locked(path: str, private: bool = False) -> Iterator[bool]:
+    """Hold an exclusive POSIX lock (``lockf``) on ``<path>.lock`` (waiting for another
+    process that holds it); yields False where the lock file cannot be opened as a
+    regular file (see :func:`_open_regular`), with a warning where something else has
+    its name: nothing is then stored (without the lock another process may be writing).
+    ``path``'s folder exists."""
+    lock = path + ".lock"
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_regular(lock, os.O_RDWR | os.O_CREAT, private)
+    except _NotRegular as exc:
+        _warn_once(
+            f"blobpipe does not write the LMDB index {path!r}: its lock {exc}; remove it "
+            "(until then every open of that database walks its B-tree)"
+        )
+        yield False
+        return
     except OSError:
         yield False
         return
@@ -269,17 +455,24 @@ def tree_of(
     path = index_path(data_file, place)
     if meta is None or path is None or st.st_size != file.size:
         return read_tree(file, advise)
+    private = place == "cache"
+    if private:
+        folder = private_folder(os.path.dirname(path))
+        if folder is None:
+            return read_tree(file, advise)
+        path = os.path.join(folder, os.path.basename(path))
     snap = snapshot_of(st, meta)
-    tree = load(path, snap)
+    tree = load(path, snap, private=private)
     if tree is not None:
         return tree
-    with _locked(path) as locked:
+    with _locked(path, private) as locked:
         if locked:
-            tree = load(path, snap)  # another process built it while this one waited
+            # another process built it while this one waited
+            tree = load(path, snap, private=private)
             if tree is not None:
                 return tree
         tree = read_tree(file, advise)
         if tree is None or not locked or not store(path, tree, snap):
             return tree
-    stored = load(path, snap)  # the same tree, now from the file's map
+    stored = load(path, snap, private=private)  # the same tree, now from the file's map
     return tree if stored is None else stored

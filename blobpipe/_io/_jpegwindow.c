@@ -171,8 +171,9 @@ static int decode(const unsigned char *data, size_t size, unsigned char *out,
         goto done;
     }
     if ((Py_ssize_t)image_w * image_h * 3 != out_len) goto done;
-    if (top < 0 || left < 0 || height <= 0 || width <= 0 || top + height > image_h ||
-        left + width > image_w)
+    /* compared without a sum that could overflow (the window is the caller's) */
+    if (top < 0 || left < 0 || height <= 0 || width <= 0 || top > image_h || left > image_w ||
+        height > image_h - top || width > image_w - left)
         goto done;
     cinfo.out_color_space = JCS_EXT_BGR;
     jpeg_start_decompress(&cinfo);

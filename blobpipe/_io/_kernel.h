@@ -32,14 +32,68 @@ typedef struct {
     int held;
 } Buf;
 
+/* Acquire obj's buffer, with its format, shape and strides (flags may add
+ * PyBUF_WRITABLE); -1 with a TypeError where obj has none (or not writable), a
+ * ValueError where it is not C-contiguous. */
 static int get_buf(PyObject *obj, Buf *b, int flags, const char *name) {
-    if (PyObject_GetBuffer(obj, &b->view, flags) != 0) {
-        PyErr_Format(PyExc_TypeError, "%s must support the buffer protocol (%s)", name,
-                     (flags & PyBUF_WRITABLE) ? "writable, C-contiguous" : "C-contiguous");
+    if (PyObject_GetBuffer(obj, &b->view, flags | PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must support the buffer protocol (%s), got %.100s",
+                     name, (flags & PyBUF_WRITABLE) ? "writable, C-contiguous" : "C-contiguous",
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
     b->held = 1;
+    if (!PyBuffer_IsContiguous(&b->view, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous (its items one after another)",
+                     name);
+        return -1;
+    }
     return 0;
+}
+
+/* The kind of a buffer's items: 'i' signed integer, 'u' unsigned integer, 'f' float,
+ * '?' bool, 'c' char, in this machine's byte order; 0 for any other format (several
+ * fields, another byte order, a pointer...). A NULL format means unsigned bytes. */
+static char item_kind(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=') {
+        f++;
+    } else if (*f == '<' || *f == '>' || *f == '!') {
+#if PY_LITTLE_ENDIAN
+        if (*f != '<') return 0;
+#else
+        if (*f == '<') return 0;
+#endif
+        f++;
+    }
+    if (f[0] == 0 || f[1] != 0) return 0;
+    switch (f[0]) {
+        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': return 'i';
+        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': return 'u';
+        case 'e': case 'f': case 'd': return 'f';
+        case '?': return '?';
+        case 'c': return 'c';
+        default: return 0;
+    }
+}
+
+/* 1 where b's items are of one of the kinds in `kinds` (item_kind's letters) and
+ * `itemsize` bytes; else 0 with a ValueError naming the buffer, what it must be and
+ * what it is. */
+static int items_are(const Buf *b, const char *kinds, Py_ssize_t itemsize, const char *name,
+                     const char *expected) {
+    const char kind = item_kind(&b->view);
+    if (kind != 0 && strchr(kinds, kind) != NULL && b->view.itemsize == itemsize) return 1;
+    PyErr_Format(PyExc_ValueError, "%s must be %s, got items of format '%s' (%zd bytes)", name,
+                 expected, b->view.format ? b->view.format : "B", b->view.itemsize);
+    return 0;
+}
+
+/* *out = a * b where it fits a Py_ssize_t (a, b >= 0): 1; else 0. */
+static int mul_fits(Py_ssize_t a, Py_ssize_t b, Py_ssize_t *out) {
+    if (a < 0 || b < 0 || (a != 0 && b > PY_SSIZE_T_MAX / a)) return 0;
+    *out = a * b;
+    return 1;
 }
 
 static void release(Buf *b) {
@@ -178,13 +232,20 @@ static void reverse_f32(float *o, ptrdiff_t n) {
 
 typedef struct {
     Py_ssize_t C, H, W, ch, cw; /* record shape, crop window */
+    Py_ssize_t size;            /* C*H*W: a record's pixels (C*H*W*4 fits a Py_ssize_t) */
     int hwc;                    /* source pixels (H, W, C) rather than (C, H, W) */
     int nhwc;                   /* output rows (h, w, C) rather than (C, h, w) */
     const float *mean;          /* NULL, C values, or C*H*W (a mean file) */
     int mstep;                  /* 1: a mean file */
     float scale;
     int itemsize; /* of the output: 4 float32, 1 uint8 */
+    float *line;  /* NULL, or 3*cw floats of scratch for a mirrored (H, W, 3) line,
+                     owned by the caller; one thread's at a time */
 } Spec;
+
+/* The widest crop line transform_image mirrors through a scratch line on its stack;
+ * a wider one is mirrored in place. */
+#define STACK_LINE 1024
 
 /* One record (s0: its first pixel) into one output row (o), crop corner (h0, w0);
  * every index was checked by the caller. Runs without the GIL. */
@@ -212,9 +273,9 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
     if (sp->hwc && C == 3 && !sp->nhwc && sp->itemsize == 4) {
         /* a decoded colour image into (3, h, w): one pass over each source line */
         float *const out = (float *)o;
-        /* a mirrored line goes through a scratch line, then is copied reversed
-         * (in place, scalar, where the scratch cannot be had) */
-        float *scratch = flip ? malloc((size_t)(3 * cw) * sizeof(float)) : NULL;
+        /* a mirrored line goes through the caller's scratch line, then is copied
+         * reversed (in place, scalar, where the caller has none) */
+        float *scratch = flip ? sp->line : NULL;
         for (Py_ssize_t y = 0; y < ch; y++) {
             const uint8_t *s = s0 + ((h0 + y) * W + w0) * 3;
             float *o0 = out + y * cw, *o1 = out + (ch + y) * cw, *o2 = out + (2 * ch + y) * cw;
@@ -241,7 +302,6 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
                 reverse_f32(o2, cw);
             }
         }
-        free(scratch);
         return;
     }
     for (Py_ssize_t c = 0; c < C; c++) {
@@ -261,31 +321,61 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
     }
 }
 
-/* The spec from the arguments both entry points share; -1 with an exception set. */
+/* The spec from the arguments the entry points share, every size checked before it
+ * is multiplied: a record of C*H*W pixels whose float32 bytes fit a Py_ssize_t, a crop
+ * inside it, a float32 or uint8 output of exactly `rows` rows, a float32 mean of C or
+ * C*H*W values; -1 with a ValueError set. sp->line is left NULL. */
 static int make_spec(Spec *sp, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssize_t crop,
                      int hwc, int nhwc, Buf *mb, double scale, Buf *ob, Py_ssize_t rows) {
     if (C <= 0 || H <= 0 || W <= 0 || crop < 0 || crop > H || crop > W) {
-        PyErr_SetString(PyExc_ValueError, "bad shape or crop");
+        PyErr_Format(PyExc_ValueError,
+                     "bad shape (%zd, %zd, %zd) or crop %zd: the sizes must be positive and "
+                     "the crop at most the height and the width",
+                     C, H, W, crop);
         return -1;
     }
-    sp->C = C, sp->H = H, sp->W = W;
+    Py_ssize_t hw, size, bytes;
+    if (!mul_fits(H, W, &hw) || !mul_fits(hw, C, &size) || !mul_fits(size, 4, &bytes)) {
+        PyErr_Format(PyExc_ValueError,
+                     "the shape (%zd, %zd, %zd) is too large: its float32 bytes do not fit "
+                     "a Py_ssize_t",
+                     C, H, W);
+        return -1;
+    }
+    sp->C = C, sp->H = H, sp->W = W, sp->size = size;
     sp->ch = crop ? crop : H, sp->cw = crop ? crop : W;
     sp->hwc = hwc, sp->nhwc = nhwc;
+    sp->line = NULL;
+    const char kind = item_kind(&ob->view);
+    if (!((kind == 'f' && ob->view.itemsize == 4) || (kind == 'u' && ob->view.itemsize == 1))) {
+        PyErr_Format(PyExc_ValueError,
+                     "out must be float32 or uint8, got items of format '%s' (%zd bytes)",
+                     ob->view.format ? ob->view.format : "B", ob->view.itemsize);
+        return -1;
+    }
     sp->itemsize = (int)ob->view.itemsize;
-    if ((sp->itemsize != 4 && sp->itemsize != 1) ||
-        ob->view.len != rows * C * sp->ch * sp->cw * sp->itemsize) {
-        PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
+    /* C*ch*cw*itemsize <= size*4: a row's bytes fit */
+    const Py_ssize_t row = C * sp->ch * sp->cw * sp->itemsize;
+    Py_ssize_t total;
+    if (!mul_fits(rows, row, &total) || ob->view.len != total) {
+        PyErr_Format(PyExc_ValueError,
+                     "out must hold n rows of float32 or uint8: %zd rows of %zd bytes, got "
+                     "%zd bytes",
+                     rows, row, ob->view.len);
         return -1;
     }
     sp->mean = NULL;
     sp->mstep = 0;
     if (mb->held) {
-        if (mb->view.itemsize != 4 || (mb->view.len != C * 4 && mb->view.len != C * H * W * 4)) {
-            PyErr_SetString(PyExc_ValueError, "mean must be C or C*H*W float32 values");
+        if (!items_are(mb, "f", 4, "mean", "float32")) return -1;
+        if (mb->view.len != C * 4 && mb->view.len != bytes) {
+            PyErr_Format(PyExc_ValueError,
+                         "mean must be C or C*H*W float32 values (%zd or %zd), got %zd", C, size,
+                         mb->view.len / 4);
             return -1;
         }
         sp->mean = (const float *)mb->view.buf;
-        sp->mstep = mb->view.len == C * H * W * 4;
+        sp->mstep = mb->view.len == bytes;
     }
     sp->scale = (float)scale;
     return 0;
@@ -323,16 +413,21 @@ static int get_outs(PyObject *out_o, Outs *o) {
     }
     for (Py_ssize_t k = 0; k < o->n; k++) {
         PyObject *item = PyTuple_Check(out_o) ? PyTuple_GET_ITEM(out_o, k) : out_o;
-        if (get_buf(item, &o->bufs[k], PyBUF_WRITABLE | PyBUF_FORMAT, "out")) return -1;
+        if (get_buf(item, &o->bufs[k], PyBUF_WRITABLE, "out")) return -1;
     }
     o->all = o->bufs[0];
     o->all.view.len = 0;
     for (Py_ssize_t k = 0; k < o->n; k++) {
-        if (o->bufs[k].view.itemsize != o->bufs[0].view.itemsize) {
+        const Py_buffer *v = &o->bufs[k].view;
+        if (item_kind(v) != item_kind(&o->bufs[0].view) || v->itemsize != o->bufs[0].view.itemsize) {
+            PyErr_SetString(PyExc_ValueError, "out must be arrays of one dtype, float32 or uint8");
+            return -1;
+        }
+        if (v->len > PY_SSIZE_T_MAX - o->all.view.len) {
             PyErr_SetString(PyExc_ValueError, "out must hold n rows of float32 or uint8");
             return -1;
         }
-        o->all.view.len += o->bufs[k].view.len;
+        o->all.view.len += v->len;
     }
     o->k = o->first = 0;
     return 0;
@@ -387,11 +482,14 @@ typedef struct {
     PyObject *status; /* bytes, one per row: 1 written */
     char *st;
     unsigned char *scratch;
+    float *line; /* sp.line: a mirrored line's scratch, one for the call */
 } Rows;
 
 static inline void release_rows(Rows *r) {
     PyMem_RawFree(r->scratch);
     r->scratch = NULL;
+    PyMem_RawFree(r->line);
+    r->line = NULL;
     Py_CLEAR(r->status);
     if (r->images != NULL)
         for (Py_ssize_t i = 0; i < r->n; i++) release(&r->images[i]);
@@ -419,19 +517,20 @@ static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_
         PyErr_NoMemory();
         goto fail;
     }
-    if (get_buf(h_o, &r->hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &r->wb, PyBUF_FORMAT, "w_off") ||
-        get_buf(flip_o, &r->fb, PyBUF_SIMPLE, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &r->mb, PyBUF_FORMAT, "mean")) ||
-        get_outs(out_o, &r->outs))
+    if (get_buf(h_o, &r->hb, 0, "h_off") || get_buf(w_o, &r->wb, 0, "w_off") ||
+        get_buf(flip_o, &r->fb, 0, "mirror") ||
+        (mean_o != Py_None && get_buf(mean_o, &r->mb, 0, "mean")) || get_outs(out_o, &r->outs))
         goto fail;
     for (Py_ssize_t i = 0; i < r->n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(r->seq, i);
-        if (item != Py_None && get_buf(item, &r->images[i], PyBUF_SIMPLE, "images")) goto fail;
+        if (item != Py_None && get_buf(item, &r->images[i], 0, "images")) goto fail;
     }
     const Py_ssize_t n = r->n;
-    if (r->hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        r->wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        r->hb.view.len / r->hb.view.itemsize != n || r->wb.view.len / r->wb.view.itemsize != n ||
+    if (!items_are(&r->hb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
+        !items_are(&r->wb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp") ||
+        !items_are(&r->fb, "?u", 1, "mirror", "bool or uint8"))
+        goto fail;
+    if (r->hb.view.len / r->hb.view.itemsize != n || r->wb.view.len / r->wb.view.itemsize != n ||
         r->fb.view.len != n) {
         PyErr_SetString(PyExc_ValueError, "h_off, w_off and mirror must be one per image");
         goto fail;
@@ -440,6 +539,7 @@ static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "the images' shape must be (3, H, W)");
         goto fail;
     }
+    /* H*W*3 fits once make_spec has checked the shape */
     if (make_spec(&r->sp, C, H, W, crop, 1, nhwc, &r->mb, scale, &r->outs.all, n) < 0) goto fail;
     if (outs_in_rows(&r->outs, &r->sp) < 0) goto fail;
     r->hs = (const Py_ssize_t *)r->hb.view.buf;
@@ -447,19 +547,17 @@ static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_
     r->flips = (const uint8_t *)r->fb.view.buf;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!crop_fits(&r->sp, r->hs[i], r->ws[i], i)) goto fail;
-    if (H > PY_SSIZE_T_MAX / W / 3) {
-        PyErr_SetString(PyExc_ValueError, "the images' shape is too large");
-        goto fail;
-    }
     r->status = PyBytes_FromStringAndSize(NULL, n);
     if (r->status == NULL) goto fail;
     r->st = PyBytes_AS_STRING(r->status);
     memset(r->st, 0, (size_t)n);
-    r->scratch = PyMem_RawMalloc((size_t)(H * W * 3));
-    if (r->scratch == NULL) {
+    r->scratch = PyMem_RawMalloc((size_t)r->sp.size);
+    r->line = PyMem_RawMalloc((size_t)r->sp.cw * 3 * sizeof(float));
+    if (r->scratch == NULL || r->line == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
+    r->sp.line = r->line;
     return 0;
 fail:
     release_rows(r);

@@ -23,11 +23,19 @@ it between the node's ranks, strided. Rank ``r`` is local rank
 ``r % ranks_per_node`` of node ``r // ranks_per_node`` (torchrun numbers ranks
 so). Padding as above: with ``pad_shards`` every rank of every node reads
 ``ceil(n / world)`` records (``"drop"``: ``floor(n / world)``), its node's order
-wrapping around.
+wrapping around; with ``pad_shards=True`` and more nodes than records, node ``k``
+past the records (its part empty) reads node ``k % n``'s part, as a strided rank
+past the records wraps around to the epoch's start. Only a rank's own node's part
+is ever made: the work is bounded by the records, whatever the node count.
+
+A rank and a world size are integers (``operator.index``: Python's and NumPy's,
+not bool) with ``0 <= rank < world <= MAX_WORLD``, checked before anything is
+sized by them.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from typing import Any, Literal, cast
@@ -39,10 +47,12 @@ from .._errors import ArgumentError, ArgumentTypeError
 from ._kernels import draw_words
 
 __all__ = [
+    "MAX_WORLD",
     "EpochOrder",
     "Order",
     "ShardMode",
     "buffer_order",
+    "node_part",
     "node_parts",
     "node_shard",
     "quasi_order",
@@ -57,6 +67,8 @@ ShardMode = Literal["strided", "contiguous", "node"]
 QUASI_RUNS = 32
 # Node parts are made of blocks of this many consecutive records (near in the file).
 NODE_BLOCK = 64
+# The largest world size: torch.distributed numbers ranks with a C int.
+MAX_WORLD = 2**31 - 1
 
 
 def quasi_order(n: int, window: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
@@ -83,7 +95,13 @@ def quasi_order(n: int, window: int, rng: np.random.Generator) -> npt.NDArray[np
 def node_parts(n: int, nodes: int, seed: int) -> list[npt.NDArray[np.int64]]:
     """Each node's records (global indices, sorted), the same in every epoch: blocks
     of :data:`NODE_BLOCK` consecutive records permuted (seeded by ``seed``), their
-    records cut into ``nodes`` stretches whose lengths differ by at most one."""
+    records cut into ``nodes`` stretches whose lengths differ by at most one. (All
+    ``nodes`` of them: for tests and tools; a rank makes only its own, :func:`node_part`.)"""
+    return [node_part(n, nodes, seed, k) for k in range(nodes)]
+
+
+def node_part(n: int, nodes: int, seed: int, node: int) -> npt.NDArray[np.int64]:
+    """Node ``node``'s records of :func:`node_parts`, made alone (work bounded by ``n``)."""
     rng = _rng([seed, 0x6E6F6465])
     blocks = -(-n // NODE_BLOCK)
     starts = rng.permutation(blocks).astype(np.int64) * NODE_BLOCK
@@ -92,13 +110,8 @@ def node_parts(n: int, nodes: int, seed: int) -> list[npt.NDArray[np.int64]]:
     first = np.cumsum(sizes) - sizes
     records = starts[owner] + (np.arange(n, dtype=np.int64) - first[owner])
     base, extra = divmod(n, nodes)
-    parts = []
-    at = 0
-    for k in range(nodes):
-        size = base + (1 if k < extra else 0)
-        parts.append(np.sort(records[at : at + size]))
-        at += size
-    return parts
+    at = node * base + min(node, extra)
+    return np.sort(records[at : at + base + (1 if node < extra else 0)])
 
 
 def node_shard(
@@ -109,16 +122,36 @@ def node_shard(
     (see the module docstring), in order."""
     nodes = world // ranks_per_node
     node, local = divmod(rank, ranks_per_node)
-    part = node_parts(n, nodes, seed)[node]
+    padded = bool(pad_shards) and world > 1
+    # a node past the records has an empty part; padded (not dropped), it reads another's
+    source = node % n if padded and pad_shards is True and node >= n else node
+    part = node_part(n, nodes, seed, source)
     m = len(part)
     ordered = part[_global_order(m, order, buffer_size, [seed, epoch, node])]
-    if pad_shards and world > 1:
+    if padded:
         per = n // world if pad_shards == "drop" else -(-n // world)
-        if m == 0:
+        if m == 0 or per == 0:
             return np.zeros(0, np.int64)
         positions = (local + ranks_per_node * np.arange(per, dtype=np.int64)) % m
         return ordered[positions]
     return ordered[local::ranks_per_node]
+
+
+def _integer(value: object, what: str) -> int:
+    """``value`` as an int (Python's or NumPy's integers; not bool, not a float that
+    happens to be whole).
+
+    Raises:
+        TypeError: ``value`` is of another type.
+    """
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{what} must be an integer, got {value!r} (a bool)")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{what} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
 
 
 def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
@@ -126,6 +159,7 @@ def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
 
     Raises:
         ValueError: neither given, not a positive divisor of ``world``.
+        TypeError: ``ranks_per_node`` is not an integer.
     """
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
@@ -137,15 +171,17 @@ def ranks_per_node_from(ranks_per_node: int | None, world: int) -> int:
         try:
             ranks_per_node = int(env)
         except ValueError:
-            raise ArgumentError(f"LOCAL_WORLD_SIZE must be an integer, got {env!r}") from None
-    if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node:
-        raise ArgumentError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
-    if ranks_per_node < 1 or world % ranks_per_node:
+            raise ArgumentError(
+                f"LOCAL_WORLD_SIZE must be an integer, got {env!r}; torchrun sets it to "
+                "the ranks of this node, or pass ranks_per_node=..."
+            ) from None
+    per_node = _integer(ranks_per_node, "ranks_per_node")
+    if not 1 <= per_node <= world or world % per_node:
         raise ArgumentError(
             f"ranks_per_node must divide the world size {world} (every node runs as "
-            f"many ranks), got {ranks_per_node}"
+            f"many ranks), got {per_node}"
         )
-    return int(ranks_per_node)
+    return per_node
 
 
 def _rng(entropy: list[int]) -> np.random.Generator:
@@ -176,9 +212,11 @@ def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, in
     environment variables, else no sharding.
 
     Raises:
-        ValueError: a rank outside ``[0, world_size)``, or only one of ``RANK`` and
-            ``WORLD_SIZE`` set (or not integers).
-        TypeError: ``shard`` of another type.
+        ValueError: a world size outside ``[1, MAX_WORLD]``, a rank outside
+            ``[0, world_size)``, or only one of ``RANK`` and ``WORLD_SIZE`` set (or
+            not integers).
+        TypeError: ``shard`` of another type, or a rank or world size that is not
+            an integer.
     """
     if shard is None:
         return (0, 1)
@@ -200,10 +238,16 @@ def shard_from(shard: tuple[int, int] | Literal["auto"] | None) -> tuple[int, in
                 ) from None
     if not (isinstance(shard, tuple) and len(shard) == 2):
         raise ArgumentTypeError(f"shard must be None, 'auto' or (rank, world_size), got {shard!r}")
-    rank_i, world_i = int(shard[0]), int(shard[1])
-    if world_i < 1 or not 0 <= rank_i < world_i:
+    rank_i = _integer(shard[0], "shard's rank")
+    world_i = _integer(shard[1], "shard's world_size")
+    if not 1 <= world_i <= MAX_WORLD:
         raise ArgumentError(
-            f"shard (rank, world_size) must have 0 <= rank < world_size, got {shard}"
+            f"shard's world_size must be between 1 and 2**31 - 1 (torch.distributed's "
+            f"ranks are C ints), got {world_i}"
+        )
+    if not 0 <= rank_i < world_i:
+        raise ArgumentError(
+            f"shard (rank, world_size) must have 0 <= rank < world_size, got {(rank_i, world_i)}"
         )
     return (rank_i, world_i)
 

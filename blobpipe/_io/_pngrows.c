@@ -100,10 +100,12 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     Rows r;
     if (rows_from_args(&r, args) < 0) return NULL;
     const Py_ssize_t H = r.sp.H, W = r.sp.W;
-    png_bytep *lines = PyMem_RawMalloc((size_t)H * sizeof(png_bytep));
+    png_bytep *lines = (size_t)H <= PY_SSIZE_T_MAX / sizeof(png_bytep)
+                           ? PyMem_RawMalloc((size_t)H * sizeof(png_bytep))
+                           : NULL;
     if (lines == NULL) {
         PyErr_NoMemory();
-        close_rows(&r);
+        Py_XDECREF(close_rows(&r));
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS;

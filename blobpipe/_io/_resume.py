@@ -3,19 +3,29 @@ passes before :meth:`Batches.load_state_dict` seeks to it.
 
 A state is plain JSON types (the record key a str: bytes that are not UTF-8 as
 ``surrogateescape`` surrogates); states holding the key as bytes are accepted too.
+Its fields are the cursor (:data:`CURSOR`: epoch, position, and the key of the record
+there) and what makes the order (seed, order, buffer size, shard, shard mode,
+padding, ranks per node, record count); :func:`check_state` compares every field
+:func:`make_state` writes outside the cursor, so a field added there is compared
+too. One exception, for states of older versions: ``pad_shards`` changes nothing
+unsharded and is not compared there, and a state without it was saved with False.
+Fields it does not write are ignored.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import ArgumentError, DataError
+from .._errors import ArgumentError, ArgumentTypeError, DataError
 
-__all__ = ["STATE_VERSION", "check_state", "make_state"]
+__all__ = ["CURSOR", "STATE_VERSION", "check_state", "make_state"]
 
 STATE_VERSION = 1
 MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
+# The fields that say where a state stands; all others say how the order is made.
+CURSOR = ("epoch", "position", "key")
 
 
 def make_state(
@@ -32,52 +42,103 @@ def make_state(
     }
 
 
+def _plain(value: Any) -> Any:
+    """``value`` in a form where two values compare equal only when one could stand for
+    the other in a state: a bool is not an int, an int not a float, a list of the
+    shard the same as a tuple, NumPy's integers Python's."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, bytes, float)):
+        return (type(value).__name__, value)
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_plain(v) for v in value))
+    try:
+        return ("int", operator.index(value))
+    except TypeError:
+        return ("other", repr(value))
+
+
+def _cursor_integer(state: Mapping[str, Any], name: str) -> int:
+    value = state[name]
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return operator.index(value)
+
+
 def check_state(
     state: Mapping[str, Any],
     *,
-    shard: tuple[int, int],
     settings: Mapping[str, Any],
-    num_records: int,
+    shard: tuple[int, int],
     shard_len: int,
     path: object,
 ) -> tuple[int, int, bytes]:
-    """``(epoch, position, key)`` of ``state``, once it is known to fit: this shard,
-    these order settings, this record count, a position inside the shard.
+    """``(epoch, position, key)`` of ``state``, once it is known to fit: every field
+    :func:`make_state` writes from ``settings`` (how the order is made and the record
+    count, as :meth:`Batches.state_dict` passes them) and ``shard`` equal, and a
+    position inside the shard.
 
     Raises:
+        ArgumentTypeError: ``state`` is not a mapping.
         ArgumentError: the state is malformed, of another version, or was saved for
             another shard or with other settings; its epoch or position is out of range.
         DataError: the database has another record count than when it was saved.
     """
+    if not isinstance(state, Mapping):
+        raise ArgumentTypeError(
+            f"a resume state is a dict from state_dict(), got {type(state).__name__}"
+        )
     try:
         version = state["version"]
-        epoch, pos, key = int(state["epoch"]), int(state["position"]), state["key"]
+        epoch, pos = _cursor_integer(state, "epoch"), _cursor_integer(state, "position")
+        key = state["key"]
         if isinstance(key, str):
             key = key.encode("utf-8", "surrogateescape")
-        saved = {k: state[k] for k in ("seed", "order", "buffer_size", "shard_mode")}
-        saved_shard = tuple(state["shard"])
-        pad = state.get("pad_shards", False)
-        saved["pad_shards"] = pad if saved_shard[1] > 1 else False
-        n = int(state["num_records"])
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
-        raise ArgumentError(f"malformed resume state {state!r}: {exc!r}") from exc
-    if version != STATE_VERSION:
-        raise ArgumentError(f"unsupported resume state version {version!r}")
-    if saved_shard != shard:
+        elif not isinstance(key, bytes):
+            raise TypeError(f"key must be a str or bytes, got {type(key).__name__}")
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ArgumentError(
-            f"the state was saved for shard {saved_shard} but this one is shard {shard}"
+            f"malformed resume state {state!r}: {exc!r}; pass a state from state_dict()"
+        ) from exc
+    if _plain(version) != _plain(STATE_VERSION):
+        raise ArgumentError(
+            f"unsupported resume state version {version!r} (this blobpipe writes and "
+            f"reads version {STATE_VERSION})"
         )
-    for name, value in saved.items():
-        if settings[name] != value:
+    expected = make_state(epoch, pos, key, settings, shard)
+    # the shard first (the likeliest mix-up), the record count last (a DataError)
+    names = sorted(expected, key=lambda name: (name != "shard", name == "num_records"))
+    for name in names:
+        want = expected[name]
+        if name in CURSOR or name == "version":
+            continue
+        if name == "pad_shards" and shard[1] == 1:
+            continue  # unsharded, padding changes nothing
+        if name in state:
+            got = state[name]
+        elif name == "pad_shards":
+            got = False
+        else:
             raise ArgumentError(
-                f"the state was saved with {name}={value!r}, but {name}={settings[name]!r} "
-                "was given; resume with the options the state was saved with"
+                f"malformed resume state: it has no {name!r}, which state_dict() writes "
+                f"(it writes {', '.join(sorted(expected))}); pass a state from state_dict()"
             )
-    if n != num_records:
-        raise DataError(
-            f"the dataset changed: the state was saved with {n} records, the database "
-            f"now has {num_records}",
-            path=path,
+        if _plain(got) == _plain(want):
+            continue
+        if name == "shard":
+            shown = tuple(got) if isinstance(got, (list, tuple)) else got
+            raise ArgumentError(
+                f"the state was saved for shard {shown!r} but this one is shard "
+                f"{tuple(want)}; resume each rank from its own state"
+            )
+        if name == "num_records":
+            raise DataError(
+                f"the dataset changed: the state was saved with {got!r} records, the "
+                f"database now has {want} (the state's num_records); resume from a state "
+                "of this database, or start afresh",
+                path=path,
+            )
+        raise ArgumentError(
+            f"the state was saved with {name}={got!r}, but {name}={want!r} was given; "
+            "resume with the options the state was saved with"
         )
     if not 0 <= epoch <= MAX_EPOCH:
         raise ArgumentError(

@@ -32,8 +32,11 @@
  * Mirroring reverses each output row: out column j takes the crop's column
  * (w - 1 - j), pixel and mean alike.
  *
- * Every offset, crop corner and size is checked against the buffers before the
- * GIL is released (ValueError naming the row): no read or write outside them.
+ * Before the GIL is released, every buffer's format (not only its item size), its
+ * layout (C-contiguous) and its count are checked, every size is checked for overflow
+ * before it is multiplied, and every offset and crop corner against the buffers
+ * (ValueError naming the argument or the row): no read or write outside them, no item
+ * of one type read as another.
  * Built with -ffp-contract=off: no fused multiply-add changes a rounding.
  */
 #define PY_SSIZE_T_CLEAN
@@ -53,16 +56,21 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Spec sp;
     Outs outs = {0};
-    if (get_buf(src_o, &src, PyBUF_SIMPLE, "src") || get_buf(off_o, &off, PyBUF_FORMAT, "offsets") ||
-        get_buf(h_o, &hb, PyBUF_FORMAT, "h_off") || get_buf(w_o, &wb, PyBUF_FORMAT, "w_off") ||
-        get_buf(flip_o, &fb, PyBUF_SIMPLE, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")))
+    if (get_buf(src_o, &src, 0, "src") || get_buf(off_o, &off, 0, "offsets") ||
+        get_buf(h_o, &hb, 0, "h_off") || get_buf(w_o, &wb, 0, "w_off") ||
+        get_buf(flip_o, &fb, 0, "mirror") ||
+        (mean_o != Py_None && get_buf(mean_o, &mb, 0, "mean")))
         goto done;
     if (get_outs(out_o, &outs)) goto done;
-    Py_ssize_t n = off.view.len / 8;
-    if (off.view.itemsize != 8 || hb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) ||
-        wb.view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || hb.view.len / hb.view.itemsize != n ||
-        wb.view.len / wb.view.itemsize != n || fb.view.len != n) {
+    if (!items_are(&src, "uc", 1, "src", "uint8 (bytes)") ||
+        !items_are(&off, "i", 8, "offsets", "int64") ||
+        !items_are(&hb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
+        !items_are(&wb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp") ||
+        !items_are(&fb, "?u", 1, "mirror", "bool or uint8"))
+        goto done;
+    const Py_ssize_t n = off.view.len / 8;
+    if (hb.view.len / hb.view.itemsize != n || wb.view.len / wb.view.itemsize != n ||
+        fb.view.len != n) {
         PyErr_SetString(PyExc_ValueError, "offsets, h_off, w_off and mirror must be one per row");
         goto done;
     }
@@ -71,9 +79,8 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
     const int64_t *offsets = (const int64_t *)off.view.buf;
     const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
     const uint8_t *flips = (const uint8_t *)fb.view.buf;
-    const Py_ssize_t size = C * H * W;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (offsets[i] < 0 || offsets[i] > src.view.len - size) {
+        if (offsets[i] < 0 || offsets[i] > src.view.len - sp.size) {
             PyErr_Format(PyExc_ValueError, "row %zd lies outside the buffer", i);
             goto done;
         }
@@ -108,16 +115,20 @@ static PyObject *transform_image(PyObject *self, PyObject *args) {
     Buf src = {0}, mb = {0}, ob = {0};
     PyObject *result = NULL;
     Spec sp;
-    if (get_buf(src_o, &src, PyBUF_SIMPLE, "src") ||
-        (mean_o != Py_None && get_buf(mean_o, &mb, PyBUF_FORMAT, "mean")) ||
-        get_buf(out_o, &ob, PyBUF_WRITABLE | PyBUF_FORMAT, "out"))
+    if (get_buf(src_o, &src, 0, "src") ||
+        (mean_o != Py_None && get_buf(mean_o, &mb, 0, "mean")) ||
+        get_buf(out_o, &ob, PyBUF_WRITABLE, "out"))
         goto done;
+    if (!items_are(&src, "uc", 1, "src", "uint8 (bytes)")) goto done;
     if (make_spec(&sp, C, H, W, crop, hwc, nhwc, &mb, scale, &ob, 1) < 0) goto done;
-    if (src.view.len != C * H * W) {
-        PyErr_SetString(PyExc_ValueError, "src must hold the image's C*H*W pixels");
+    if (src.view.len != sp.size) {
+        PyErr_Format(PyExc_ValueError, "src must hold the image's C*H*W = %zd pixels, got %zd",
+                     sp.size, src.view.len);
         goto done;
     }
     if (!crop_fits(&sp, h0, w0, 0)) goto done;
+    float line[3 * STACK_LINE]; /* a mirrored line's scratch; wider lines: in place */
+    if (sp.cw <= STACK_LINE) sp.line = line;
     Py_BEGIN_ALLOW_THREADS;
     transform_one(&sp, (const uint8_t *)src.view.buf, h0, w0, flip, ob.view.buf);
     Py_END_ALLOW_THREADS;
