@@ -665,6 +665,47 @@ def main_table(runs: list[Run]) -> list[tuple[str, ...]]:
     return lines
 
 
+PEERS_HEADER = (
+    "workload",
+    "plain loop img/s",
+    "torch DataLoader",
+    "DALI CPU (best)",
+    "blobpipe for",
+    "blobpipe async for",
+    "A/A control",
+)
+
+
+def peers_table(runs: list[Run]) -> list[tuple[str, ...]]:
+    """One row per workload, the contenders as columns: each cell the later-epoch and
+    first-epoch ratios to the workload's baseline (W5: the memcpy), later · first; the
+    baseline's later-epoch rate in the second column (the README's table)."""
+
+    def cell(run: Run, keys: tuple[str, ...]) -> str:
+        rows = [r for r in run.rows if r.contender.key in keys and r.contender.skipped is None]
+        if not rows:
+            return "—"
+        best = max(rows, key=lambda r: run.ratio(r, "later") or 0.0)
+        return f"{_fmt_ratio(run.ratio(best, 'later'))} · {_fmt_ratio(run.ratio(best, 'first'))}"
+
+    lines = []
+    for run in runs:
+        base = run.row(run.workload.baseline)
+        lines.append(
+            (
+                f"{run.workload.name} {run.workload.title}",
+                f"{_fmt_rate(base.median('later'))}"
+                + (" (memcpy)" if run.workload.baseline != "plain" else ""),
+                cell(run, ("torch",)),
+                cell(run, ("dali", "dali-roi")),
+                cell(run, ("blocking",)),
+                cell(run, ("async",)),
+                cell(run, ("again",)),
+            )
+        )
+    return lines
+
+
 MEMORY_HEADER = (
     "workload",
     "read B/img",
@@ -968,6 +1009,12 @@ def main(argv: list[str] | None = None) -> int:
     right = {2, 3, 4, 5}
     for run in runs:
         print(describe(run))
+    print()
+    print(
+        "one row per workload: each contender's later-epoch · first-epoch ratio to the plain "
+        "loop (W5: the memcpy); the A/A control is the blocking form measured again:\n"
+    )
+    print(render(PEERS_HEADER, peers_table(runs), args.markdown, {1, 2, 3, 4, 5, 6}))
     print()
     print(render(HEADER, main_table(runs), args.markdown, right))
     print()

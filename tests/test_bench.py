@@ -54,6 +54,15 @@ def test_bench_workloads_quick(workloads_quick: tuple[Path, str]) -> None:
         "| target | result |"
     ) in text
     assert "| workload | read B/img | written B/img | moved B/img |" in text
+    # the README's table: one row per workload, the contenders as columns
+    assert (
+        "| workload | plain loop img/s | torch DataLoader | DALI CPU (best) | blobpipe for "
+        "| blobpipe async for | A/A control |"
+    ) in text
+    for name in WORKLOAD_ROWS:
+        row = next(x for x in text.splitlines() if x.startswith(f"| {name} | ") and "×" in x)
+        pair = r"[\d.]+× · [\d.]+×"
+        assert re.search(rf"\| {pair} \| {pair} \| {pair} \|$", row), row  # for, async, A/A
     assert "| workload | open ms | ring MB | ring first touch ms | plain first epoch ms |" in text
     for name in WORKLOAD_ROWS:
         assert f"| {name} | plain loop (1 thread) |" in text or name.startswith("W5")
