@@ -275,8 +275,12 @@ def test_no_progress_bar_when_piped(tmp_path: Path) -> None:
 
 # -- kill -9 in the middle of a conversion ---------------------------------------------------
 
+# The child takes Ctrl-C as Python does by default, whatever the disposition it
+# inherited (a test run under nohup or in a background job ignores SIGINT, and an
+# ignored signal stays ignored across exec).
 _SLOW_CONVERT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from blobpipe._tools import _convert
 real = _convert._read_image
 def slow(filename, is_color):
@@ -352,15 +356,20 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        marker = read_marker(tmp_path / "db.partial")
-        if marker is not None and marker["next_index"] >= 4:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the conversion ended before the signal"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            marker = read_marker(tmp_path / "db.partial")
+            if marker is not None and marker["next_index"] >= 4:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the conversion ended before the signal"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:  # no child and no pipe outlive the test, whatever failed
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
     assert proc.returncode == 130
     assert err.count("\n") == 1
     assert err.startswith("blobpipe convert-imageset: interrupted: ")
