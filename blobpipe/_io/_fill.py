@@ -538,7 +538,7 @@ class Filler:
             kernel's geometry draws for it), for decoding that window alone."""
 
             def of(h: int, w: int) -> tuple[int, int, int, int] | None:
-                if crop > h or crop > w:
+                if not t.crop_fits(h, w):
                     return None  # the checked path names the error
                 if (h, w) == plan.record_shape[1:]:  # a crop depends on (h, w) alone
                     h_off, w_off, _ = shared.row(r)

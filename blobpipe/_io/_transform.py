@@ -307,10 +307,7 @@ class Transform:
         """
         c, h, w = _chw(record_shape)
         if self._crop:
-            if self._crop > h or self._crop > w:
-                raise ShapeError(
-                    f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
-                )
+            self._check_crop(h, w)
             h = w = self._crop
         return (c, h, w) if self._layout == "NCHW" else (h, w, c)
 
@@ -359,8 +356,18 @@ class Transform:
                 self._fixed[key] = fixed
         return fixed
 
+    def crop_fits(self, h: int, w: int) -> bool:
+        """Whether the crop fits a record ``h`` high and ``w`` wide (the one place
+        this is decided; True without a crop)."""
+        return self._crop <= h and self._crop <= w
+
     def _check_crop(self, h: int, w: int) -> None:
-        if self._crop > h or self._crop > w:
+        """Refuse a record the crop does not fit (:meth:`crop_fits`).
+
+        Raises:
+            ShapeError: naming the crop and the record's height and width.
+        """
+        if not self.crop_fits(h, w):
             raise ShapeError(
                 f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
             )

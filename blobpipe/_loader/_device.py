@@ -3,10 +3,10 @@ device transform, and the events that say when the slot's buffers are free again
 
 With the device transform, the host does Caffe's crop and mirror only, into
 uint8 (the staging transform); the batch crosses to the device as uint8 (4×
-less traffic than float32) and :func:`finish_on_device` does the rest there:
-Caffe's arithmetic of ``_io/_kernels.py`` (the same ufuncs, so the same bits),
-over the whole batch in a constant number of launches (the mean's per-row crops
-gathered in one indexing kernel), never one launch per row.
+less traffic than float32) and the host's kernel finishes it there
+(``_io/_kernels.apply`` with ``cropped=True``: the same function, so the same
+bits), over the whole batch in a constant number of launches (the mean's per-row
+crops gathered in one indexing kernel), never one launch per row.
 
 Invariants (the stream discipline, docs/design.md):
 
@@ -29,39 +29,11 @@ import numpy as np
 from .._backends import COMPLETED, Backend, Event, Stream, all_of
 from .._errors import ArgumentError, DataError, ShapeError
 from .._io._batches import BatchPlan
-from .._io._kernels import Geometry, KernelSpec
+from .._io._kernels import Geometry, apply
 from .._io._transform import Transform
 from ._ring import Slot
 
-__all__ = ["DeviceWork", "TransformSplit", "finish_on_device", "wants_device_transform"]
-
-
-def finish_on_device(xp: Any, u8: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> None:
-    """``(u8 - mean) * scale`` into ``out`` for a batch the host cropped and flipped.
-
-    ``u8`` is ``(N, C, h, w)``; ``out`` float32 ``(N, C, h, w)`` or ``(N, h, w, C)``
-    (``spec.layout``); a ``(C, H, W)`` mean is cut at each row's crop offset and
-    flipped with its row, all rows in one gather. Elementwise the same operations as
-    the host kernel (subtract in float32, then multiply by the float32 scale).
-    """
-    h, w = u8.shape[2], u8.shape[3]
-    dst = out if spec.layout == "NCHW" else out.transpose(0, 3, 1, 2)
-    mean = spec.mean
-    if mean is not None and mean.shape[1] != 1:
-        across = np.arange(w, dtype=np.intp)
-        rows = geometry.h_off[:, None] + np.arange(h, dtype=np.intp)
-        cols = geometry.w_off[:, None] + np.where(geometry.mirror[:, None], across[::-1], across)
-        r, c = xp.asarray(rows), xp.asarray(cols)
-        mean = mean[:, r[:, :, None], c[:, None, :]].transpose(1, 0, 2, 3)  # (N, C, h, w)
-    scale = spec.scale
-    if mean is not None:
-        xp.subtract(u8, mean, out=dst, dtype=np.float32)
-        if scale != 1:
-            xp.multiply(dst, scale, out=dst)
-    elif scale != 1:
-        xp.multiply(u8, scale, out=dst, dtype=np.float32)
-    else:
-        dst[...] = u8
+__all__ = ["DeviceWork", "TransformSplit", "wants_device_transform"]
 
 
 def wants_device_transform(
@@ -141,7 +113,8 @@ class DeviceWork:
                 mean = xp.zeros((c, 1, 1), np.float32)
             spec = t.kernel_spec((c, side, side), mean=mean)
             zeros = np.zeros(2, np.intp)
-            finish_on_device(xp, src, out, Geometry(zeros, zeros, np.array([False, True])), spec)
+            geometry = Geometry(zeros, zeros, np.array([False, True]))
+            apply(xp, src, out, geometry, spec, cropped=True)
         stream.synchronize()
 
     def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
@@ -233,8 +206,8 @@ class DeviceWork:
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         spec = t.kernel_spec(plan.record_shape, mean=mean)  # the device's copy of the mean
 
-        def kernel() -> None:  # the host's arithmetic, over the device's arrays
-            finish_on_device(xp, u8, out, geometry, spec)
+        def kernel() -> None:  # the host's kernel, over the device's arrays
+            apply(xp, u8, out, geometry, spec, cropped=True)
 
         backend.launch(kernel, slot.stream)
 
