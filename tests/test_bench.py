@@ -447,7 +447,13 @@ def test_bench_inputs_quick(tmp_path: Path) -> None:
     """LevelDB, ImageData and HDF5Data against their plain loops: every row printed
     (each contender's batches were checked equal to its plain loop's)."""
     text = run_quick("bench_inputs.py", tmp_path).stdout
-    rows = ("LevelDB | plyvel loop", "LevelDB | Loader x2", "ImageData | imread loop",
-            "ImageData | Loader x2", "HDF5Data | h5py slicing", "HDF5Data | Loader x2")
+    rows = (
+        "LevelDB | plyvel loop",
+        "LevelDB | Loader x2",
+        "ImageData | imread loop",
+        "ImageData | Loader x2",
+        "HDF5Data | h5py slicing",
+        "HDF5Data | Loader x2",
+    )
     for row in rows:
         assert f"| {row} |" in text, text

@@ -43,7 +43,7 @@ from .._codec import TransformationParameter, load_mean_file, transform_fields
 from .._errors import ArgumentError, ProtoError, ShapeError
 from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
-__all__ = ["Phase", "RecordParams", "Transform", "load_mean_file"]
+__all__ = ["Phase", "RecordParams", "Transform", "check_phase", "load_mean_file"]
 
 Phase = Literal["train", "test"]
 Layout = Literal["NCHW", "NHWC"]
@@ -67,7 +67,7 @@ class RecordParams:
     mirror: bool
 
 
-def _check_phase(phase: str) -> Phase:
+def check_phase(phase: str) -> Phase:
     """``phase`` as "train"/"test"; Caffe's spellings "TRAIN"/"TEST" are taken too."""
     if phase in ("TRAIN", "TEST"):
         phase = phase.lower()
@@ -250,6 +250,17 @@ class Transform:
             and self._layout == "NCHW"
         )
 
+    def host_half(self) -> Transform:
+        """The part of this transform done on the host when a device finishes it: crop
+        and mirror only (the same crops and flips), into uint8 NCHW, so the pixels
+        cross to the device at a quarter of float32's bytes; the device then applies
+        the mean at each row's crop offset, the scale and the layout (``_kernels.apply``
+        with ``cropped=True``)."""
+        return Transform(
+            mirror=self._mirror, crop_size=self._crop, force_color=self._force_color,
+            force_gray=self._force_gray, layout="NCHW", dtype="uint8",
+        )  # fmt: skip
+
     def __repr__(self) -> str:
         return (
             f"Transform(scale={float(self._scale)!r}, mirror={self._mirror}, "
@@ -327,7 +338,7 @@ class Transform:
             ShapeError: the crop is larger than the record.
             ValueError: ``phase`` is not "train" or "test".
         """
-        h, w, flip = self.geometry(record_shape, _check_phase(phase), [word]).row(0)
+        h, w, flip = self.geometry(record_shape, check_phase(phase), [word]).row(0)
         return RecordParams(h, w, flip)
 
     def geometry(self, record_shape: Sequence[int], phase: Phase, words: npt.ArrayLike) -> Geometry:
@@ -456,7 +467,7 @@ class Transform:
         """
         self.check_record(chw)
         if params is None:
-            phase = _check_phase(phase)
+            phase = check_phase(phase)
             word = self.draw(seed, epoch, index) if self.needs_random else 0
             params = self.record_params(chw.shape, phase=phase, word=word)
         expected = self.output_shape(chw.shape)

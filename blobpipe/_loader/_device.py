@@ -27,43 +27,21 @@ from typing import Any
 import numpy as np
 
 from .._backends import COMPLETED, Backend, Event, Stream, all_of
-from .._errors import ArgumentError, DataError, ShapeError
+from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry, apply
 from .._io._transform import Transform
 from ._ring import Slot
 
-__all__ = ["DeviceWork", "TransformSplit", "wants_device_transform"]
-
-
-def wants_device_transform(
-    requested: bool | None, backend: Backend, transform: Transform, device: object
-) -> bool:
-    """Whether mean/scale/float conversion run on the device.
-
-    ``requested`` None: when the backend has a device and the transform outputs
-    float32. A uint8 transform has nothing to convert: never on the device.
-
-    Raises:
-        ValueError: ``requested`` True without a device (``device`` is the
-            argument the user passed).
-    """
-    if requested is None:
-        requested = backend.has_device and transform.dtype == np.float32
-    elif requested and not backend.has_device:
-        raise ArgumentError(
-            f"device_transform=True needs a device, but device={device!r} resolved to the "
-            f"{backend.name!r} backend"
-        )
-    return bool(requested and transform.dtype == np.float32)
+__all__ = ["DeviceWork"]
 
 
 class DeviceWork:
     """Issues a filled slot's device work (nothing without a device).
 
     ``on_device``: the transform's mean/scale/float conversion run on the
-    device (see :func:`wants_device_transform`); the host then fills with
-    :meth:`host_transform`.
+    device; the host fills with the transform's host half
+    (:meth:`Transform.host_half`, the Batches' ``split_transform``).
     """
 
     def __init__(self, backend: Backend, transform: Transform, on_device: bool) -> None:
@@ -72,21 +50,6 @@ class DeviceWork:
         self.on_device = on_device
         self._lock = threading.Lock()
         self._means: dict[tuple[int, ...], Any] = {}  # record shape -> device mean (or None)
-
-    def host_transform(self) -> Transform:
-        """The transform the host fills with: the whole one, or with a device
-        transform its CPU half (crop and mirror only, uint8 NCHW)."""
-        t = self._transform
-        if not self.on_device:
-            return t
-        return Transform(
-            mirror=t.mirror,
-            crop_size=t.crop_size,
-            force_color=t.force_color,
-            force_gray=t.force_gray,
-            layout="NCHW",
-            dtype="uint8",
-        )
 
     def warm_up(self) -> None:
         """Run the device transform on a dummy batch in the calling thread (the
@@ -229,44 +192,3 @@ class DeviceWork:
             stream.synchronize()  # landed before any slot's stream reads it
         with self._lock:
             return self._means.setdefault(key, device)
-
-
-class TransformSplit:
-    """Batches' ``split_transform``: decides where the transform runs once the
-    record kind is known, and keeps the decision (:meth:`decided`).
-
-    It refers to no Loader (the Batches keep it), so a dropped Loader stays
-    collectable. ``requested`` and ``device`` are the Loader's
-    ``device_transform`` and ``device`` arguments.
-    """
-
-    def __init__(self, backend: Backend, requested: bool | None, device: object) -> None:
-        self._backend = backend
-        self._requested = requested
-        self._device = device
-        self._decided: tuple[Transform, DeviceWork] | None = None
-
-    def __call__(self, transform: Transform, kind: str) -> Transform | None:
-        """The host's transform when part of ``transform`` runs on the device, else None.
-
-        Raises:
-            ArgumentError: ``device_transform=True`` for records that are not Datums,
-                or without a device.
-        """
-        if self._requested and kind != "datum":
-            raise ArgumentError(
-                "Loader: device_transform=True needs Datum records; this database holds "
-                "BlobProtos (float values: there is no uint8 transfer to save)"
-            )
-        on_device = kind == "datum" and wants_device_transform(
-            self._requested, self._backend, transform, self._device
-        )
-        work = DeviceWork(self._backend, transform, on_device)
-        self._decided = (transform, work)
-        return work.host_transform() if on_device else None
-
-    def decided(self) -> tuple[Transform, DeviceWork]:
-        """The transform and its device work, as decided when the Batches opened."""
-        if self._decided is None:  # pragma: no cover - Batches decides when it opens
-            raise RuntimeError("the transform split was not decided")
-        return self._decided
