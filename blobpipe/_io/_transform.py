@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._codec import TransformationParameter, load_mean_file, transform_fields
-from .._errors import ArgumentError, ProtoError, ShapeError
+from .._errors import ArgumentError, ShapeError
 from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
 __all__ = ["Phase", "RecordParams", "Transform", "check_phase", "load_mean_file"]
@@ -96,9 +96,9 @@ class Transform:
             without mean or scale, for a transform finished later on a device.
 
     Raises:
-        ValueError: a bad layout, dtype, negative crop, or both force flags.
-        ProtoError: both ``mean_file`` and ``mean_value`` are given, or the mean
-            file cannot be read as a BlobProto.
+        ArgumentError: a bad layout, dtype, negative crop, both force flags, or
+            both ``mean_file`` and ``mean_value``; also a ValueError.
+        ProtoError: the mean file cannot be read as a BlobProto.
         FileNotFoundError: the mean file does not exist.
 
     Instances are immutable after construction except for an internal cache of
@@ -129,9 +129,9 @@ class Transform:
             raise ArgumentError("force_color and force_gray cannot both be set")
         values = tuple(float(v) for v in mean_value)
         if mean_file is not None and values:
-            raise ProtoError(
-                "cannot specify mean_file and mean_value at the same time "
-                f"(mean_file={str(mean_file)!r}, mean_value={values})"
+            raise ArgumentError(
+                "give mean_file or mean_value, not both (as Caffe's DataTransformer "
+                f"requires): got mean_file={str(mean_file)!r} and mean_value={values}"
             )
         self._scale: np.float32 = np.float32(scale)
         self._mirror = bool(mirror)
@@ -182,7 +182,9 @@ class Transform:
         it against the current directory, the default).
 
         Raises:
-            ProtoError, FileNotFoundError, ValueError: as :class:`Transform`.
+            ProtoError: ``param`` sets both ``mean_file`` and ``mean_value``, or the
+                mean file cannot be read as a BlobProto.
+            FileNotFoundError, ArgumentError: as :class:`Transform`.
         """
         return cls(**transform_fields(param, base_dir), layout=layout, dtype=dtype)
 
