@@ -7,7 +7,7 @@ keeps working::
     BlobpipeError
     ├── ArgumentError(ValueError)          a bad argument value (batch_size=0, phase="val", ...)
     ├── ArgumentTypeError(TypeError)       an argument of the wrong type
-    ├── FileMissingError(FileNotFoundError)  a named file (mean file, prototxt, list) is missing
+    ├── FileMissingError(FileNotFoundError)  a named file (mean file, list, root...) is missing
     ├── ShapeError(ValueError)             bad shape, axis count, negative dim, dtype
     ├── BlobIndexError(IndexError)         axis or index out of range
     ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
@@ -100,7 +100,8 @@ class ArgumentTypeError(BlobpipeError, TypeError):
 
 
 class FileMissingError(BlobpipeError, FileNotFoundError):
-    """A file named by the caller (mean file, prototxt, list file) does not exist.
+    """A file or folder named by the caller (mean file, prototxt, list file, image
+    root) does not exist.
 
     ``filename`` is the path, as for :class:`FileNotFoundError`.
     """
