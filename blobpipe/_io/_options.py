@@ -306,13 +306,12 @@ def _set(options: BatchesOptions, name: str, value: object) -> None:
     object.__setattr__(options, name, value)  # a frozen record, normalised as it is made
 
 
-def _positive(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or int(value) != value
-        or value < 1
-    ):
+def _positive(name: str, value: Any) -> None:
+    try:
+        whole = not isinstance(value, bool) and int(value) == value and value >= 1
+    except (TypeError, ValueError):  # not a number
+        whole = False
+    if not whole:
         raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
 
 
