@@ -213,7 +213,9 @@ class BatchesOptions:
     )
 
     def __post_init__(self) -> None:
-        """Check every option (the one place), resolve the shard.
+        """Check every option's value (the one place; ``transform``, ``record`` and
+        ``share_random`` name sources, so the sources check them as they open), and
+        resolve the shard.
 
         Raises:
             ArgumentError: a value out of its range or choices, or options that
