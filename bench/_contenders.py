@@ -4,7 +4,7 @@ Every contender offers two measurements, both returning a :class:`Sample`:
 
 * ``first()``: a first epoch: open, one full pass, close (what a short job, an
   evaluation, or the first epoch of training pays). The plain loop, the torch recipe and
-  the Loader run it in a fresh Python process (``python _contenders.py SPEC``), its
+  the Loader run it in a fresh Python process (``python _make.py SPEC``), its
   libraries imported before the clock starts: nothing an earlier pass left in the
   process (pooled batch memory, started threads, one-time checks, warm caches) helps
   it, as nothing helps a job's first epoch;
@@ -92,7 +92,6 @@ __all__ = [
     "TorchRecipe",
     "check_against_transform",
     "close_shared_envs",
-    "make",
     "private_empty",
     "shared_env",
     "torch_version",
@@ -224,7 +223,7 @@ class Contender:
     forks = False
     #: why it does not run (None: it runs)
     skipped: str | None = None
-    #: first epochs run in a fresh process (set for the contenders built by ``make``)
+    #: first epochs run in a fresh process (set for the contenders ``_make.make`` builds)
     fresh_first = False
     out_shape: tuple[int, int, int] = (0, 0, 0)  # one output row
     files: Files
@@ -883,46 +882,6 @@ class DecodeOnly(Contender):
 # -- first epochs in a fresh process ------------------------------------------------------------
 
 
-def make(
-    key: str,
-    files: Files,
-    recipe: Recipe,
-    out_shape: tuple[int, int, int],
-    host: AsyncHost | None = None,
-) -> Contender:
-    """The plain loop ("plain"), the torch recipe ("torch"), DALI's CPU pipeline ("dali";
-    "dali-roi": decoding only the crop), the Loader ("async", "blocking"; "blocking1":
-    one worker; "again": the blocking form a second time, an A/A control) or Batches by
-    hand ("batches") for a
-    workload whose output rows are ``out_shape``; its first epochs run in a fresh
-    process."""
-    contender: Contender
-    if key == "plain":
-        contender = PlainLoop(files, recipe, out_shape)
-    elif key == "torch":
-        contender = TorchRecipe(files, recipe)
-    elif key == "async":
-        assert host is not None
-        contender = LoaderAsync(files, recipe, host)
-    elif key == "blocking":
-        contender = LoaderBlocking(files, recipe)
-    elif key == "blocking1":
-        contender = LoaderBlocking(files, recipe, workers=1)
-    elif key == "again":
-        contender = LoaderBlocking(files, recipe, again=True)
-    elif key == "batches":
-        contender = BatchesLoop(files, recipe)
-    elif key in ("dali", "dali-roi"):
-        from _dali import DaliPipeline  # imports this module: not at the top
-
-        contender = DaliPipeline(files, recipe, roi=key == "dali-roi")
-    else:
-        raise ValueError(f"no contender {key!r}")
-    contender.fresh_first = True
-    contender.out_shape = out_shape
-    return contender
-
-
 def _first_in_fresh_process(contender: Contender, keep: bool) -> Sample:
     with tempfile.TemporaryDirectory() as tmp:
         batch = Path(tmp) / "first.npy"
@@ -934,7 +893,7 @@ def _first_in_fresh_process(contender: Contender, keep: bool) -> Sample:
             "batch": str(batch) if keep else None,
         }
         proc = subprocess.run(
-            [sys.executable, __file__, json.dumps(spec)],
+            [sys.executable, str(Path(__file__).with_name("_make.py")), json.dumps(spec)],
             capture_output=True,
             text=True,
             check=False,
@@ -947,37 +906,3 @@ def _first_in_fresh_process(contender: Contender, keep: bool) -> Sample:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         first = np.load(batch) if keep else None
     return Sample(int(result["images"]), float(result["seconds"]), first)
-
-
-def _child(argv: list[str]) -> int:
-    """``python _contenders.py SPEC``: one first epoch (see ``_first_in_fresh_process``);
-    prints ``{"images": ..., "seconds": ...}``."""
-    spec = json.loads(argv[0])
-    files = Files(**{k: Path(v) for k, v in spec["files"].items()})
-    recipe = Recipe.from_doc(spec["recipe"])
-    # numpy.random (imported on first use, some milliseconds) before the clock for
-    # every contender: the plain loop makes its generator before it, and a training
-    # script has it imported (torch imports it)
-    import numpy.random  # noqa: F401
-
-    if spec["key"] == "torch":
-        import torch.utils.data  # noqa: F401  (imported before the clock, as a script does)
-    if spec["key"].startswith("dali"):
-        import nvidia.dali  # noqa: F401
-    host = AsyncHost() if spec["key"] == "async" else None
-    try:
-        contender = make(spec["key"], files, recipe, tuple(spec["out_shape"]), host)
-        sample = contender.first_here(spec["batch"] is not None)
-        contender.close()
-    finally:
-        if host is not None:
-            host.close()
-        close_shared_envs()
-    if spec["batch"] is not None:
-        np.save(spec["batch"], sample.first_batch)
-    print(json.dumps({"images": sample.images, "seconds": sample.seconds}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))

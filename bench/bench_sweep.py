@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
 import bench_workloads as bw
+from _make import make
 from _workloads_data import DATA_DIR, DbSpec, prepare, warm_page_cache
 
 LATER_TARGET = 1.5
@@ -206,7 +207,7 @@ def build(point: Point, prepared: Any, host: cs.AsyncHost) -> bw.Run:
         recipe = dataclasses.replace(recipe, mean_file=prepared.mean_file)
     files = cs.Files(loader=prepared.path, first=prepared.first, plain=prepared.copy)
     out = recipe.out_shape(*point.shape)
-    rows = [bw.Row(cs.make(key, files, recipe, out, host)) for key in KEYS]
+    rows = [bw.Row(make(key, files, recipe, out, host)) for key in KEYS]
     for row in rows[1:3]:
         row.checks = [
             bw.Check("first", "plain", FIRST_TARGET),

@@ -94,6 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
 from _dali import DaliPipeline, dali_version
+from _make import make
 from _workloads_data import DbSpec, Prepared, imagenet_raw, prepare, warm_page_cache
 
 import blobpipe
@@ -326,7 +327,7 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali
     if w.passthrough:
         rows.append(Row(cs.Memcpy(files, recipe)))
     else:
-        plain = cs.make("plain", files, recipe, out_shape)
+        plain = make("plain", files, recipe, out_shape)
         assert isinstance(plain, cs.PlainLoop)
         dataset = cs.LmdbDataset(files.first, [], recipe)
         errors["plain"] = max(
@@ -334,12 +335,12 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali
             cs.check_against_transform(recipe, files.plain, dataset.rows_of),
         )
         rows.append(Row(plain))
-        tr = cs.make("torch", files, recipe, out_shape)
+        tr = make("torch", files, recipe, out_shape)
         if not torch and tr.skipped is None:
             tr.skipped = "skipped (--no-torch)"
         rows.append(Row(tr))
     for key in ("dali", "dali-roi"):
-        d = cs.make(key, files, recipe, out_shape)
+        d = make(key, files, recipe, out_shape)
         if not dali and d.skipped is None:
             d.skipped = "skipped (--no-dali)"
         if d.skipped is None:
@@ -351,7 +352,7 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali
         rows.append(Row(cs.DecodeOnly(files)))
     running = [r.contender.key for r in rows if r.contender.skipped is None]
     for key in ("async", "blocking"):
-        contender = cs.make(key, files, recipe, out_shape, host)
+        contender = make(key, files, recipe, out_shape, host)
         checks = []
         if w.first_target is not None:
             checks.append(Check("first", w.baseline, w.first_target))
@@ -366,8 +367,8 @@ def build(w: Workload, prepared: Prepared, host: cs.AsyncHost, torch: bool, dali
             ]
         rows.append(Row(contender, checks))
     # the blocking form a second time, unchecked: two measurements of the same code
-    rows.append(Row(cs.make("again", files, recipe, out_shape)))
-    rows.append(Row(cs.make("batches", files, recipe, out_shape)))
+    rows.append(Row(make("again", files, recipe, out_shape)))
+    rows.append(Row(make("batches", files, recipe, out_shape)))
     return Run(w, prepared, recipe, rows, transform_errors=errors)
 
 

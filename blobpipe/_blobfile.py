@@ -15,7 +15,7 @@ import numpy as np
 from ._backends import Backend
 from ._blob import Blob
 from ._codec import BlobProto, StrPath, caffemodel_blobs, read_blobproto_file
-from ._errors import ProtoError
+from ._errors import ArgumentTypeError, ProtoError
 
 __all__ = ["read_blobproto", "read_caffemodel", "write_blobproto"]
 
@@ -57,9 +57,21 @@ def write_blobproto(blob: Blob, path: StrPath, *, write_diff: bool = False) -> N
     ones; Caffe reads either. The message is built before the file is opened,
     so a blob that cannot be written leaves no file behind.
 
-    Raises UnsupportedOperationError for integer blobs, StateError for a
-    closed blob, OSError from the filesystem.
+    Raises ArgumentTypeError (a TypeError) when ``blob`` is not a Blob (the blob
+    comes first, where ``numpy.save`` takes the file first; swapped arguments are
+    named as such),
+    UnsupportedOperationError for integer blobs, StateError for a closed blob,
+    OSError from the filesystem.
     """
+    if not isinstance(blob, Blob):
+        if isinstance(path, Blob):
+            raise ArgumentTypeError(
+                "write_blobproto(blob, path) takes the blob first: got a "
+                f"{type(blob).__name__} ({blob!r}) and then a Blob; swap the arguments"
+            )
+        raise ArgumentTypeError(
+            f"write_blobproto: blob must be a Blob, got {type(blob).__name__} ({blob!r})"
+        )
     payload = blob.to_proto(write_diff=write_diff).SerializeToString()
     Path(path).write_bytes(payload)
 

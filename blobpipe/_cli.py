@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from ._errors import BlobpipeError
+from ._errors import BlobpipeError, command_line
 
 __all__ = ["main"]
 
@@ -81,6 +81,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             encoded=args.encoded,
             encode_type=args.encode_type,
             check_size=args.check_size,
+            strict_labels=args.strict_labels,
             force=args.force,
             commit_every=args.commit_every,
             quiet=args.quiet,
@@ -103,13 +104,14 @@ def _add_convert(sub: Any) -> None:
         sub,
         "convert-imageset",
         "Convert images and a Caffe list file into an LMDB (or a LevelDB) of Datums (Caffe's "
-        "convert_imageset).",
+        "convert_imageset, a name this command answers to as well).",
         "  blobpipe convert-imageset --resize-height 32 --resize-width 40 images/ list.txt db\n"
         "  blobpipe convert-imageset --encoded --encode-type jpg images/ list.txt train_jpg_lmdb\n"
         "  blobpipe convert-imageset --shuffle --seed 1 --gray images/ list.txt gray_lmdb\n"
         "\n"
         "LISTFILE lines are 'relative/path label' (split at the last space); keys are\n"
-        "'%08d_<path>' with the line index. Unreadable images are reported and skipped.\n"
+        "'%08d_<path>' with the line index. Unreadable images are reported and skipped;\n"
+        "a conversion that writes no record fails (exit 1) and leaves no database.\n"
         "The database is built in DB.partial and renamed to DB when complete; after an\n"
         "interruption the same command resumes it.",
     )
@@ -158,6 +160,13 @@ def _add_convert(sub: Any) -> None:
         action="store_true",
         help="fail unless every image has the same size",
     )
+    p.add_argument(
+        "--strict-labels",
+        "--strict_labels",
+        action="store_true",
+        help="refuse labels that are not plain integers (by default they are read as "
+        "Caffe's atoi reads them, '3.7' as 3, and reported once)",
+    )
     p.add_argument("--force", action="store_true", help="replace DB if it exists")
     p.add_argument(
         "--backend",
@@ -193,7 +202,8 @@ def _add_mean(sub: Any) -> None:
     p = _parser_with(
         sub,
         "compute-mean",
-        "Per-pixel mean of an LMDB or LevelDB as a Caffe mean file (Caffe's compute_image_mean).",
+        "Per-pixel mean of an LMDB or LevelDB as a Caffe mean file (Caffe's "
+        "compute_image_mean, a name this command answers to as well).",
         "  blobpipe compute-mean train_lmdb mean.binaryproto\n"
         "  blobpipe compute-mean train_lmdb            # print the channel means only\n",
     )
@@ -622,6 +632,9 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Caffe's tool names, as its scripts call them: the same commands.
+_CAFFE_NAMES = {"convert_imageset": "convert-imageset", "compute_image_mean": "compute-mean"}
+
 # Caffe's tools take gflags: -flag=v or --flag=v or --flag v, booleans as --flag,
 # --noflag or --flag=true|false. Per tool: its boolean flags and its other flags.
 _GFLAGS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -713,6 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
+    if raw and raw[0] in _CAFFE_NAMES:
+        raw[0] = _CAFFE_NAMES[raw[0]]
     try:
         raw = _caffe_spellings(raw)
     except _UsageError as exc:
@@ -727,7 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     handler: _Handler = args.handler
     try:
-        code = handler(args)
+        with command_line():  # messages name options as flags (--force, not force=True)
+            code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return code
     except BrokenPipeError:

@@ -453,7 +453,16 @@ def transform_fields(param: TransformationParameter, base_dir: StrPath = ".") ->
     ``mean_file`` is None when unset; a relative one is joined to ``base_dir``
     unless that is ``"."`` or ``""`` (Caffe resolves it against the current
     directory, the default).
+
+    Raises:
+        ProtoError: ``param`` sets both ``mean_file`` and ``mean_value``.
     """
+    if param.HasField("mean_file") and len(param.mean_value):
+        raise ProtoError(
+            "cannot specify mean_file and mean_value at the same time (Caffe's "
+            f"DataTransformer refuses it): the transform_param sets mean_file "
+            f"{param.mean_file!r} and mean_value {list(param.mean_value)}; keep one"
+        )
     mean_file: str | None = None
     if param.HasField("mean_file"):
         base = os.fspath(base_dir)

@@ -7,7 +7,7 @@ keeps working::
     BlobpipeError
     ├── ArgumentError(ValueError)          a bad argument value (batch_size=0, phase="val", ...)
     ├── ArgumentTypeError(TypeError)       an argument of the wrong type
-    ├── FileMissingError(FileNotFoundError)  a named file (mean file, prototxt, list) is missing
+    ├── FileMissingError(FileNotFoundError)  a named file (mean file, list, root...) is missing
     ├── ShapeError(ValueError)             bad shape, axis count, negative dim, dtype
     ├── BlobIndexError(IndexError)         axis or index out of range
     ├── UnsupportedOperationError(TypeError)  math on integer blobs, etc.
@@ -25,7 +25,10 @@ keeps working::
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import threading
+from collections.abc import Iterator
 
 __all__ = [
     "ArgumentError",
@@ -45,7 +48,42 @@ __all__ = [
     "ShapeError",
     "StateError",
     "UnsupportedOperationError",
+    "command_line",
+    "spell",
 ]
+
+
+# The surface the caller uses, for messages that tell it what to pass: the command
+# line while a ``blobpipe`` command runs (for every thread: a command's worker threads
+# raise in its name), else Python.
+_command_lines = 0
+_surface_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def command_line() -> Iterator[None]:
+    """While it lasts, :func:`spell` names options as the command line does."""
+    global _command_lines
+    with _surface_lock:
+        _command_lines += 1
+    try:
+        yield
+    finally:
+        with _surface_lock:
+            _command_lines -= 1
+
+
+def spell(name: str, value: object = True, *, placeholder: bool = False) -> str:
+    """Option ``name`` set to ``value`` as the caller writes it: ``name=value`` in
+    Python (``force=True``, ``encode_type='jpg'``); on the command line
+    (:func:`command_line`) ``--name`` for True, else ``--name value`` (underscores as
+    dashes: ``--encode-type jpg``). ``placeholder``: ``value`` stands for one to
+    choose (``crop_size=N``), written as it is."""
+    shown = value if placeholder else repr(value)
+    if not _command_lines:
+        return f"{name}={shown}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
 
 
 class BlobpipeError(Exception):
@@ -62,7 +100,8 @@ class ArgumentTypeError(BlobpipeError, TypeError):
 
 
 class FileMissingError(BlobpipeError, FileNotFoundError):
-    """A file named by the caller (mean file, prototxt, list file) does not exist.
+    """A file or folder named by the caller (mean file, prototxt, list file, image
+    root) does not exist.
 
     ``filename`` is the path, as for :class:`FileNotFoundError`.
     """

@@ -129,7 +129,9 @@ def test_convert_refuses_to_overwrite_with_one_line(
 
 def test_convert_reports_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["convert-imageset", str(tmp_path / "none"), LIST, str(tmp_path / "db")]) == 1
-    assert "is not a directory" in capsys.readouterr().err
+    assert "the image root does not exist" in capsys.readouterr().err
+    assert main(["convert-imageset", ROOT, str(tmp_path / "none.txt"), str(tmp_path / "db")]) == 1
+    assert "the list file does not exist" in capsys.readouterr().err
     lst = tmp_path / "l.txt"
     lst.write_text("color/china_00.jpg 1\ncolor/gone.jpg 2\n")
     assert main(["convert-imageset", "-q", ROOT, str(lst), str(tmp_path / "db")]) == 0
@@ -267,6 +269,51 @@ def test_progress_bar_on_a_terminal_and_quiet(tmp_path: Path) -> None:
     assert out == ""
 
 
+def test_messages_name_the_flags_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI says ``--force`` where Python says ``force=True``."""
+    out = tmp_path / "db"
+    out.mkdir()
+    assert main(["convert-imageset", "-q", ROOT, LIST, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("already exists; pass --force to replace it\n"), err
+    grid = tmp_path / "grid.png"
+    grid.write_bytes(b"")
+    assert main(["show", str(CAFFE / "lmdb" / "raw_color"), "-o", str(grid)]) == 1
+    err = capsys.readouterr().err
+    assert "pass --force to replace it" in err and "force=True" not in err
+
+
+def test_a_conversion_that_writes_nothing_exits_1_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lst = tmp_path / "l.txt"
+    lst.write_text("gone/a.jpg 1\ngone/b.jpg 2\n")
+    assert main(["convert-imageset", ROOT, str(lst), str(tmp_path / "db")]) == 1
+    captured = capsys.readouterr()
+    assert "wrote" not in captured.out
+    last = captured.err.splitlines()[-1]
+    assert last.startswith("blobpipe convert-imageset: error: no record written: all 2 list")
+    assert not (tmp_path / "db").exists() and not (tmp_path / "db.partial").exists()
+
+
+def test_loose_labels_are_reported_once_and_refused_with_strict_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lst = tmp_path / "l.txt"
+    lst.write_text("color/china_00.jpg 3.7\ncolor/china_01.jpg 12abc\n")
+    assert main(["convert-imageset", "-q", ROOT, str(lst), str(tmp_path / "db")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "line 1: label '3.7' is not an integer; read as Caffe's atoi reads it, as 3" in err
+    assert "pass --strict-labels to refuse such labels" in err
+    argv = ["convert-imageset", "--strict-labels", ROOT, str(lst), str(tmp_path / "strict")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "line 1: label '3.7' is not an integer (--strict-labels;" in err
+
+
 def test_no_progress_bar_when_piped(tmp_path: Path) -> None:
     proc = run_cli("convert-imageset", ROOT, LIST, str(tmp_path / "db"))
     assert proc.returncode == 0
@@ -275,8 +322,12 @@ def test_no_progress_bar_when_piped(tmp_path: Path) -> None:
 
 # -- kill -9 in the middle of a conversion ---------------------------------------------------
 
+# The child takes Ctrl-C as Python does by default, whatever the disposition it
+# inherited (a test run under nohup or in a background job ignores SIGINT, and an
+# ignored signal stays ignored across exec).
 _SLOW_CONVERT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from blobpipe._tools import _convert
 real = _convert._read_image
 def slow(filename, is_color):
@@ -352,15 +403,20 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        marker = read_marker(tmp_path / "db.partial")
-        if marker is not None and marker["next_index"] >= 4:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the conversion ended before the signal"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            marker = read_marker(tmp_path / "db.partial")
+            if marker is not None and marker["next_index"] >= 4:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the conversion ended before the signal"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:  # no child and no pipe outlive the test, whatever failed
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
     assert proc.returncode == 130
     assert err.count("\n") == 1
     assert err.startswith("blobpipe convert-imageset: interrupted: ")
@@ -397,17 +453,17 @@ def test_convert_takes_caffes_gflags_spellings(tmp_path: Path, name: str, flags:
     assert lmdb_items(out) == lmdb_items(CAFFE / "lmdb" / name)
 
 
-def test_caffes_create_script_runs_with_the_tools_name_changed(tmp_path: Path) -> None:
+def test_caffes_create_script_runs_with_tools_pointing_at_blobpipe(tmp_path: Path) -> None:
     """The lines of Caffe's examples/imagenet/create_imagenet.sh and make_imagenet_mean.sh,
-    with ``$TOOLS/convert_imageset`` and ``$TOOLS/compute_image_mean`` replaced by the
-    blobpipe commands (and the paths by the test data's)."""
+    Caffe's tool names and flags as they are, ``$TOOLS/`` replaced by ``blobpipe `` (and
+    the paths by the test data's)."""
     script = tmp_path / "create.sh"
     script.write_text(
         "set -e\n"
         "RESIZE_HEIGHT=32\n"
         "RESIZE_WIDTH=40\n"
         'TOOLS="$PYTHON -m blobpipe"\n'
-        "GLOG_logtostderr=1 $TOOLS convert-imageset \\\n"
+        "GLOG_logtostderr=1 $TOOLS convert_imageset \\\n"
         "    --resize_height=$RESIZE_HEIGHT \\\n"
         "    --resize_width=$RESIZE_WIDTH \\\n"
         "    --shuffle=false \\\n"
@@ -415,7 +471,8 @@ def test_caffes_create_script_runs_with_the_tools_name_changed(tmp_path: Path) -
         f"    {ROOT} \\\n"
         f"    {LIST} \\\n"
         f"    {tmp_path}/train_lmdb\n"
-        f"$TOOLS compute-mean -backend=lmdb {tmp_path}/train_lmdb {tmp_path}/mean.binaryproto\n"
+        f"$TOOLS compute_image_mean -backend=lmdb {tmp_path}/train_lmdb "
+        f"{tmp_path}/mean.binaryproto\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
     proc = subprocess.run(
@@ -556,6 +613,34 @@ def test_show_draws_each_record_in_its_true_colours(
         assert layout.keys[i] == key and layout.labels is not None
         assert layout.labels[i] == label
     reader.close()
+
+
+def test_show_draws_whole_keys_on_as_many_lines_as_they_need(tmp_path: Path) -> None:
+    """A key wider than its column goes on over several caption lines, never cut;
+    the images stay where the layout says."""
+    import cv2
+
+    import blobpipe
+    from blobpipe._io._image import text_width
+    from blobpipe._tools._show import show_grid
+    from tests._helpers import image, write_lmdb
+
+    keys = [b"%08d_cats/a_rather_long_file_name_%d.jpg" % (i, i) for i in range(3)]
+    keys.append(b"00000003_dog.jpg")
+    records = [(k, blobpipe.encode_raw_datum(image(i, (3, 4, 5)), i)) for i, k in enumerate(keys)]
+    db = write_lmdb(tmp_path / "db", records)
+    layout = show_grid(db, tmp_path / "g.png", zoom=2, columns=2)
+    png = cv2.imread(str(tmp_path / "g.png"), cv2.IMREAD_UNCHANGED)
+    for i, key in enumerate(layout.keys):
+        *key_lines, label = layout.captions[i]
+        assert "".join(key_lines) == key.decode(), key_lines
+        assert all(text_width(line) <= layout.column_width for line in key_lines)
+        assert label == f"label {i}"
+        y, x = layout.origin(i)
+        want = image(i, (3, 4, 5)).transpose(1, 2, 0).repeat(2, axis=0).repeat(2, axis=1)
+        assert np.array_equal(png[y : y + 8, x : x + 10], want)
+    assert len(layout.captions[0]) > 2  # the long keys took more than one line
+    assert layout.caption_height == 12 * max(len(c) for c in layout.captions) + 4
 
 
 def test_show_draws_transformed_rows_and_gray(tmp_path: Path) -> None:

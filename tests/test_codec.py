@@ -132,6 +132,22 @@ def test_rewriting_the_mean_keeps_its_values(tmp_path: Path, host: HostBackend) 
             np.testing.assert_array_equal(again.cpu_data(), mean.cpu_data())
 
 
+def test_write_blobproto_with_its_arguments_swapped_says_so(
+    tmp_path: Path, host: HostBackend
+) -> None:
+    """``write_blobproto(path, blob)`` (numpy.save's order) is a TypeError that says
+    to swap them, and writes nothing."""
+    path = tmp_path / "mean.binaryproto"
+    with read_blobproto(MEAN, backend=host) as mean:
+        with pytest.raises(
+            TypeError, match=r"takes the blob first: got a PosixPath .* then a Blob; swap"
+        ):
+            write_blobproto(path, mean)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"blob must be a Blob, got ndarray"):
+            write_blobproto(mean.cpu_data(), path)  # type: ignore[arg-type]
+    assert not path.exists()
+
+
 def test_legacy_v1_caffemodel(tmp_path: Path, host: HostBackend) -> None:
     net = caffe_pb2.NetParameter()
     layer = net.layers.add()

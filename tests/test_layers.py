@@ -215,3 +215,19 @@ def test_no_private_use_across_modules() -> None:
     assert not uses, "private members used across modules:\n" + "\n".join(
         f"{m}: {u} ({n}x)" for (m, u), n in sorted(uses.items())
     )
+
+
+# -- one owner per third party -----------------------------------------------------------------
+
+
+def test_opencv_is_imported_by_the_image_module_alone() -> None:
+    """``_io/_image.py`` owns OpenCV (decode, encode, resize, captions): the pixel limit
+    and the error wrapping hold for every image blobpipe reads or writes."""
+    importers = sorted(
+        module
+        for module, tree in TREES.items()
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Import) and any(a.name == "cv2" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and node.module == "cv2")
+    )
+    assert importers == ["blobpipe._io._image"]

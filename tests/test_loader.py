@@ -710,6 +710,21 @@ async def test_cancel_while_waiting_loses_no_batch(
     pools.assert_returned()
 
 
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_open_without_await_in_plain_code_opens_the_loader(db30: Path, device: str) -> None:
+    """``loader.open()`` outside an event loop opens the loader there and then (as
+    ``with`` does); what it returns may be dropped (no coroutine left unawaited)."""
+    backend = "cpu" if device == "cpu" else EmulatedBackend()
+    loader = Loader(db30, 4, device=backend, transform=Transform(scale=0.5))
+    loader.open()
+    assert repr(loader).endswith(" open>")
+    got = [Got.of(next(loader)) for _ in range(3)]
+    with pytest.raises(StateError, match="this Loader is open; a Loader can be opened once"):
+        loader.open()
+    loader.close()
+    assert_matches(got, expected(db30, 3, batch_size=4, transform=Transform(scale=0.5)))
+
+
 @pytest.mark.anyio
 async def test_close_is_idempotent_and_final(db30: Path) -> None:
     loader = Loader(db30, 4, device="cpu")

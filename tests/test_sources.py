@@ -519,7 +519,10 @@ def test_databases_as_one_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("shape", "fix"),
-    [((1, 6, 8), "--force-color"), ((3, 9, 9), "--resize_height/--resize_width")],
+    [
+        ((1, 6, 8), "force_color=True or force_gray=True"),
+        ((3, 9, 9), "--resize_height/--resize_width"),
+    ],
     ids=["channels", "size"],
 )
 def test_databases_whose_records_differ_in_shape_are_refused_at_open(

@@ -322,13 +322,13 @@ async def test_the_transform_kernels_run_once_at_open(
 
     seen: list[int] = []  # batches planned when the kernel ran
     loader: Loader | None = None
-    real = device_module.finish_on_device
+    real = device_module.apply
 
     def spy(*args: Any, **kwargs: Any) -> None:
         seen.append(loader._pipe._planned if loader is not None else -1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(device_module, "finish_on_device", spy)
+    monkeypatch.setattr(device_module, "apply", spy)
     t = Transform(mean_value=(1, 2, 3), scale=0.5, crop_size=8, mirror=True)
     loader = Loader(
         db30,
@@ -368,7 +368,7 @@ def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None
     counts: list[int] = []
     import blobpipe._loader._device as device_module
 
-    real = device_module.finish_on_device
+    real = device_module.apply
 
     ufunc = EmulatedArray.__array_ufunc__
     active: dict[int, list[int]] = {}  # slots' kernels may run at once: one count each
@@ -379,17 +379,17 @@ def test_the_device_transform_is_a_few_launches_a_batch(batch_size: int) -> None
             calls[0] += 1
         return ufunc(self, *a, **k)
 
-    def counted(xp: Any, *args: Any) -> None:
+    def counted(xp: Any, *args: Any, **kwargs: Any) -> None:
         calls = active[threading.get_ident()] = [0]
         try:
-            real(xp, *args)
+            real(xp, *args, **kwargs)
         finally:
             del active[threading.get_ident()]
         counts.append(calls[0])
 
     got = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device_module, "finish_on_device", counted)
+        mp.setattr(device_module, "apply", counted)
         mp.setattr(EmulatedArray, "__array_ufunc__", count)
         with Loader(
             RAW_COLOR, batch_size, device=backend, prefetch=1, workers=1, **options
@@ -412,20 +412,20 @@ def test_the_device_kernel_reads_the_slots_geometry_as_the_host_drew_it() -> Non
     filled: list[tuple[Any, Any, list[tuple[int, int, bool]]]] = []  # (geometry, plan, rows)
     kernels: list[Any] = []
     launch = device_module.DeviceWork._launch_transform
-    finish = device_module.finish_on_device
+    finish = device_module.apply
 
     def spy_launch(self: Any, slot: Any, plan: Any, mean: Any, *arrays: Any) -> None:
         g = slot.geometry
         filled.append((g, plan, [g.row(r) for r in range(len(g))]))
         launch(self, slot, plan, mean, *arrays)
 
-    def spy_finish(xp: Any, u8: Any, out: Any, geometry: Any, spec: Any) -> None:
+    def spy_finish(xp: Any, u8: Any, out: Any, geometry: Any, spec: Any, **kwargs: Any) -> None:
         kernels.append(geometry)
-        finish(xp, u8, out, geometry, spec)
+        finish(xp, u8, out, geometry, spec, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(device_module.DeviceWork, "_launch_transform", spy_launch)
-        mp.setattr(device_module, "finish_on_device", spy_finish)
+        mp.setattr(device_module, "apply", spy_finish)
         with Loader(
             RAW_COLOR, 3, device=EmulatedBackend(), prefetch=2, transform=t, phase="train",
             order="shuffle", seed=4,
@@ -754,3 +754,48 @@ def test_the_emulated_dlpack_stream_values() -> None:
     assert backend.dlpack_stream(side) is side
     with pytest.raises(TypeError, match="the emulated device takes its own streams"):
         backend.dlpack_stream("side")
+
+
+# -- one transform for host and device -----------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 7), (3, 7, 1), (1, 1, 1), (3, 5, 6)])
+@pytest.mark.parametrize("crop_size", [0, 1])
+@pytest.mark.parametrize("mean", ["file", "value"])
+def test_host_and_device_transforms_agree_on_records_one_pixel_high_or_wide(
+    tmp_path: Path, shape: tuple[int, int, int], crop_size: int, mean: str
+) -> None:
+    """The device finishes a uint8 batch with the host kernel's arithmetic: a mean
+    file taken at each row's crop offset and flipped with its row, whatever the
+    record's height or width (one pixel included), equal to the host's bits."""
+    from blobpipe._proto import caffe_pb2
+    from tests._helpers import raw_db
+
+    db = raw_db(tmp_path / "db", 12, shape)
+    means: dict[str, Any] = {"value": (10.0, 20.0, 30.0)[: shape[0]]}
+    if mean == "file":
+        values = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * 1.5
+        proto = caffe_pb2.BlobProto()
+        proto.shape.dim.extend(shape)
+        proto.data.extend(values.reshape(-1).tolist())
+        (tmp_path / "mean.binaryproto").write_bytes(proto.SerializeToString())
+        transform = Transform(
+            mean_file=tmp_path / "mean.binaryproto", scale=0.5, crop_size=crop_size, mirror=True
+        )
+    else:
+        transform = Transform(
+            mean_value=means["value"], scale=0.5, crop_size=crop_size, mirror=True
+        )
+    options: dict[str, Any] = {
+        "transform": transform, "phase": "train", "order": "shuffle", "seed": 7,
+    }  # fmt: skip
+    got = []
+    with Loader(
+        db, 4, device=EmulatedBackend(), prefetch=1, workers=1, device_transform=True, **options
+    ) as loader:
+        assert loader.device_transform
+        for _, batch in zip(range(3), loader, strict=False):
+            got.append(np.array(to_numpy(batch.data.gpu_data())))
+    want = _expected(db, 3, batch_size=4, **options)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), k

@@ -6,6 +6,7 @@ import errno
 import io
 import logging
 import os
+import re
 import shutil
 import tracemalloc
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 
 import blobpipe
 from blobpipe import _errors
-from blobpipe._errors import DatabaseNotFoundError, DataError
+from blobpipe._errors import DatabaseNotFoundError, DataError, FileMissingError
 from blobpipe._io._batches import Batches
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -161,6 +162,70 @@ def test_labels_are_read_as_caffes_atoi_reads_them(tmp_path: Path) -> None:
             read_list_file(lst)
 
 
+def test_labels_that_are_not_integers_are_counted_and_reported_once(tmp_path: Path) -> None:
+    """``3.7`` and ``12abc`` are read as Caffe's atoi reads them (3 and 12), but
+    counted and reported once, with the first; ``strict_labels`` refuses them."""
+    lst = write_list(
+        tmp_path / "l.txt",
+        ["color/china_00.jpg 3.7", "color/china_01.jpg 1", "color/china_02.jpg 12abc"],
+    )
+    seen: list[str] = []
+    result = convert_imageset(ROOT, lst, tmp_path / "db", report=seen.append)
+    assert [datum(v).label for _, v in lmdb_items(tmp_path / "db")] == [3, 1, 12]
+    assert result.loose_labels == 2
+    assert len(seen) == 1, seen
+    assert re.fullmatch(
+        r"list file '.*l\.txt' line 1: label '3\.7' is not an integer; read as Caffe's atoi "
+        r"reads it, as 3 \(2 such labels in the list\); pass strict_labels=True to refuse "
+        r"such labels",
+        seen[0],
+    ), seen[0]
+    with pytest.raises(
+        DataError, match=r"line 1: label '3\.7' is not an integer \(strict_labels=True; Caffe"
+    ):
+        convert_imageset(ROOT, lst, tmp_path / "strict", strict_labels=True)
+    assert not (tmp_path / "strict").exists() and not (tmp_path / "strict.partial").exists()
+    with pytest.raises(DataError, match=r"line 3: label '12abc' is not an integer"):
+        read_list_file(
+            write_list(tmp_path / "m.txt", ["a 1", "b 2", "c 12abc"]), strict_labels=True
+        )
+    # integers with white space around them (CRLF lists) are plain integers
+    lst.write_bytes(b"color/china_00.jpg 3\r\ncolor/china_01.jpg +1\t\n")
+    seen.clear()
+    assert convert_imageset(ROOT, lst, tmp_path / "crlf", report=seen.append).loose_labels == 0
+    assert seen == []
+
+
+def test_a_conversion_that_writes_nothing_fails_and_leaves_no_database(tmp_path: Path) -> None:
+    lst = write_list(tmp_path / "l.txt", ["gone/a.jpg 1", "gone/b.jpg 2"])
+    with pytest.raises(
+        DataError,
+        match=r"no record written: all 2 list entries were skipped \(the first, 'gone/a\.jpg': "
+        r"file not found\); the list's paths are read relative to the image root",
+    ):
+        convert_imageset(ROOT, lst, tmp_path / "db", report=lambda _: None)
+    assert not (tmp_path / "db").exists() and not (tmp_path / "db.partial").exists()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"nothing to convert: the list file .* holds no lines"):
+        convert_imageset(ROOT, tmp_path / "empty.txt", tmp_path / "db")
+    assert not (tmp_path / "db").exists() and not (tmp_path / "db.partial").exists()
+
+
+def test_an_image_opencv_cannot_encode_names_opencvs_reason(tmp_path: Path) -> None:
+    """OpenCV's error is the cause, and its words are in the message (not swallowed)."""
+    from blobpipe._io._image import encode_image
+
+    with pytest.raises(DataError, match="could not find encoder") as info:
+        encode_image(np.zeros((4, 4, 3), np.uint8), "xyz")
+    assert isinstance(info.value.__cause__, cv2.error)
+    with pytest.raises(
+        DataError,
+        match=r"china_00\.jpg': OpenCV cannot encode .* as 'xyz' \(.*could not find encoder.*"
+        r"\); encode_type='jpg' or encode_type='png'",
+    ):
+        convert_imageset(ROOT, LIST, tmp_path / "db", encoded=True, encode_type="xyz")
+
+
 def test_a_path_too_long_for_an_lmdb_key_names_its_line(tmp_path: Path) -> None:
     lst = tmp_path / "l.txt"
     lst.write_bytes(b"ok.png 1\n" + b"d/" * 304 + b" 2\n")  # a 608-byte path
@@ -219,21 +284,33 @@ def test_unreadable_images_are_skipped_but_keep_their_index(tmp_path: Path) -> N
     result = convert_imageset(root, lst, tmp_path / "db", report=seen.append)
     keys = [k for k, _ in lmdb_items(tmp_path / "db")]
     assert keys == [b"00000000_color/china_00.jpg", b"00000004_color/synth 07 with space.png"]
-    assert [(s.index, s.reason) for s in result.skipped] == [
+    assert [(s.index, s.reason) for s in result.skipped[:2]] == [
         (1, "file not found"),
         (2, "file not found"),
-        (3, "OpenCV cannot decode it"),
     ]
+    # the image module's reason: what OpenCV could not do, and why
+    assert result.skipped[2].index == 3
+    assert result.skipped[2].reason.startswith("OpenCV cannot decode the encoded image (10 bytes")
     assert len(seen) == 3
     assert "00000001_color/missing.jpg" in seen[0]
     assert "missing.jpg" in seen[0]
 
 
 def test_missing_root_or_list_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"image root .* is not a directory"):
+    """A missing root or list file is a FileMissingError (a FileNotFoundError), as
+    the error tree says of files the caller names."""
+    with pytest.raises(FileMissingError, match=r"the image root does not exist: .*nope'") as e:
         convert_imageset(tmp_path / "nope", LIST, tmp_path / "db")
-    with pytest.raises(DataError, match=r"cannot read list file .*nope\.txt"):
-        convert_imageset(ROOT, tmp_path / "nope.txt", tmp_path / "db")
+    assert e.value.filename == str(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match=r"image root .*file' is not a directory"):
+        convert_imageset(tmp_path / "file", LIST, tmp_path / "db")
+    for call in (
+        lambda: convert_imageset(ROOT, tmp_path / "nope.txt", tmp_path / "db"),
+        lambda: read_list_file(tmp_path / "nope.txt"),
+    ):
+        with pytest.raises(FileMissingError, match=r"the list file does not exist: .*nope\.txt"):
+            call()
     assert not (tmp_path / "db").exists()
 
 
@@ -290,7 +367,7 @@ def test_existing_output_is_never_overwritten_without_force(tmp_path: Path) -> N
     out = tmp_path / "db"
     out.mkdir()
     (out / "precious").write_text("keep")
-    with pytest.raises(OutputExistsError, match=r"already exists; pass --force"):
+    with pytest.raises(OutputExistsError, match=r"already exists; pass force=True to replace it$"):
         convert_imageset(ROOT, LIST, out)
     assert (out / "precious").read_text() == "keep"
     convert_imageset(ROOT, LIST, out, force=True, **CAFFE_FLAGS["raw_color"])

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from blobpipe._errors import ProtoError, ShapeError
+from blobpipe._errors import ArgumentError, ProtoError, ShapeError
 from blobpipe._io._transform import RecordParams, Transform, load_mean_file
 from blobpipe._proto import caffe_pb2
 from tests._helpers import lmdb_items
@@ -254,8 +254,14 @@ def test_errors() -> None:
         ShapeError, match=r"\(C, H, W\) uint8 or float32 array, got shape \(8, 10\)"
     ):
         Transform().apply_into(np.zeros((8, 10), np.uint8), np.empty((8, 10), np.float32))
-    with pytest.raises(ProtoError, match="cannot specify mean_file and mean_value"):
+    # an argument error for the caller, naming both arguments (a prototxt's is a ProtoError)
+    with pytest.raises(
+        ArgumentError, match=r"give mean_file or mean_value, not both .*mean_value=\(1\.0,\)"
+    ):
         Transform(mean_file=MEAN_FILE, mean_value=(1,))
+    param = caffe_pb2.TransformationParameter(mean_file=str(MEAN_FILE), mean_value=[1])
+    with pytest.raises(ProtoError, match="cannot specify mean_file and mean_value"):
+        Transform.from_proto(param)
     with pytest.raises(ValueError, match="layout must be"):
         Transform(layout="CHW")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dtype must be"):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -57,30 +57,36 @@ from .._errors import (
 from ._fill import Part, RecordSource, part_of
 from ._kernels import Geometry, check_geometry_out
 from ._lmdb import LmdbReader
-from ._order import EpochOrder, Order, ShardMode, ranks_per_node_from, shard_from
+from ._options import (
+    BatchesKeywords,
+    BatchesOptions,
+    Last,
+    Mode,
+    Unpack,
+    check_keywords,
+    signature_with_options,
+    with_options_doc,
+)
+from ._order import EpochOrder
 from ._plan import ArrayBatch, BatchPlan, Run, advance, key_source, row_arrays
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
-from ._sources import Record, Source, Sources, check_shared, open_sources
-from ._transform import Phase, Transform, _check_phase
+from ._sources import Source, Sources, check_shared, open_sources
+from ._transform import Phase, Transform
 
 __all__ = ["ArrayBatch", "BatchPlan", "Batches", "RecordSource"]
-
-Mode = Literal["wrap", "epoch"]
-Last = Literal["keep", "drop", "pad"]
-
-#: Largest batch (the data array of one batch, each source's) Batches plans by default.
-DEFAULT_MAX_BATCH_BYTES = 4 << 30
 
 
 class Batches:
     """Batches of records from an LMDB of Caffe Datums, like Caffe's DataLayer.
 
     Args:
-        source: an LMDB path (opened, and closed by :meth:`close`) or an open
-            reader (left open); a list of them, read as one dataset (record
-            ``i`` of the whole is in the first database holding it, in list
+        source: an LMDB or LevelDB path (opened, and closed by :meth:`close`) or an
+            open reader (left open: an :class:`~blobpipe.LmdbReader`,
+            :class:`~blobpipe.LevelDbReader`, :class:`~blobpipe.ImageList`,
+            :class:`~blobpipe.Hdf5Data`); a list of them, read as one dataset
+            (record ``i`` of the whole is in the first database holding it, in list
             order: order, shuffle, shards and resume run over all); or several
             sources by name (each a database or a list),
             ``{"data": images, "label": label_maps}``, read in lockstep as one
@@ -88,76 +94,15 @@ class Batches:
             and resume for all, each source Datum or BlobProto records, a batch
             holding each source's array (``batch["label"]``).
         batch_size: records per batch.
-        transform: the :class:`Transform` (default: none, float32 NCHW output);
-            with several sources a mapping ``{name: Transform}`` (sources left
-            out get none).
-        record: "auto" (default: told from the first record), "datum" or
-            "blobproto" (records are ``caffe.BlobProto``: batches of shape
-            ``(N, *blob shape)``, no labels); with several sources, one value or
-            a mapping by name.
-        blob_dtype: BlobProto batches' element type: "float32" (default) or
-            "float64" (the exact values of records holding ``double_data``).
-        share_random: with several sources, which draw the same random crop and
-            flip per row (an image and its label map): True (all), or a
-            collection of names; others draw their own. Sharing sources need
-            the same ``crop_size`` and ``mirror``, and records of one height
-            and width.
-        split_transform: called once at open with the primary source's transform
-            and record kind ("datum" or "blobproto"); the primary's rows are filled
-            with the transform it returns (a Loader's host half of a device
-            transform; :attr:`transform` is then that one), or with the given one
-            when it returns None.
-        phase: "train" (random crops) or "test" (centre crops); mirror is random
-            in both when enabled, as in Caffe.
-        order: "key" (Caffe), "shuffle" (a global permutation per epoch, seeded
-            by ``(seed, epoch)``), "buffer" (a shuffle buffer of ``buffer_size``
-            records over key order: reads stay near each other) or "quasi" (for
-            databases larger than memory: runs of ``buffer_size // 32`` consecutive
-            records, permuted, shuffled together 32 runs at a time, so an epoch
-            reads from at most ``buffer_size`` records' worth of the file at once).
-        buffer_size: the shuffle buffer's or the quasi-random window's size; only
-            with ``order="buffer"`` or ``"quasi"``.
-        seed: seeds the shuffle and the per-record randomness.
-        shard: ``None``, ``(rank, world_size)`` or "auto": an initialised
-            ``torch.distributed`` process group's rank and size, else torchrun's
-            ``RANK``/``WORLD_SIZE`` environment variables, else no sharding.
-        shard_mode: "strided" (record position ``i`` goes to rank ``i % world``),
-            "contiguous", or "node": each node (``ranks_per_node`` consecutive
-            ranks) keeps the same part of the records in every epoch, ordered
-            within the node and split between its ranks, so a node's page cache
-            holds only its part.
-        ranks_per_node: the ranks of one node, with ``shard_mode="node"``
-            (default: torchrun's ``LOCAL_WORLD_SIZE``).
-        pad_shards: how sharded epochs are made equal. True (default): every rank
-            gets ``ceil(n / world)`` records, the epoch's order wrapping around to
-            repeat its first records, as torch's DistributedSampler does; "drop":
-            every rank gets ``floor(n / world)``, the last ``n % world`` positions
-            of the epoch's order unread (DistributedSampler's ``drop_last``).
-            Either way every rank sees the same number of batches, which
-            distributed training needs (a rank with one batch fewer leaves the
-            others waiting at an all-reduce). False: shards are disjoint and cover
-            every record once, and may differ in length by one. No effect without
-            shards.
-        mode: "wrap" (Caffe: the cursor wraps to the start mid-batch, every batch
-            is full, iteration is endless) or "epoch" (iteration stops at the end
-            of each epoch; iterate again for the next epoch).
-        last: with ``mode="epoch"``, the last partial batch is kept (smaller),
-            dropped, or padded to ``batch_size`` with the epoch's first records
-            (``batch.valid`` counts the real rows).
-        readahead: passed to the LMDB reader (OS readahead; off suits random
-            access).
-        label_dtype: "float32" (Caffe's DataLayer output) or "int64" (the exact
-            int32 labels, as class indices: ``CrossEntropyLoss`` takes them).
-        state: a :meth:`state_dict` to resume from.
-        max_batch_bytes: the largest data array one batch may need (each source's;
-            default 4 GiB): a batch the records would make larger is a DataError
-            naming the record, before anything is allocated.
+
+    Keyword options (each checked as the Batches are made):
+        {options}
 
     Raises:
         ArgumentError: a bad argument (batch size, order, mode, last, shard...);
             also a ValueError.
-        ArgumentTypeError: ``shard`` of the wrong type, a rank, world size or
-            ``ranks_per_node`` that is not an integer; also a TypeError.
+        ArgumentTypeError: an unknown keyword, ``shard`` of the wrong type, or a rank,
+            world size or ``ranks_per_node`` that is not an integer; also a TypeError.
         DatabaseNotFoundError: ``source`` does not exist.
         DataError: the database is empty, this shard holds no records, or the
             resume state does not match the database.
@@ -175,94 +120,30 @@ class Batches:
         self,
         source: Sources | Mapping[str, Sources],
         batch_size: int,
-        *,
-        transform: Transform | Mapping[str, Transform] | None = None,
-        phase: Phase = "train",
-        order: Order = "key",
-        buffer_size: int | None = None,
-        seed: int = 0,
-        shard: tuple[int, int] | Literal["auto"] | None = None,
-        shard_mode: ShardMode = "strided",
-        pad_shards: bool | Literal["drop"] = True,
-        mode: Mode = "wrap",
-        last: Last = "keep",
-        readahead: bool = False,
-        state: dict[str, Any] | None = None,
-        label_dtype: Literal["float32", "int64"] = "float32",
-        record: Record | Mapping[str, Record] = "auto",
-        blob_dtype: Literal["float32", "float64"] = "float32",
-        share_random: bool | Collection[str] = False,
-        split_transform: Callable[[Transform, RecordKind], Transform | None] | None = None,
-        ranks_per_node: int | None = None,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        **options: Unpack[BatchesKeywords],
     ) -> None:
-        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-            raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if (
-            isinstance(max_batch_bytes, bool)
-            or int(max_batch_bytes) != max_batch_bytes
-            or max_batch_bytes < 1
-        ):
-            raise ArgumentError(
-                f"max_batch_bytes must be a positive integer, got {max_batch_bytes!r}"
-            )
-        self._max_batch_bytes = int(max_batch_bytes)
-        self._phase = _check_phase(phase)
-        if order not in ("key", "shuffle", "buffer", "quasi"):
-            raise ArgumentError(
-                f"order must be 'key', 'shuffle', 'buffer' or 'quasi', got {order!r}"
-            )
-        if order in ("buffer", "quasi"):
-            if buffer_size is None or buffer_size < 1:
-                raise ArgumentError(
-                    f"order={order!r} needs buffer_size >= 1, got buffer_size={buffer_size!r}"
-                )
-        elif buffer_size is not None:
-            raise ArgumentError(
-                f"buffer_size is only used with order='buffer' or 'quasi', not {order!r}"
-            )
-        if mode not in ("wrap", "epoch"):
-            raise ArgumentError(f"mode must be 'wrap' or 'epoch', got {mode!r}")
-        if last not in ("keep", "drop", "pad"):
-            raise ArgumentError(f"last must be 'keep', 'drop' or 'pad', got {last!r}")
-        if shard_mode not in ("strided", "contiguous", "node"):
-            raise ArgumentError(
-                f"shard_mode must be 'strided', 'contiguous' or 'node', got {shard_mode!r}"
-            )
-        if label_dtype not in ("float32", "int64"):
-            raise ArgumentError(f"label_dtype must be 'float32' or 'int64', got {label_dtype!r}")
-        self._label_dtype = np.dtype(label_dtype)
-        if int(seed) != seed or seed < 0:
-            raise ArgumentError(f"seed must be a non-negative integer, got {seed!r}")
-        if blob_dtype not in ("float32", "float64"):
-            raise ArgumentError(f"blob_dtype must be 'float32' or 'float64', got {blob_dtype!r}")
-        self._rank, self._world = shard_from(shard)
-        per_node = ranks_per_node_from(ranks_per_node, self._world) if shard_mode == "node" else 1
-        self._batch_size = int(batch_size)
-        self._seed = int(seed)
-        if pad_shards not in (True, False, "drop"):
-            raise ArgumentError(f"pad_shards must be True, False or 'drop', got {pad_shards!r}")
-        self._pad_shards: bool | Literal["drop"] = pad_shards
-        self._mode: Mode = mode
-        self._last: Last = last
+        check_keywords(options, "Batches.__init__", ())
+        opts = BatchesOptions(batch_size=batch_size, **options)
+        self._batch_size = int(opts.batch_size)
+        self._max_batch_bytes = int(opts.max_batch_bytes)
+        self._phase: Phase = opts.phase
+        self._label_dtype = np.dtype(opts.label_dtype)
+        self._rank, self._world = opts.rank_world
+        self._seed = int(opts.seed)
+        self._pad_shards: bool | Literal["drop"] = opts.pad_shards
+        self._mode: Mode = opts.mode
+        self._last: Last = opts.last
+        # what a pickled copy reopens with: the source and the options (its shard and
+        # node size as resolved here), at the state it was pickled at
+        self._source = source
+        self._options = dataclasses.replace(opts, state=None)
 
         self._closed = False
         self._sources: list[Source] = []
-        # what a pickled copy reopens with (its shard and node size as resolved here)
-        self._reopen: dict[str, Any] = {
-            "source": source, "batch_size": batch_size, "transform": transform,
-            "phase": phase, "order": order, "buffer_size": buffer_size, "seed": seed,
-            "shard": (self._rank, self._world), "shard_mode": shard_mode,
-            "pad_shards": pad_shards, "mode": mode, "last": last, "readahead": readahead,
-            "label_dtype": label_dtype, "record": record, "blob_dtype": blob_dtype,
-            "share_random": share_random, "max_batch_bytes": max_batch_bytes,
-            "split_transform": split_transform,
-            "ranks_per_node": per_node if shard_mode == "node" else ranks_per_node,
-        }  # fmt: skip
         try:
             self._sharing = open_sources(
-                self._sources, source, transform, record, np.dtype(blob_dtype), share_random,
-                readahead, self._phase, split_transform,
+                self._sources, source, opts.transform, opts.record, np.dtype(opts.blob_dtype),
+                opts.share_random, opts.readahead, self._phase, opts.split_transform,
             )  # fmt: skip
             # whether any source draws crops or flips (a Loader's host transform keeps them)
             self._random = any(src.filler.transform.needs_random for src in self._sources)
@@ -271,13 +152,14 @@ class Batches:
             self._path = primary.path
             self._filler = primary.filler
             self._transform = primary.filler.transform
+            self._split_from: Transform | None = primary.split_from
             self._keys = primary.keys
             self._n = len(self._keys)
             if self._n == 0:
                 raise DataError("the database holds no records", path=self._path)
             self._epochs = EpochOrder(
-                self._n, order, buffer_size, self._seed, (self._rank, self._world),
-                shard_mode, self._pad_shards, per_node,
+                self._n, opts.order, opts.buffer_size, self._seed, (self._rank, self._world),
+                opts.shard_mode, self._pad_shards, opts.per_node,
             )  # fmt: skip
             # the values of the next records requested ahead of the batches planned
             self._ahead = [
@@ -298,7 +180,8 @@ class Batches:
                     f"(the database has {self._n})",
                     path=self._path,
                 )
-            if mode == "epoch" and last == "drop" and self._shard_len < self._batch_size:
+            drop = self._mode == "epoch" and self._last == "drop"
+            if drop and self._shard_len < self._batch_size:
                 raise ArgumentError(
                     f"with last='drop', a shard of {self._shard_len} records never fills a "
                     f"batch of {self._batch_size}: every epoch would be empty; use "
@@ -308,8 +191,8 @@ class Batches:
             self._pos = 0
             self._end_pending = False
             self._deferred: Exception | None = None  # next_plans: the next call raises it
-            if state is not None:
-                self.load_state_dict(state)
+            if opts.state is not None:
+                self.load_state_dict(opts.state)
         except BaseException:
             self.close()
             raise
@@ -338,9 +221,16 @@ class Batches:
 
     @property
     def transform(self) -> Transform:
-        """The transform applied to every record (of the primary source)."""
+        """The transform the primary source's rows are filled with (its host half
+        under ``split_transform``)."""
         t: Transform = self._transform
         return t
+
+    @property
+    def split_from(self) -> Transform | None:
+        """The primary source's whole transform when its rows are filled with its host
+        half (``split_transform``: a device finishes them), else None."""
+        return self._split_from
 
     @property
     def batch_size(self) -> int:
@@ -751,7 +641,7 @@ class Batches:
                 "these Batches are closed; pickle Batches that are open (the copy reopens "
                 "the databases)"
             )
-        return (_reopened, (self._reopen, self.state_dict()))
+        return (_reopened, (self._source, self._options, self.state_dict()))
 
     def close(self) -> None:
         """Close the reader if these Batches opened it. Idempotent."""
@@ -794,6 +684,14 @@ def _check_outputs(
         )
 
 
-def _reopened(options: dict[str, Any], state: dict[str, Any]) -> Batches:
+def _reopened(
+    source: Sources | Mapping[str, Sources], options: BatchesOptions, state: dict[str, Any]
+) -> Batches:
     """Batches opened again from pickled options, at ``state``."""
-    return Batches(**options, state=state)
+    keywords = dataclasses.replace(options, state=state).keywords()
+    return Batches(source, **keywords)
+
+
+Batches.__doc__ = with_options_doc(Batches.__doc__)
+# help() and IDEs show the options as Batches' keywords, with their defaults
+Batches.__init__.__signature__ = signature_with_options(Batches.__init__)  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import BlobpipeError, DataError, ShapeError
+from .._errors import BlobpipeError, DataError, ShapeError, spell
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
 from ._image import (
     Undecodable,
@@ -119,8 +119,8 @@ def shape_fix(a: tuple[int, ...], b: tuple[int, ...], datum: bool) -> str:
         return (
             f"their channels differ ({a[0]} and {b[0]}): build the databases alike "
             "(convert_imageset --gray for 1 channel, without it for 3), or, for encoded "
-            "records, decode them alike with force_color=True (--force-color) or "
-            "force_gray=True (--force-gray)"
+            f"records, decode them alike with {spell('force_color')} or "
+            f"{spell('force_gray')}"
         )
     return (
         f"their sizes differ ({a[1]}×{a[2]} and {b[1]}×{b[2]}): resize when building the "
@@ -538,7 +538,7 @@ class Filler:
             kernel's geometry draws for it), for decoding that window alone."""
 
             def of(h: int, w: int) -> tuple[int, int, int, int] | None:
-                if crop > h or crop > w:
+                if not t.crop_fits(h, w):
                     return None  # the checked path names the error
                 if (h, w) == plan.record_shape[1:]:  # a crop depends on (h, w) alone
                     h_off, w_off, _ = shared.row(r)

@@ -1,4 +1,6 @@
-"""Decoding encoded images, as Caffe does: OpenCV's ``imdecode``, with a size guard.
+"""Images, as Caffe reads and writes them: OpenCV's ``imdecode`` with a size guard,
+``imencode`` and ``resize`` (the one module that imports OpenCV; also the captions
+``blobpipe show`` draws).
 
 Caffe decodes an encoded Datum with ``cv::imdecode``: ``force_color`` →
 ``IMREAD_COLOR``, ``force_gray`` → ``IMREAD_GRAYSCALE``, neither →
@@ -37,10 +39,11 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import ProtoError
+from .._errors import DataError, ProtoError
 from ._imagehead import NO_SIGNATURE, JpegFrame, image_size, jpeg_frame
 
 __all__ = [
+    "CAPTION_SCALE",
     "DEFAULT_MAX_PIXELS",
     "JpegFrame",
     "Undecodable",
@@ -48,12 +51,15 @@ __all__ = [
     "decode_rows",
     "decode_whole",
     "decode_window",
+    "encode_image",
     "image_header",
     "imread_flag",
     "jpeg_frame",
     "jpeg_window_decoding",
+    "put_text",
     "resize_image",
     "rows_decodable",
+    "text_width",
 ]
 
 #: Largest decoded image (width × height) :func:`datum_view` and friends accept by default.
@@ -97,12 +103,14 @@ def decode_image(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     *,
     decoded_before: bool = False,
+    too_large: str = "pass a larger max_pixels if the image is genuine",
 ) -> npt.NDArray[np.uint8] | Undecodable:
     """One image as ``cv2.imdecode(data, flag)`` gives it, as an ``(H, W, C)`` uint8
     array (C = 1 for gray); or, where it cannot be had, why (see the module
     docstring). ``decoded_before``: these very bytes decoded before within
     ``max_pixels`` (a record the index noted the shape of, in a snapshot that has not
-    changed), so their header is not read again for the size check."""
+    changed), so their header is not read again for the size check. ``too_large``:
+    the fix the reason gives for an image over ``max_pixels`` (the caller's)."""
     if not len(data):
         return Undecodable("the record says encoded: true but holds no image bytes in data", True)
     if decoded_before:
@@ -118,7 +126,7 @@ def decode_image(
     if size.width * size.height > max_pixels:
         return Undecodable(
             f"the encoded image announces {size.width}×{size.height} pixels, more than "
-            f"max_pixels={max_pixels}; pass a larger max_pixels if the image is genuine",
+            f"max_pixels={max_pixels}; {too_large}",
             False,
         )
     return _imdecode(data, flag)
@@ -321,3 +329,46 @@ def resize_image(hwc: npt.NDArray[np.uint8], height: int, width: int) -> npt.NDA
     cv2 = _opencv()
     out = np.asarray(cv2.resize(hwc, (width, height)))
     return out.reshape(height, width, hwc.shape[2])
+
+
+def encode_image(hwc: npt.NDArray[np.uint8], ext: str) -> bytes:
+    """``hwc`` (``(H, W, C)``, BGR or gray) encoded as ``cv2.imencode("." + ext, hwc)``
+    encodes it (OpenCV's defaults: JPEG quality 95), as Caffe's ``convert_imageset``
+    re-encodes an image.
+
+    Raises:
+        DataError: OpenCV cannot encode it in that format (its message included).
+    """
+    cv2 = _opencv()
+    try:
+        ok, buf = cv2.imencode("." + ext, hwc)
+    except cv2.error as exc:
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"OpenCV cannot encode a {hwc.shape} image as {ext!r} ({detail})") from exc
+    if not ok:
+        raise DataError(f"OpenCV cannot encode a {hwc.shape} image as {ext!r}")
+    return bytes(buf)
+
+
+#: The caption font (OpenCV's Hershey simplex, ASCII) and its scale.
+CAPTION_SCALE = 0.35
+
+
+def text_width(text: str, scale: float = CAPTION_SCALE) -> int:
+    """The width in pixels :func:`put_text` draws ``text`` at (printable ASCII)."""
+    cv2 = _opencv()
+    (width, _), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+    return int(width)
+
+
+def put_text(
+    image: npt.NDArray[np.uint8],
+    text: str,
+    at: tuple[int, int],
+    scale: float = CAPTION_SCALE,
+    color: tuple[int, int, int] = (230, 230, 230),
+) -> None:
+    """Draw ``text`` (printable ASCII) into the BGR ``image`` with its baseline's left
+    end at ``at`` (x, y), anti-aliased."""
+    cv2 = _opencv()
+    cv2.putText(image, text, at, cv2.FONT_HERSHEY_SIMPLEX, scale, color, 1, cv2.LINE_AA)

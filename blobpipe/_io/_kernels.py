@@ -8,7 +8,10 @@ Everything Caffe's transform does to pixels lives here, once:
 * :func:`apply` — crop, mirror, mean (the mean file at the crop's *uncropped*
   position, or one value per channel), scale and layout, for a block of rows,
   over ``xp`` (NumPy on the host, CuPy on a device). A single row is a block of
-  one.
+  one. A device finishing a batch the host cropped and flipped into uint8 (a
+  Loader's device transform) runs it with ``cropped=True``: the mean then follows
+  each row's geometry, gathered for all rows in one indexing, and the arithmetic
+  is the host's own (:func:`_arithmetic`).
 
 Raw uint8 rows of one buffer (records read from the database's file map) go to
 :func:`apply_raw` first: the compiled row kernel (``_rowkernel.c``, built where a C
@@ -258,23 +261,27 @@ def apply(
     ``src`` is an ``(N, C, H, W)`` uint8 or float32 array, or a sequence of N
     ``(C, H, W)`` arrays (shapes may differ between rows when they crop to one
     size); ``out`` is ``(N, C, h, w)`` or ``(N, h, w, C)``, float32 or uint8.
-    ``geometry`` gives each row's crop offset and flip. ``cropped``: the pixels
-    are already cropped and flipped (a device finishing a uint8 batch): only the
-    mean follows the geometry.
+    ``geometry`` gives each row's crop offset and flip. ``cropped``: ``src`` is
+    an ``(N, C, h, w)`` array of pixels already cropped and flipped (a device
+    finishing a uint8 batch): only the mean follows the geometry, and every row
+    is done in a constant number of calls (:func:`_apply_cropped`).
 
     The caller has checked shapes and that every crop fits.
     """
     n = len(geometry)
     if n == 0:
         return
-    if not isinstance(src, (list, tuple)) and _apply_block(xp, src, out, geometry, spec, cropped):
+    if cropped:
+        _apply_cropped(xp, src, out, geometry, spec)
         return
-    compiled = xp is np and not cropped and row_kernel() is not None
+    if not isinstance(src, (list, tuple)) and _apply_block(xp, src, out, geometry, spec):
+        return
+    compiled = xp is np and row_kernel() is not None
     for i in range(n):
         h, w, flip = geometry.row(i)
         if compiled and _apply_image(src[i], out[i], h, w, flip, spec):
             continue
-        _apply_one(xp, src[i], out[i], h, w, flip, spec, cropped, batched=False)
+        _apply_one(xp, src[i], out[i], h, w, flip, spec, batched=False)
 
 
 def apply_one(
@@ -289,7 +296,7 @@ def apply_one(
     """
     if row_kernel() is not None and _apply_image(chw, out, h, w, flip, spec):
         return
-    _apply_one(np, chw, out, h, w, flip, spec, False, batched=False)
+    _apply_one(np, chw, out, h, w, flip, spec, batched=False)
 
 
 _UNLOADED: Any = object()
@@ -405,9 +412,7 @@ def _apply_image(chw: Any, out: Any, h: int, w: int, flip: bool, spec: KernelSpe
     return True
 
 
-def _apply_block(
-    xp: Any, src: Any, out: Any, geometry: Geometry, spec: KernelSpec, cropped: bool
-) -> bool:
+def _apply_block(xp: Any, src: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> bool:
     """The rows of ``src`` as one block (in chunks, :func:`block_rows`) when they
     share their crop offset; False (nothing done) when they are better done one
     row at a time."""
@@ -419,10 +424,7 @@ def _apply_block(
     any_flip = bool(flips.any())
     all_flip = any_flip and bool(flips.all())
     mean = spec.mean
-    flat_mean = mean is None or mean.shape[2] == 1  # no flip changes it
-    if cropped and not flat_mean and any_flip and not all_flip:
-        return False
-    mixed = any_flip and not all_flip and not cropped
+    mixed = any_flip and not all_flip
     two_passes = mixed or (mean is not None and spec.scale != 1 and out.dtype != np.uint8)
     # a device runs the block as one call; the host in cache-sized chunks
     step = block_rows(n, out[0].size * out.dtype.itemsize, two_passes and xp is np)
@@ -432,7 +434,7 @@ def _apply_block(
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         chunk = out[lo:hi]
-        _apply_one(xp, src[lo:hi], chunk, h0, w0, all_flip, spec, cropped, batched=True)
+        _apply_one(xp, src[lo:hi], chunk, h0, w0, all_flip, spec, batched=True)
         if mixed:
             # the transform is elementwise: flipping the output equals
             # transforming the flipped input (pixels and mean alike)
@@ -451,16 +453,15 @@ def _apply_one(
     w: int,
     flip: bool,
     spec: KernelSpec,
-    cropped: bool,
     batched: bool,
 ) -> None:
     """One row (``batched``: a block of rows) with one crop offset and flip."""
     crop = spec.crop
     mean = spec.mean
+    per_pixel = _per_pixel(mean)
     if crop:
-        if not cropped:
-            src = src[..., h : h + crop, w : w + crop]
-        if mean is not None and mean.shape[1:] != (1, 1):
+        src = src[..., h : h + crop, w : w + crop]
+        if per_pixel:
             mean = mean[:, h : h + crop, w : w + crop]
     flip_out = False
     if flip:
@@ -469,30 +470,57 @@ def _apply_one(
         # fastest on forward inputs, so rows whose pixels are contiguous along
         # the width (raw records) are written flipped; pixels that are strided
         # already (decoded HWC images) are read flipped.
-        if cropped:  # the pixels are flipped already: the mean follows them
-            pass
-        elif abs(src.strides[-1]) == src.itemsize:
+        if abs(src.strides[-1]) == src.itemsize:
             flip_out = True
         else:
             src = src[..., ::-1]
-        if not flip_out and mean is not None and mean.shape[2] != 1:
-            mean = mean[..., ::-1]
+            if per_pixel:
+                mean = mean[..., ::-1]
     if spec.layout == "NHWC":
         src = src.transpose(0, 2, 3, 1) if batched else src.transpose(1, 2, 0)
         if mean is not None:
             mean = mean.transpose(1, 2, 0)
+    forward = out
     if flip_out:
-        row = out
         out = out[..., ::-1, :] if spec.layout == "NHWC" else out[..., ::-1]
-    scale = spec.scale
+    _arithmetic(xp, src, mean, out, spec.scale, forward)
+
+
+def _apply_cropped(xp: Any, src: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> None:
+    """:func:`apply` of pixels already cropped and flipped (``src``: ``(N, C, h, w)``):
+    a per-pixel mean is cut at each row's crop offset and flipped with its row, all
+    rows in one gather, then every row goes through :func:`_arithmetic` in one call."""
+    h, w = src.shape[2], src.shape[3]
+    dst = out if spec.layout == "NCHW" else out.transpose(0, 3, 1, 2)
+    mean = spec.mean
+    if _per_pixel(mean):
+        across = np.arange(w, dtype=np.intp)
+        rows = geometry.h_off[:, None] + np.arange(h, dtype=np.intp)
+        cols = geometry.w_off[:, None] + np.where(geometry.mirror[:, None], across[::-1], across)
+        r, c = xp.asarray(rows), xp.asarray(cols)
+        mean = mean[:, r[:, :, None], c[:, None, :]].transpose(1, 0, 2, 3)  # (N, C, h, w)
+    _arithmetic(xp, src, mean, dst, spec.scale, dst)
+
+
+def _per_pixel(mean: Any) -> bool:
+    """Whether ``mean`` (None, a ``(C, 1, 1)`` column or a ``(C, H, W)`` mean file)
+    varies over the pixels, so that a crop cuts it and a flip turns it. A mean file
+    of 1×1 records is a column: the same values either way."""
+    return mean is not None and tuple(mean.shape[1:]) != (1, 1)
+
+
+def _arithmetic(xp: Any, src: Any, mean: Any, out: Any, scale: Any, forward: Any) -> None:
+    """Caffe's arithmetic, elementwise, into ``out``: ``float32(x) - mean`` rounded to
+    float32, then ``* scale`` (``float32(x) * scale`` without a mean); a uint8
+    ``out`` takes the pixels. ``mean`` broadcasts against ``src``; ``forward`` holds
+    the elements of ``out`` with forward strides (``out`` itself, or the row ``out``
+    views flipped), for the in-place scale."""
     if out.dtype == np.uint8:
         out[...] = src
     elif mean is not None:
         xp.subtract(src, mean, out=out, dtype=out.dtype)
         if scale != 1:
-            if flip_out:
-                out = row  # forward strides for the in-place step
-            xp.multiply(out, scale, out=out)
+            xp.multiply(forward, scale, out=forward)
     elif scale != 1:
         xp.multiply(src, scale, out=out, dtype=out.dtype)
     else:

@@ -46,7 +46,7 @@ from .._codec import data_layer_fields
 from .._codec import parse_net as parse_net
 from .._errors import FileMissingError, ProtoError
 from ._database import database_kind
-from ._transform import Layout, OutDtype, Phase, Transform, _check_phase
+from ._transform import Layout, OutDtype, Phase, Transform, check_phase
 
 __all__ = ["DataLayerConfig", "read_data_layer"]
 
@@ -170,7 +170,7 @@ def read_data_layer(
             HDF5Data layer with a ``transform_param``.
         ArgumentError: a bad ``phase``, ``layout`` or ``dtype`` (a ValueError).
     """
-    phase = _check_phase(phase)
+    phase = check_phase(phase)
     where = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:

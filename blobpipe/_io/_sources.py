@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import zlib
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,13 +33,13 @@ from ._fill import Filler, RecordSource, RowFiller, shape_fix
 from ._kernels import mix_words
 from ._leveldb import LevelDbReader
 from ._lmdb import LmdbReader
+from ._options import Record
 from ._plan import BatchPlan, read_only
 from ._records import BLOBPROTO, DATUM, RecordKind, record_kind
 from ._transform import Phase, Transform
 
 __all__ = ["Part", "Record", "Source", "SourceArg", "Sources", "check_shared", "open_sources"]
 
-Record = Literal["auto", "datum", "blobproto"]
 # records read at open, besides the first, to tell a database's kind
 _SAMPLE = 8
 _NAMES = {DATUM: "Datum", BLOBPROTO: "BlobProto"}
@@ -68,6 +68,7 @@ class Source:
     keys: Any = ()
     filler: Any = None  # a RowFiller once open_sources made it
     salt: int = 0
+    split_from: Transform | None = None  # the whole transform when the filler has its host half
 
     @property
     def path(self) -> object:
@@ -105,12 +106,13 @@ def open_sources(
     share_random: bool | Collection[str],
     readahead: bool,
     phase: Phase,
-    split: Callable[[Transform, RecordKind], Transform | None] | None = None,
+    split: bool = False,
 ) -> tuple[Source, ...]:
     """Open every source into ``opened`` (the primary first; appended as they open,
     so the caller closes what opened if this raises), tell each one's record kind,
-    check that their keys agree, and give each its filler (the primary's with the
-    transform ``split`` returns for its transform and kind, when it returns one).
+    check that their keys agree, and give each its filler. With ``split``, a primary
+    of Datums whose transform outputs float32 is filled with the transform's host
+    half (:meth:`Transform.host_half`; its ``split_from`` the whole one).
     Returns the sources that share their crops and flips.
 
     Raises:
@@ -173,8 +175,8 @@ def open_sources(
                     f"{kind}s; databases read as one must hold one kind",
                     path=part.path,
                 )
-        if split is not None and src is primary:  # a Loader's host half of its transform
-            t = split(t, kinds[0]) or t
+        if split and src is primary and kinds[0] == DATUM and t.dtype == np.float32:
+            src.split_from, t = t, t.host_half()  # a device finishes the rows
         src.filler = _make_filler(src, t, phase, kinds[0], blob_dtype)
         if len(src.parts) > 1:
             _check_part_shapes(src)

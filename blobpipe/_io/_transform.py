@@ -40,10 +40,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._codec import TransformationParameter, load_mean_file, transform_fields
-from .._errors import ArgumentError, ProtoError, ShapeError
+from .._errors import ArgumentError, ShapeError
 from ._kernels import Geometry, KernelSpec, apply, draw_geometry, draw_word
 
-__all__ = ["Phase", "RecordParams", "Transform", "load_mean_file"]
+__all__ = ["Phase", "RecordParams", "Transform", "check_phase", "load_mean_file"]
 
 Phase = Literal["train", "test"]
 Layout = Literal["NCHW", "NHWC"]
@@ -67,7 +67,7 @@ class RecordParams:
     mirror: bool
 
 
-def _check_phase(phase: str) -> Phase:
+def check_phase(phase: str) -> Phase:
     """``phase`` as "train"/"test"; Caffe's spellings "TRAIN"/"TEST" are taken too."""
     if phase in ("TRAIN", "TEST"):
         phase = phase.lower()
@@ -96,9 +96,9 @@ class Transform:
             without mean or scale, for a transform finished later on a device.
 
     Raises:
-        ValueError: a bad layout, dtype, negative crop, or both force flags.
-        ProtoError: both ``mean_file`` and ``mean_value`` are given, or the mean
-            file cannot be read as a BlobProto.
+        ArgumentError: a bad layout, dtype, negative crop, both force flags, or
+            both ``mean_file`` and ``mean_value``; also a ValueError.
+        ProtoError: the mean file cannot be read as a BlobProto.
         FileNotFoundError: the mean file does not exist.
 
     Instances are immutable after construction except for an internal cache of
@@ -129,9 +129,9 @@ class Transform:
             raise ArgumentError("force_color and force_gray cannot both be set")
         values = tuple(float(v) for v in mean_value)
         if mean_file is not None and values:
-            raise ProtoError(
-                "cannot specify mean_file and mean_value at the same time "
-                f"(mean_file={str(mean_file)!r}, mean_value={values})"
+            raise ArgumentError(
+                "give mean_file or mean_value, not both (as Caffe's DataTransformer "
+                f"requires): got mean_file={str(mean_file)!r} and mean_value={values}"
             )
         self._scale: np.float32 = np.float32(scale)
         self._mirror = bool(mirror)
@@ -182,7 +182,9 @@ class Transform:
         it against the current directory, the default).
 
         Raises:
-            ProtoError, FileNotFoundError, ValueError: as :class:`Transform`.
+            ProtoError: ``param`` sets both ``mean_file`` and ``mean_value``, or the
+                mean file cannot be read as a BlobProto.
+            FileNotFoundError, ArgumentError: as :class:`Transform`.
         """
         return cls(**transform_fields(param, base_dir), layout=layout, dtype=dtype)
 
@@ -250,6 +252,17 @@ class Transform:
             and self._layout == "NCHW"
         )
 
+    def host_half(self) -> Transform:
+        """The part of this transform done on the host when a device finishes it: crop
+        and mirror only (the same crops and flips), into uint8 NCHW, so the pixels
+        cross to the device at a quarter of float32's bytes; the device then applies
+        the mean at each row's crop offset, the scale and the layout (``_kernels.apply``
+        with ``cropped=True``)."""
+        return Transform(
+            mirror=self._mirror, crop_size=self._crop, force_color=self._force_color,
+            force_gray=self._force_gray, layout="NCHW", dtype="uint8",
+        )  # fmt: skip
+
     def __repr__(self) -> str:
         return (
             f"Transform(scale={float(self._scale)!r}, mirror={self._mirror}, "
@@ -307,10 +320,7 @@ class Transform:
         """
         c, h, w = _chw(record_shape)
         if self._crop:
-            if self._crop > h or self._crop > w:
-                raise ShapeError(
-                    f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
-                )
+            self._check_crop(h, w)
             h = w = self._crop
         return (c, h, w) if self._layout == "NCHW" else (h, w, c)
 
@@ -330,7 +340,7 @@ class Transform:
             ShapeError: the crop is larger than the record.
             ValueError: ``phase`` is not "train" or "test".
         """
-        h, w, flip = self.geometry(record_shape, _check_phase(phase), [word]).row(0)
+        h, w, flip = self.geometry(record_shape, check_phase(phase), [word]).row(0)
         return RecordParams(h, w, flip)
 
     def geometry(self, record_shape: Sequence[int], phase: Phase, words: npt.ArrayLike) -> Geometry:
@@ -359,8 +369,18 @@ class Transform:
                 self._fixed[key] = fixed
         return fixed
 
+    def crop_fits(self, h: int, w: int) -> bool:
+        """Whether the crop fits a record ``h`` high and ``w`` wide (the one place
+        this is decided; True without a crop)."""
+        return self._crop <= h and self._crop <= w
+
     def _check_crop(self, h: int, w: int) -> None:
-        if self._crop > h or self._crop > w:
+        """Refuse a record the crop does not fit (:meth:`crop_fits`).
+
+        Raises:
+            ShapeError: naming the crop and the record's height and width.
+        """
+        if not self.crop_fits(h, w):
             raise ShapeError(
                 f"crop_size {self._crop} is larger than the record (height {h}, width {w})"
             )
@@ -449,7 +469,7 @@ class Transform:
         """
         self.check_record(chw)
         if params is None:
-            phase = _check_phase(phase)
+            phase = check_phase(phase)
             word = self.draw(seed, epoch, index) if self.needs_random else 0
             params = self.record_params(chw.shape, phase=phase, word=word)
         expected = self.output_shape(chw.shape)

@@ -11,7 +11,7 @@ finalized in another task, a loop left with ``break``).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import TypeVar
 
 import anyio
@@ -36,6 +36,29 @@ YIELD_EVERY = 0.005
 _F = TypeVar("_F", bound="AsyncForm")
 
 
+def _event_loop_running() -> bool:
+    """Whether the calling thread runs an event loop anyio knows (asyncio, trio)."""
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:  # anyio's NoEventLoopError
+        return False
+    return True
+
+
+class _Opened:
+    """What ``loader.open()`` returns where it opened the loader at once (no event
+    loop): awaiting it does nothing."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield  # a generator that ends at once
+
+
+_OPENED = _Opened()
+
+
 class AsyncForm:
     """The Loader's async methods, driving its pipeline ``_pipe`` from an event loop."""
 
@@ -53,15 +76,28 @@ class AsyncForm:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def open(self) -> None:
-        """Start the pipeline; prefer ``async with``, which also calls :meth:`aclose`.
-        The device transform's warm-up (when there is one) runs in a worker thread;
-        the fillers are plain threads, so :meth:`aclose` (or ``close``) may run in
-        any task or thread. A checkpoint either way.
+    def open(self) -> Awaitable[None]:
+        """Start the pipeline.
+
+        In async code, ``await loader.open()``; prefer ``async with``, which also
+        calls :meth:`aclose`. The device transform's warm-up (when there is one)
+        runs in a worker thread; the fillers are plain threads, so :meth:`aclose`
+        (or ``close``) may run in any task or thread. A checkpoint either way.
+
+        In plain code (no event loop running in the calling thread),
+        ``loader.open()`` opens the loader at once, as ``with loader:`` does, and
+        returns an awaitable that does nothing; close it with ``close()``.
 
         Raises:
-            StateError: the loader was opened before.
+            StateError: the loader was opened before (in plain code at once; in
+                async code when awaited).
         """
+        if _event_loop_running():
+            return self._open_async()
+        self._pipe.open_here()
+        return _OPENED
+
+    async def _open_async(self) -> None:
         pipe = self._pipe
         if pipe.device.on_device:
             await anyio.to_thread.run_sync(pipe.device.warm_up)

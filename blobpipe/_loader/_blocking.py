@@ -75,5 +75,4 @@ class BlockingForm:
 
     def _open(self) -> None:
         """UNOPENED → OPEN, with the device warm-up in the calling thread."""
-        self._pipe.device.warm_up()
-        self._pipe.start()
+        self._pipe.open_here()

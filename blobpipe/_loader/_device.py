@@ -3,10 +3,10 @@ device transform, and the events that say when the slot's buffers are free again
 
 With the device transform, the host does Caffe's crop and mirror only, into
 uint8 (the staging transform); the batch crosses to the device as uint8 (4×
-less traffic than float32) and :func:`finish_on_device` does the rest there:
-Caffe's arithmetic of ``_io/_kernels.py`` (the same ufuncs, so the same bits),
-over the whole batch in a constant number of launches (the mean's per-row crops
-gathered in one indexing kernel), never one launch per row.
+less traffic than float32) and the host's kernel finishes it there
+(``_io/_kernels.apply`` with ``cropped=True``: the same function, so the same
+bits), over the whole batch in a constant number of launches (the mean's per-row
+crops gathered in one indexing kernel), never one launch per row.
 
 Invariants (the stream discipline, docs/design.md):
 
@@ -27,71 +27,21 @@ from typing import Any
 import numpy as np
 
 from .._backends import COMPLETED, Backend, Event, Stream, all_of
-from .._errors import ArgumentError, DataError, ShapeError
+from .._errors import DataError, ShapeError
 from .._io._batches import BatchPlan
-from .._io._kernels import Geometry, KernelSpec
+from .._io._kernels import Geometry, apply
 from .._io._transform import Transform
 from ._ring import Slot
 
-__all__ = ["DeviceWork", "TransformSplit", "finish_on_device", "wants_device_transform"]
-
-
-def finish_on_device(xp: Any, u8: Any, out: Any, geometry: Geometry, spec: KernelSpec) -> None:
-    """``(u8 - mean) * scale`` into ``out`` for a batch the host cropped and flipped.
-
-    ``u8`` is ``(N, C, h, w)``; ``out`` float32 ``(N, C, h, w)`` or ``(N, h, w, C)``
-    (``spec.layout``); a ``(C, H, W)`` mean is cut at each row's crop offset and
-    flipped with its row, all rows in one gather. Elementwise the same operations as
-    the host kernel (subtract in float32, then multiply by the float32 scale).
-    """
-    h, w = u8.shape[2], u8.shape[3]
-    dst = out if spec.layout == "NCHW" else out.transpose(0, 3, 1, 2)
-    mean = spec.mean
-    if mean is not None and mean.shape[1] != 1:
-        across = np.arange(w, dtype=np.intp)
-        rows = geometry.h_off[:, None] + np.arange(h, dtype=np.intp)
-        cols = geometry.w_off[:, None] + np.where(geometry.mirror[:, None], across[::-1], across)
-        r, c = xp.asarray(rows), xp.asarray(cols)
-        mean = mean[:, r[:, :, None], c[:, None, :]].transpose(1, 0, 2, 3)  # (N, C, h, w)
-    scale = spec.scale
-    if mean is not None:
-        xp.subtract(u8, mean, out=dst, dtype=np.float32)
-        if scale != 1:
-            xp.multiply(dst, scale, out=dst)
-    elif scale != 1:
-        xp.multiply(u8, scale, out=dst, dtype=np.float32)
-    else:
-        dst[...] = u8
-
-
-def wants_device_transform(
-    requested: bool | None, backend: Backend, transform: Transform, device: object
-) -> bool:
-    """Whether mean/scale/float conversion run on the device.
-
-    ``requested`` None: when the backend has a device and the transform outputs
-    float32. A uint8 transform has nothing to convert: never on the device.
-
-    Raises:
-        ValueError: ``requested`` True without a device (``device`` is the
-            argument the user passed).
-    """
-    if requested is None:
-        requested = backend.has_device and transform.dtype == np.float32
-    elif requested and not backend.has_device:
-        raise ArgumentError(
-            f"device_transform=True needs a device, but device={device!r} resolved to the "
-            f"{backend.name!r} backend"
-        )
-    return bool(requested and transform.dtype == np.float32)
+__all__ = ["DeviceWork"]
 
 
 class DeviceWork:
     """Issues a filled slot's device work (nothing without a device).
 
     ``on_device``: the transform's mean/scale/float conversion run on the
-    device (see :func:`wants_device_transform`); the host then fills with
-    :meth:`host_transform`.
+    device; the host fills with the transform's host half
+    (:meth:`Transform.host_half`, the Batches' ``split_transform``).
     """
 
     def __init__(self, backend: Backend, transform: Transform, on_device: bool) -> None:
@@ -100,21 +50,6 @@ class DeviceWork:
         self.on_device = on_device
         self._lock = threading.Lock()
         self._means: dict[tuple[int, ...], Any] = {}  # record shape -> device mean (or None)
-
-    def host_transform(self) -> Transform:
-        """The transform the host fills with: the whole one, or with a device
-        transform its CPU half (crop and mirror only, uint8 NCHW)."""
-        t = self._transform
-        if not self.on_device:
-            return t
-        return Transform(
-            mirror=t.mirror,
-            crop_size=t.crop_size,
-            force_color=t.force_color,
-            force_gray=t.force_gray,
-            layout="NCHW",
-            dtype="uint8",
-        )
 
     def warm_up(self) -> None:
         """Run the device transform on a dummy batch in the calling thread (the
@@ -141,7 +76,8 @@ class DeviceWork:
                 mean = xp.zeros((c, 1, 1), np.float32)
             spec = t.kernel_spec((c, side, side), mean=mean)
             zeros = np.zeros(2, np.intp)
-            finish_on_device(xp, src, out, Geometry(zeros, zeros, np.array([False, True])), spec)
+            geometry = Geometry(zeros, zeros, np.array([False, True]))
+            apply(xp, src, out, geometry, spec, cropped=True)
         stream.synchronize()
 
     def out_shape(self, plan: BatchPlan) -> tuple[int, ...] | None:
@@ -233,8 +169,8 @@ class DeviceWork:
         backend.copy_to_device(u8, slot.host.cpu_data(), slot.stream)
         spec = t.kernel_spec(plan.record_shape, mean=mean)  # the device's copy of the mean
 
-        def kernel() -> None:  # the host's arithmetic, over the device's arrays
-            finish_on_device(xp, u8, out, geometry, spec)
+        def kernel() -> None:  # the host's kernel, over the device's arrays
+            apply(xp, u8, out, geometry, spec, cropped=True)
 
         backend.launch(kernel, slot.stream)
 
@@ -256,44 +192,3 @@ class DeviceWork:
             stream.synchronize()  # landed before any slot's stream reads it
         with self._lock:
             return self._means.setdefault(key, device)
-
-
-class TransformSplit:
-    """Batches' ``split_transform``: decides where the transform runs once the
-    record kind is known, and keeps the decision (:meth:`decided`).
-
-    It refers to no Loader (the Batches keep it), so a dropped Loader stays
-    collectable. ``requested`` and ``device`` are the Loader's
-    ``device_transform`` and ``device`` arguments.
-    """
-
-    def __init__(self, backend: Backend, requested: bool | None, device: object) -> None:
-        self._backend = backend
-        self._requested = requested
-        self._device = device
-        self._decided: tuple[Transform, DeviceWork] | None = None
-
-    def __call__(self, transform: Transform, kind: str) -> Transform | None:
-        """The host's transform when part of ``transform`` runs on the device, else None.
-
-        Raises:
-            ArgumentError: ``device_transform=True`` for records that are not Datums,
-                or without a device.
-        """
-        if self._requested and kind != "datum":
-            raise ArgumentError(
-                "Loader: device_transform=True needs Datum records; this database holds "
-                "BlobProtos (float values: there is no uint8 transfer to save)"
-            )
-        on_device = kind == "datum" and wants_device_transform(
-            self._requested, self._backend, transform, self._device
-        )
-        work = DeviceWork(self._backend, transform, on_device)
-        self._decided = (transform, work)
-        return work.host_transform() if on_device else None
-
-    def decided(self) -> tuple[Transform, DeviceWork]:
-        """The transform and its device work, as decided when the Batches opened."""
-        if self._decided is None:  # pragma: no cover - Batches decides when it opens
-            raise RuntimeError("the transform split was not decided")
-        return self._decided

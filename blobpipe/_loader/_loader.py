@@ -11,13 +11,15 @@ import weakref
 from typing import Any, Literal
 
 from .._backends import Backend, get_backend
+from .._errors import ArgumentError
 from .._io._batches import Batches
+from .._io._options import PassThroughKeywords, Unpack, signature_with_options, with_options_doc
 from .._io._prototxt import read_data_layer
 from .._io._transform import Phase, Transform
 from ._async import AsyncForm
 from ._blocking import BlockingForm
-from ._device import TransformSplit
-from ._options import BatchesOptions, Unpack, check_loader_args, signature_with_options
+from ._device import DeviceWork
+from ._options import LOADER_DECIDES, check_loader_args, split_on_device
 from ._pipeline import Pipeline
 from ._stats import LoaderStatistics
 
@@ -65,16 +67,11 @@ class Loader(AsyncForm, BlockingForm):
             a ``cudaStream_t`` handle or a backend's; default: the consumer's current one
             when it asks for the next batch): a batch's buffers are refilled only after
             the work queued there before the consumer let it go ("Streams", README).
-        **options: :class:`~blobpipe.Batches`' options, with its defaults and checks
-            (``help(Loader)`` lists them; Batches describes each in full): transform
-            (a :class:`~blobpipe.Transform`; default float32 NCHW), phase ("train":
-            random crops; "test": centre crops), buffer_size, seed, shard (None,
-            ``(rank, world_size)`` or "auto"), shard_mode, pad_shards, mode ("wrap":
-            Caffe's, endless; "epoch": ``async for`` ends at each epoch's end), last
-            ("keep", "drop" or "pad" the last batch of an epoch), state (a resume
-            state: ``batch.state`` or :meth:`state_dict`), readahead, label_dtype
-            ("float32", Caffe's, or "int64"), record, blob_dtype, share_random,
-            max_batch_bytes, ranks_per_node.
+        **options: :class:`~blobpipe.Batches`' keyword options, with its defaults and
+            checks, but ``order`` (above) and ``split_transform`` (``device_transform``).
+
+    Keyword options (passed to :class:`~blobpipe.Batches`):
+        {options}
 
     Raises:
         ArgumentError, ArgumentTypeError: bad arguments (see :class:`~blobpipe.Batches`);
@@ -97,14 +94,22 @@ class Loader(AsyncForm, BlockingForm):
         workers: int | None = None,
         device_transform: bool | None = None,
         stream: object | None = None,
-        **options: Unpack[BatchesOptions],
+        **options: Unpack[PassThroughKeywords],
     ) -> None:
         prefetch, workers, order = check_loader_args(options, prefetch, workers, order, shuffle)
         self._backend = backend = get_backend(device)
         own_stream = None if stream is None else backend.as_stream(stream)
-        split = TransformSplit(backend, device_transform, device)
+        split = split_on_device(device_transform, backend, device)
         self._batches = Batches(source, batch_size, order=order, split_transform=split, **options)
-        self._transform, self._device = split.decided()
+        whole = self._batches.split_from  # a device finishes the host half's rows
+        if device_transform and whole is None and self._batches.record_kind() != "datum":
+            self._batches.close()
+            raise ArgumentError(
+                "Loader: device_transform=True needs Datum records; this database holds "
+                "BlobProtos (float values: there is no uint8 transfer to save)"
+            )
+        self._transform = self._batches.transform if whole is None else whole
+        self._device = DeviceWork(backend, self._transform, whole is not None)
         self._prefetch, self._workers = prefetch, workers
         self._pipe = Pipeline(self._batches, backend, self._device, own_stream, prefetch, workers)
         super().__init__()  # the async form's state
@@ -203,5 +208,8 @@ class Loader(AsyncForm, BlockingForm):
         self._pipe.load_state(state)
 
 
+Loader.__doc__ = with_options_doc(Loader.__doc__, LOADER_DECIDES)
 # help() and IDEs show Batches' options as Loader's keywords, with their defaults
-Loader.__init__.__signature__ = signature_with_options(Loader.__init__)  # type: ignore[attr-defined]
+Loader.__init__.__signature__ = signature_with_options(  # type: ignore[attr-defined]
+    Loader.__init__, LOADER_DECIDES
+)

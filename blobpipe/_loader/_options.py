@@ -1,80 +1,24 @@
-"""A Loader's arguments: its own checked here, Batches' options defined once (a
-Loader takes them as ``**options`` and passes them to :class:`~blobpipe.Batches`
-unchanged).
-
-A Batches option added to :class:`BatchesOptions` is a Loader option too, typed
-and shown by ``help(Loader)``, with no edit to the Loader.
+"""A Loader's own arguments, checked here. Batches' options are declared once, in
+``_io/_options.py`` (:class:`~blobpipe._io._options.BatchesOptions`): a Loader takes
+them as ``**options`` and passes them to :class:`~blobpipe.Batches` unchanged, but
+``order`` (the Loader's own, with ``shuffle``) and ``split_transform`` (the Loader
+decides it: ``device_transform``).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-import sys
-from collections.abc import Callable, Collection, Mapping
-from typing import Any, Literal, TypedDict
+from collections.abc import Mapping
 
-from .._errors import ArgumentError, ArgumentTypeError
-from .._io._batches import Batches
+from .._backends import Backend
+from .._errors import ArgumentError
+from .._io._options import check_keywords
 from .._io._order import Order
-from .._io._transform import Phase, Transform
 
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:
-    from typing_extensions import Unpack
+__all__ = ["LOADER_DECIDES", "check_loader_args", "split_on_device"]
 
-__all__ = [
-    "BatchesOptions",
-    "Unpack",
-    "check_loader_args",
-    "check_options",
-    "signature_with_options",
-]
-
-
-class BatchesOptions(TypedDict, total=False):
-    """The keyword options of :class:`~blobpipe.Batches` that a Loader passes through
-    (their defaults, checks and errors are Batches'). ``order`` is the Loader's own
-    (it adds ``shuffle``), as are ``source`` and ``batch_size`` (a default of 64)."""
-
-    transform: Transform | Mapping[str, Transform] | None
-    phase: Phase
-    buffer_size: int | None
-    seed: int
-    shard: tuple[int, int] | Literal["auto"] | None
-    shard_mode: Literal["strided", "contiguous", "node"]
-    pad_shards: bool | Literal["drop"]
-    mode: Literal["wrap", "epoch"]
-    last: Literal["keep", "drop", "pad"]
-    readahead: bool
-    state: dict[str, Any] | None
-    label_dtype: Literal["float32", "int64"]
-    record: (
-        Literal["auto", "datum", "blobproto"] | Mapping[str, Literal["auto", "datum", "blobproto"]]
-    )
-    blob_dtype: Literal["float32", "float64"]
-    share_random: bool | Collection[str]
-    max_batch_bytes: int
-    ranks_per_node: int | None
-
-
-def check_options(options: Mapping[str, object], owner: str) -> None:
-    """Raises TypeError for a keyword that is not a Batches option, as Python
-    would for ``owner``'s own signature."""
-    for name in options:
-        if name not in BatchesOptions.__optional_keys__:
-            raise ArgumentTypeError(f"{owner}() got an unexpected keyword argument {name!r}")
-
-
-def signature_with_options(function: Callable[..., Any]) -> inspect.Signature:
-    """``function``'s signature with its ``**options`` spelled out as Batches'
-    parameters (names, annotations, defaults): what ``help()`` and IDEs show."""
-    own = inspect.signature(function)
-    batches = inspect.signature(Batches.__init__).parameters
-    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    params += [batches[name] for name in BatchesOptions.__annotations__]
-    return own.replace(parameters=params)
+#: Batches options a Loader decides itself (not among its ``**options``).
+LOADER_DECIDES = frozenset({"order", "split_transform"})
 
 
 def check_loader_args(
@@ -92,7 +36,7 @@ def check_loader_args(
         ArgumentError: prefetch or workers not a positive integer; ``shuffle``
             contradicting ``order``.
     """
-    check_options(options, "Loader.__init__")
+    check_keywords(options, "Loader.__init__", LOADER_DECIDES)
     if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 1:
         raise ArgumentError(f"Loader: prefetch must be a positive integer, got {prefetch!r}")
     if workers is None:
@@ -104,3 +48,20 @@ def check_loader_args(
     elif shuffle and order != "shuffle":
         raise ArgumentError(f"Loader: shuffle=True contradicts order={order!r} (give one of them)")
     return int(prefetch), int(workers), order
+
+
+def split_on_device(requested: bool | None, backend: Backend, device: object) -> bool:
+    """Whether to ask the Batches to split the transform for the device (Batches'
+    ``split_transform``): with a device, unless ``device_transform=False``. Batches
+    then splits a float32 transform over Datums; the Loader checks the rest.
+
+    Raises:
+        ArgumentError: ``device_transform=True`` without a device (``device`` is the
+            argument the user passed).
+    """
+    if requested and not backend.has_device:
+        raise ArgumentError(
+            f"device_transform=True needs a device, but device={device!r} resolved to the "
+            f"{backend.name!r} backend"
+        )
+    return backend.has_device and requested is not False

@@ -107,6 +107,16 @@ class Pipeline:
         self._pid = os.getpid()  # the process that opened the pipeline
 
     # -- opening and closing ---------------------------------------------------------
+    def open_here(self) -> None:
+        """UNOPENED → OPEN from a plain thread: the device transform warmed up in the
+        calling thread, then :meth:`start`.
+
+        Raises:
+            StateError: the pipeline was opened before (or closed).
+        """
+        self.device.warm_up()
+        self.start()
+
     def start(self) -> None:
         """UNOPENED → OPEN: allocate the ring, start the fillers (the driver warmed
         up the device before).

@@ -3,7 +3,8 @@
 Caffe's semantics (``tools/convert_imageset.cpp``, ``util/io.cpp``), kept exactly:
 
 * a list line is ``path label``, split at the LAST space, the label read as
-  C's ``atoi`` reads it (``1_000`` is 1); the key is
+  C's ``atoi`` reads it (``1_000`` is 1; labels that are not plain integers are
+  counted and reported once, and refused with ``strict_labels``); the key is
   ``%08d_<path as listed>`` where the number is the line index (after
   ``--shuffle``), counted before unreadable files are skipped;
 * images are read as OpenCV's ``imread`` reads them (BGR; colour → 3 channels,
@@ -21,11 +22,13 @@ Deliberate differences: ``shuffle`` is reproducible (``seed``); the output is
 built in ``<DB>.partial`` and renamed when complete (see :mod:`._output`);
 ``check_size`` compares decoded shapes (Caffe's compares an encoded Datum's
 byte count with 0 and always fails); a line without a label is an error
-instead of label 0.
+instead of label 0; a conversion that writes no record is an error, and leaves
+no database.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -37,11 +40,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from .._errors import DataError
+from .._errors import DataError, FileMissingError, spell
 from .._io._encode import encode_encoded_datum, encode_raw_datum
-from .._io._image import DEFAULT_MAX_PIXELS
-from .._io._imagehead import image_size
+from .._io._image import (
+    DEFAULT_MAX_PIXELS,
+    Undecodable,
+    decode_image,
+    encode_image,
+    imread_flag,
+    resize_image,
+)
 from ._leveldbwrite import LEVELDB_FILES, LevelDbWriter
 from ._lmdbwrite import DEFAULT_MAP_SIZE, LmdbWriter
 from ._output import (
@@ -66,6 +76,8 @@ _INT32 = (-(2**31), 2**31 - 1)
 # C's atoi: leading white space (isspace in the C locale), a sign, decimal digits;
 # whatever follows the digits is ignored.
 _ATOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+# a label atoi reads whole: an integer, white space around it at most
+_INTEGER = re.compile(rb"[ \t\n\v\f\r]*[+-]?[0-9]+[ \t\n\v\f\r]*")
 _MAX_KEY = 511  # LMDB's largest key (MDB_MAXKEYSIZE)
 _MARKER_KIND = "convert-imageset"
 
@@ -95,28 +107,81 @@ class ConvertResult:
     skipped: tuple[SkippedImage, ...]
     resumed_at: int
     seed: int | None
+    loose_labels: int = 0
 
 
-def read_list_file(list_file: str | os.PathLike[str]) -> list[tuple[bytes, int]]:
+@dataclass(frozen=True)
+class _LooseLabels:
+    """The list's labels that are not plain integers (read as ``atoi`` reads them):
+    how many, and the first one's line number, text and value."""
+
+    count: int = 0
+    line: int = 0
+    text: bytes = b""
+    label: int = 0
+
+    def notice(self, list_file: Path) -> str:
+        """The one line that reports them (with the first example)."""
+        many = "" if self.count == 1 else f" ({self.count} such labels in the list)"
+        return (
+            f"list file {str(list_file)!r} line {self.line}: label {_shown(self.text)} is "
+            f"not an integer; read as Caffe's atoi reads it, as {self.label}{many}; pass "
+            f"{spell('strict_labels')} to refuse such labels"
+        )
+
+
+def _shown(text: bytes) -> str:
+    return repr(text.decode(errors="replace"))
+
+
+def read_list_file(
+    list_file: str | os.PathLike[str], *, strict_labels: bool = False
+) -> list[tuple[bytes, int]]:
     """Parse a Caffe list file into ``(path bytes, label)`` pairs, one per line.
 
     Lines split at the last space (paths may contain spaces); the label is read
     as Caffe's ``atoi`` reads it (leading white space and a sign, then digits; what
-    follows them is ignored: ``1_000`` is 1, ``7abc`` is 7). A blank line keeps its
-    index with an empty path (Caffe skips it as unreadable).
-    Raises :class:`DataError` (with the line number) for a line whose label holds no
-    digits (Caffe's atoi gives 0) or does not fit int32, or whose path is too long
-    for an LMDB key, and :class:`FileNotFoundError` when the file is missing.
+    follows them is ignored: ``1_000`` is 1, ``7abc`` is 7, ``3.7`` is 3), unless
+    ``strict_labels``. A blank line keeps its index with an empty path (Caffe skips
+    it as unreadable).
+
+    Raises:
+        FileMissingError: the list file does not exist.
+        DataError: (naming the line) a label that holds no digits (Caffe's atoi
+            gives 0), that does not fit int32, or, with ``strict_labels``, that is
+            not a plain integer; a path too long for an LMDB key; a list file that
+            cannot be read.
     """
     path = Path(list_file)
+    entries, _ = _parse_list(_read_list(path), path, strict_labels)
+    return entries
+
+
+def _read_list(path: Path) -> bytes:
+    """The list file's bytes.
+
+    Raises:
+        FileMissingError: it does not exist.
+        DataError: it cannot be read.
+    """
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError as exc:
-        raise DataError(f"list file {str(path)!r} not found", path=None) from exc
+        raise FileMissingError("the list file does not exist", path=path) from exc
+    except OSError as exc:
+        raise DataError(f"cannot read list file {str(path)!r}: {exc.strerror}") from exc
+
+
+def _parse_list(
+    raw: bytes, path: Path, strict: bool
+) -> tuple[list[tuple[bytes, int]], _LooseLabels]:
+    """:func:`read_list_file` of the bytes ``raw`` (of ``path``), and the labels read
+    as ``atoi`` reads them."""
     pieces = raw.split(b"\n")
     if pieces and pieces[-1] == b"":
         pieces.pop()
     entries: list[tuple[bytes, int]] = []
+    loose = _LooseLabels()
     for number, line in enumerate(pieces, start=1):
         if not line.strip():
             entries.append((b"", 0))
@@ -139,8 +204,20 @@ def read_list_file(list_file: str | os.PathLike[str]) -> list[tuple[bytes, int]]
             raise DataError(
                 f"list file {str(path)!r} line {number}: label {label} does not fit Caffe's int32"
             )
+        text = line[pos + 1 :]
+        if not _INTEGER.fullmatch(text):
+            if strict:
+                raise DataError(
+                    f"list file {str(path)!r} line {number}: label {_shown(text)} is not an "
+                    f"integer ({spell('strict_labels')}; Caffe's atoi would read "
+                    f"{label})"
+                )
+            if not loose.count:
+                loose = _LooseLabels(1, number, text, label)
+            else:
+                loose = dataclasses.replace(loose, count=loose.count + 1)
         entries.append((line[:pos], label))
-    return entries
+    return entries, loose
 
 
 def _match_ext(filename: str, encoding: str) -> bool:
@@ -150,51 +227,26 @@ def _match_ext(filename: str, encoding: str) -> bool:
     return ext == enc or (enc == "jpg" and ext == "jpeg")
 
 
-def _read_image(filename: str, is_color: bool) -> np.ndarray[Any, Any] | None:
-    """The image as Caffe's ``cv::imread`` reads it: the file's bytes read here (by
-    their bytes path, so any name the file system holds works, as in Caffe) and
-    decoded from memory by OpenCV, once its header has been checked.
+def _read_image(filename: str, is_color: bool) -> npt.NDArray[np.uint8]:
+    """The image as Caffe's ``cv::imread`` reads it, ``(H, W, C)`` (C = 1 for gray):
+    the file's bytes read here (by their bytes path, so any name the file system
+    holds works, as in Caffe) and decoded from memory by the image module
+    (``decode_image``: its header's size checked first).
 
     Raises:
-        _Skip: the file cannot be read, or announces more than ``DEFAULT_MAX_PIXELS``.
+        _Skip: the file cannot be read or decoded, or announces more than
+            ``DEFAULT_MAX_PIXELS`` (the reason says which).
     """
     try:
         with open(os.fsencode(filename), "rb") as fh:
             data = fh.read()
     except OSError as exc:
         raise _Skip(f"cannot read file: {exc.strerror}") from None
-    size = image_size(data)
-    if isinstance(size, str):
-        return None  # no decoder OpenCV has takes it (or its header is cut short)
-    if size.width * size.height > DEFAULT_MAX_PIXELS:
-        raise _Skip(
-            f"it announces {size.width}×{size.height} pixels, more than {DEFAULT_MAX_PIXELS} "
-            "(the pixel limit blobpipe decodes); resize it first"
-        )
-    import cv2
-
-    flag = cv2.IMREAD_COLOR if is_color else cv2.IMREAD_GRAYSCALE
-    try:
-        img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
-    except cv2.error:
-        return None
-    return None if img is None else np.asarray(img)
-
-
-def _resize(img: np.ndarray[Any, Any], height: int, width: int) -> np.ndarray[Any, Any]:
-    import cv2
-
-    return np.asarray(cv2.resize(img, (width, height)))
-
-
-def _imencode(img: np.ndarray[Any, Any], encoding: str) -> bytes | None:
-    import cv2
-
-    try:
-        ok, buf = cv2.imencode("." + encoding, img)
-    except cv2.error:
-        return None
-    return bytes(buf) if ok else None
+    flag = imread_flag(is_color, not is_color)
+    img = decode_image(data, flag, DEFAULT_MAX_PIXELS, too_large="resize it first")
+    if isinstance(img, Undecodable):
+        raise _Skip(img.reason)
+    return img
 
 
 def _join_root(root: str, path: str) -> str:
@@ -222,11 +274,9 @@ def _make_record(
     if not filename or not os.path.isfile(filename):
         raise _Skip("file not found")
     img = _read_image(filename, is_color)
-    if img is None:
-        raise _Skip("OpenCV cannot decode it")
     if height > 0 and width > 0:
-        img = _resize(img, height, width)
-    chw = img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
+        img = resize_image(img, height, width)
+    chw = img.transpose(2, 0, 1)
     shape = (int(chw.shape[0]), int(chw.shape[1]), int(chw.shape[2]))
     if encoding:
         if not height and not width and _match_ext(filename, encoding):
@@ -235,12 +285,14 @@ def _make_record(
                     return encode_encoded_datum(fh.read(), label), shape
             except OSError as exc:
                 raise _Skip(f"cannot read file: {exc}") from None
-        encoded = _imencode(img, encoding)
-        if encoded is None:
+        try:
+            encoded = encode_image(img, encoding)
+        except DataError as exc:
             raise DataError(
-                f"OpenCV cannot encode {filename!r} as {encoding!r}; pass --encode-type jpg or png",
+                f"{filename!r}: {exc}; {spell('encode_type', 'jpg')} or "
+                f"{spell('encode_type', 'png')}",
                 key=key,
-            )
+            ) from exc
         return encode_encoded_datum(encoded, label), shape
     return encode_raw_datum(chw, label), shape
 
@@ -264,6 +316,7 @@ def convert_imageset(
     encoded: bool = False,
     encode_type: str = "",
     check_size: bool = False,
+    strict_labels: bool = False,
     force: bool = False,
     commit_every: int = 1000,
     map_size: int = DEFAULT_MAP_SIZE,
@@ -285,11 +338,20 @@ def convert_imageset(
     the ``blobpipe`` logger); ``quiet=False`` draws a progress bar on a
     terminal stderr.
 
-    Raises :class:`OutputExistsError` when ``db`` exists and ``force`` is false,
-    :class:`DataError` for a missing root or list file, a malformed list line,
-    an image that cannot be encoded, or (``check_size``) a size mismatch, and
-    :class:`ValueError` for bad options. Unreadable images are skipped and
-    reported, like Caffe.
+    Labels are read as Caffe's ``atoi`` reads them; those that are not plain
+    integers (``3.7``, ``12abc``) are counted (``loose_labels``) and reported once,
+    with the first one, or refused with ``strict_labels``. Unreadable images are
+    skipped and reported, like Caffe; a conversion that writes no record at all
+    raises and leaves no database (nor a partial one).
+
+    Raises:
+        OutputExistsError: ``db`` exists and ``force`` is false.
+        FileMissingError: the root or the list file does not exist.
+        DataError: a root that is not a directory, a malformed list line (a loose
+            label with ``strict_labels``), an image that cannot be encoded,
+            (``check_size``) a size mismatch, or no record written (every list
+            entry skipped, or none).
+        ValueError: bad options.
     """
     if resize_height < 0 or resize_width < 0:
         raise ValueError(
@@ -307,13 +369,14 @@ def convert_imageset(
     partial = partial_path(out)
     check_output(out, force=force)
     if not os.path.isdir(root_s):
+        if not os.path.exists(root_s):
+            raise FileMissingError("the image root does not exist", path=root_s)
         raise DataError(f"image root {root_s!r} is not a directory")
     list_path = Path(list_file)
-    try:
-        list_bytes = list_path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"cannot read list file {str(list_path)!r}: {exc.strerror}") from exc
-    entries = read_list_file(list_path)
+    list_bytes = _read_list(list_path)
+    entries, loose = _parse_list(list_bytes, list_path, strict_labels)
+    if loose.count:
+        say(loose.notice(list_path))
     is_color = not gray
     encoding = encode_type.lower()
     options: dict[str, Any] = {
@@ -436,8 +499,10 @@ def convert_imageset(
                     elif shape != expected_shape:
                         raise DataError(
                             f"image {filename!r} has shape {shape}, the first one had "
-                            f"{expected_shape} (check_size); resize with --resize-height/"
-                            "--resize-width or drop --check-size",
+                            f"{expected_shape} ({spell('check_size')}); resize them all "
+                            f"({spell('resize_height', 'H', placeholder=True)} and "
+                            f"{spell('resize_width', 'W', placeholder=True)}) or leave out "
+                            f"{spell('check_size')}",
                             key=key,
                         )
                 pending.append((key, value))
@@ -458,9 +523,13 @@ def convert_imageset(
             )
             raise
         records = writer.entries()
-        writer.sync()
-        marker["complete"] = True
-        write_marker(partial, marker)
+        if records:
+            writer.sync()
+            marker["complete"] = True
+            write_marker(partial, marker)
+    if not records:
+        remove_partial(partial, _DB_FILES)
+        raise DataError(_nothing_written(len(entries), skipped, root_s, list_path))
     promote(partial, out, force=force)
     (out / MARKER_NAME).unlink(missing_ok=True)
     return ConvertResult(
@@ -470,4 +539,17 @@ def convert_imageset(
         skipped=tuple(skipped),
         resumed_at=start,
         seed=used_seed,
+        loose_labels=loose.count,
+    )
+
+
+def _nothing_written(lines: int, skipped: list[SkippedImage], root: str, list_file: Path) -> str:
+    """Why a conversion wrote no record, and what to check."""
+    if not lines:
+        return f"nothing to convert: the list file {str(list_file)!r} holds no lines"
+    first = skipped[0]
+    return (
+        f"no record written: all {lines} list entries were skipped (the first, "
+        f"{first.path or '(blank line)'!r}: {first.reason}); the list's paths are read "
+        f"relative to the image root {root!r}: check that they name images there"
     )

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import DataError, DiskFullError
+from .._errors import DataError, DiskFullError, spell
 from .._io._transform import Transform
 from ._batchsource import open_batches
 from ._output import (
@@ -266,8 +266,8 @@ def _write_arrays(
                 raise DataError(
                     f"record gives shape {batch.data.shape[1:]}, the first record "
                     f"{first_key!r} gave {shape[1:]}; an export needs records of one "
-                    "size (crop with --crop-size, or convert with "
-                    "--resize-height/--resize-width)",
+                    f"size: crop them ({spell('crop_size', 'N', placeholder=True)}), or "
+                    "resize them when converting",
                     key=batch.keys[0],
                     path=db_path,
                 )

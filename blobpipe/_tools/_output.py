@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .._errors import DatabaseNotFoundError, DiskFullError, OutputExistsError
+from .._errors import DatabaseNotFoundError, DiskFullError, OutputExistsError, spell
 from .._io._database import Reader, open_reader
 
 __all__ = [
@@ -113,7 +113,7 @@ def check_output(out: Path, *, force: bool) -> None:
     """Raise :class:`OutputExistsError` when ``out`` exists and ``force`` is false."""
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExistsError(
-            f"output {str(out)!r} already exists; pass --force (force=True) to replace it"
+            f"output {str(out)!r} already exists; pass {spell('force')} to replace it"
         )
 
 

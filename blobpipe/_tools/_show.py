@@ -5,11 +5,15 @@ Invariants: a record's pixels are copied into its cell unchanged (uint8 rows) or
 stretched to 0..255 per row (float rows, after a mean and scale), each pixel
 repeated ``zoom`` times along both axes; 3-channel rows are BGR, as Caffe stores
 them, and so is the PNG writer's input, so colours come out right; a 1-channel
-row is shown gray. Captions lie below the image area, never over it.
+row is shown gray. Captions lie below the image area, never over it, and hold
+the whole key: a key wider than its column goes on as many lines as it needs
+(every caption of the grid as tall as the tallest). Drawing and encoding are the
+image module's (``_io/_image.py``).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass
@@ -18,16 +22,18 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArgumentError, DataError, ShapeError
+from .._errors import ArgumentError, ShapeError
 from .._io._batches import Batches
+from .._io._image import encode_image, put_text, text_width
 from .._io._prototxt import read_data_layer
 from .._io._transform import Transform
 
-__all__ = ["CAPTION_HEIGHT", "GridLayout", "show_grid"]
+__all__ = ["GridLayout", "show_grid"]
 
-CAPTION_HEIGHT = 28  # pixels below each image: key, then label
+_LINE = 12  # pixels per caption line
 _PAD = 2  # pixels between cells
 _MIN_CELL = 96  # auto zoom: the smallest side of an image cell at least this
+_MIN_COLUMN = 64  # a column is at least this wide, so a caption line holds a few characters
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,16 @@ class GridLayout:
     cell: tuple[int, int]  # (height, width) of an image area, zoomed
     keys: tuple[bytes, ...]
     labels: tuple[float, ...] | None
+    captions: tuple[tuple[str, ...], ...] = ()  # each record's lines, as drawn
+    caption_height: int = 2 * _LINE + 4  # pixels below each image area
+    column_width: int = 0  # pixels between two columns' left edges, less the padding
 
     def origin(self, i: int) -> tuple[int, int]:
         """The (y, x) of record ``i``'s image area in the PNG."""
         h, w = self.cell
         row, col = divmod(i, self.columns)
-        return _PAD + row * (h + CAPTION_HEIGHT + _PAD), _PAD + col * (w + _PAD)
+        width = max(w, self.column_width)
+        return _PAD + row * (h + self.caption_height + _PAD), _PAD + col * (width + _PAD)
 
 
 def _displayable(rows: np.ndarray, layout: str) -> np.ndarray:
@@ -88,8 +98,6 @@ def show_grid(
         DataError, DatabaseNotFoundError: as :class:`~blobpipe.Batches`.
         ShapeError: records that are not images of 1 or 3 channels.
     """
-    import cv2
-
     for name, value in (("count", count), ("columns", columns), ("zoom", zoom)):
         if value is not None and (isinstance(value, bool) or int(value) < 1):
             raise ArgumentError(f"show: {name} must be a positive integer, got {value!r}")
@@ -118,34 +126,46 @@ def show_grid(
     columns = min(columns, n)
     grid_rows = math.ceil(n / columns)
     ch, cw = h * zoom, w * zoom
+    width = max(cw, _MIN_COLUMN)
+    captions = tuple(
+        (
+            *_wrapped(_ascii(keys[i].decode("utf-8", "replace")), width),
+            *(() if labels is None else (f"label {labels[i]:g}",)),
+        )
+        for i in range(n)
+    )
+    caption_height = _LINE * max(len(c) for c in captions) + 4
     image = np.full(
-        (_PAD + grid_rows * (ch + CAPTION_HEIGHT + _PAD), _PAD + columns * (cw + _PAD), 3),
+        (_PAD + grid_rows * (ch + caption_height + _PAD), _PAD + columns * (width + _PAD), 3),
         32,
         np.uint8,
     )
-    layout = GridLayout(out, n, columns, zoom, (ch, cw), keys, labels)
+    layout = GridLayout(
+        out, n, columns, zoom, (ch, cw), keys, labels, captions, caption_height, width
+    )
     for i in range(n):
         y, x = layout.origin(i)
         image[y : y + ch, x : x + cw] = rows[i].repeat(zoom, axis=0).repeat(zoom, axis=1)
-        caption = [keys[i].decode("utf-8", "replace")]
-        if labels is not None:
-            caption.append(f"label {labels[i]:g}")
-        for line, text in enumerate(caption):
-            _put_text(cv2, image, text, (x, y + ch + 11 + 12 * line), cw)
-    ok, png = cv2.imencode(".png", image)
-    if not ok:  # pragma: no cover - OpenCV encodes any uint8 BGR image
-        raise DataError("OpenCV could not encode the grid as PNG", path=db)
-    out.write_bytes(png.tobytes())
+        for line, text in enumerate(captions[i]):
+            put_text(image, text, (x, y + ch + 11 + _LINE * line))
+    out.write_bytes(encode_image(image, "png"))
     return layout
 
 
-def _put_text(cv2: Any, image: np.ndarray, text: str, at: tuple[int, int], width: int) -> None:
-    """``text`` (printable ASCII, cut to ``width`` pixels) at ``at``, in the caption strip."""
-    text = "".join(c if " " <= c <= "~" else "?" for c in text)
-    scale = 0.35
+def _ascii(text: str) -> str:
+    """``text`` in the characters the caption font draws (printable ASCII; others ``?``)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text`` cut into lines of at most ``width`` pixels each (at least one character
+    a line), in order: joined, they are ``text`` again."""
+    lines: list[str] = []
     while text:
-        (tw, _), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
-        if tw <= width:
-            break
-        text = text[:-1]
-    cv2.putText(image, text, at, cv2.FONT_HERSHEY_SIMPLEX, scale, (230, 230, 230), 1, cv2.LINE_AA)
+        # the longest prefix that fits (a prefix is never wider than a longer one)
+        fit = bisect.bisect_right(
+            range(1, len(text) + 1), width, key=lambda n: text_width(text[:n])
+        )
+        lines.append(text[: max(fit, 1)])
+        text = text[max(fit, 1) :]
+    return lines or [""]
