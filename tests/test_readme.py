@@ -154,3 +154,15 @@ def test_command_line_examples_print_what_the_readme_shows(tmp_path: Path) -> No
                 + "\nprinted:\n"
                 + proc.stdout
             )
+
+
+def test_the_documents_name_only_commands_that_exist() -> None:
+    """docs/performance.md holds current results only (within 600 lines), and every
+    script the README and it name is in the repository."""
+    perf = ROOT / "docs" / "performance.md"
+    assert len(perf.read_text(encoding="utf-8").splitlines()) <= 600
+    for doc in (README, perf, ROOT / "docs" / "design.md"):
+        text = doc.read_text(encoding="utf-8")
+        named = set(re.findall(r"\b((?:bench|scripts|examples)/[\w./-]+\.(?:py|sh))\b", text))
+        missing = sorted(p for p in named if not (ROOT / p).is_file())
+        assert not missing, f"{doc.name} names {missing}"
