@@ -1,0 +1,91 @@
+"""CUDA's rules that the device path meets, on the emulated device where it models
+them (docs/design.md, "Device backends and the emulated device").
+
+The emulated device models, besides its late copies: a current device per thread,
+each device's current stream in that thread, per-thread default streams (handle
+2, whichever thread uses it) that the legacy default stream waits for, frees that
+synchronise the device, and streams of another device that CUDA refuses. Each test
+here fails without the rule it names. What the emulated device cannot model has a
+``gpu`` test, with the reason in its docstring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blobpipe import Batches, Loader, Transform
+from blobpipe._backends import EmulatedBackend
+from tests._helpers import queue_late, raw_db, unowned
+from tests.conftest import to_numpy
+
+LATE = 0.2  # seconds the consumer's queued work runs late
+
+
+def _expected(db: Path, n: int, **options: object) -> list[np.ndarray]:
+    with Batches(db, **options) as batches:  # type: ignore[arg-type]
+        return [np.array(b.data) for _, b in zip(range(n), batches, strict=False)]
+
+
+# -- the refill after a consumer's host write -----------------------------------------------------
+
+
+def test_a_refill_after_the_consumers_host_write_waits_for_its_device_read(db30: Path) -> None:
+    """The consumer reads a batch late on its stream, then writes the batch on the
+    host (``mutable_cpu_data``: the head moves to the host) and lets it go. The
+    slot's refill copies those host bytes back to the device (the output blob's
+    ``mutable_gpu_data``) only after the consumer's read: its wait for the
+    release comes before any write of the slot's device memory."""
+    backend = EmulatedBackend(delay=0.001)
+    side = backend.create_stream()
+    t = Transform(scale=0.5)
+    with Loader(
+        db30,
+        4,
+        device=backend,
+        prefetch=2,
+        transform=t,
+        stream=side,
+        device_transform=True,
+        mode="wrap",
+    ) as loader:
+        batch = next(loader)
+        src = unowned(backend, batch.data.gpu_data())
+        seen = backend.xp.zeros(src.shape, src.dtype)
+        with backend.using(side):
+            queue_late(backend, lambda: backend.xp.copyto(seen, src), LATE)
+        batch.data.mutable_cpu_data()[...] = -1
+        del batch
+        for _ in range(2 * loader.statistics().slots):  # every slot is refilled meanwhile
+            next(loader)
+        side.synchronize()
+    want = _expected(db30, 1, batch_size=4, transform=t)[0]
+    assert np.array_equal(to_numpy(seen), want)
+
+
+# -- the device transform of records one pixel high -----------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 36: the device transform gathers the mean's rows only when "
+    "mean.shape[1] != 1 (finish_on_device), the host kernel when mean.shape[1:] != "
+    "(1, 1); one function over xp for both fixes it",
+)
+@pytest.mark.parametrize("crop", [0, 1])
+def test_the_device_transform_of_records_one_pixel_high(tmp_path: Path, crop: int) -> None:
+    """Records of height 1 with a (C, 1, W) mean file, mirrored (and cropped to one
+    pixel): the device transform gives the host's batches."""
+    from tests.test_transform import _mean_file
+
+    db = raw_db(tmp_path / "db", 16, shape=(3, 1, 12))
+    mean = np.random.default_rng(3).uniform(0, 50, (3, 1, 12)).astype(np.float32)
+    t = Transform(mirror=True, crop_size=crop, mean_file=_mean_file(tmp_path, mean), scale=0.5)
+    want = _expected(db, 4, batch_size=4, transform=t, phase="train")
+    backend = EmulatedBackend()
+    with Loader(db, 4, device=backend, transform=t, phase="train", device_transform=True) as loader:
+        got = [np.array(b.data.cpu_data()) for _, b in zip(range(4), loader, strict=False)]
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), f"batch {k}"
