@@ -11,6 +11,8 @@ here fails without the rule it names. What the emulated device cannot model has 
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ import pytest
 
 from blobpipe import Batches, Loader, Transform
 from blobpipe._backends import EmulatedBackend
+from blobpipe._backends._emulated import current_device
+from blobpipe._pool import Block, MemoryPool
 from tests._helpers import queue_late, raw_db, unowned
 from tests.conftest import to_numpy
 
@@ -89,3 +93,46 @@ def test_the_device_transform_of_records_one_pixel_high(tmp_path: Path, crop: in
         got = [np.array(b.data.cpu_data()) for _, b in zip(range(4), loader, strict=False)]
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(g, w), f"batch {k}"
+
+
+# -- frees that synchronise -----------------------------------------------------------------------
+
+
+def test_a_free_that_waits_for_the_device_holds_no_pool_lock() -> None:
+    """A device block given back to the system (the cache over its limit) waits, as
+    cudaFree does, for all work queued on the device: meanwhile another thread's
+    allocation from the same pool goes on (the free runs outside the pool's lock)."""
+    backend = EmulatedBackend()
+    pool = MemoryPool(backend, "device", cache_limit=8192)
+    a, b = pool.malloc(8192), pool.malloc(4096)
+    pool.free(a)  # cached, at the limit
+    gate = threading.Event()
+    busy = backend.create_stream()
+    backend.run_later(gate.wait, 0, stream=busy)  # a consumer's long kernel
+    # over the cache limit: the larger block, a's, goes back to the system
+    freeing = threading.Thread(target=pool.free, args=(b,))
+    freeing.start()
+    time.sleep(0.2)  # the free is waiting for the device now
+    took: list[Block] = []
+    other = threading.Thread(target=lambda: took.append(pool.malloc(4096)))
+    other.start()
+    other.join(timeout=5)
+    done = not other.is_alive()
+    gate.set()
+    freeing.join(timeout=10)
+    other.join(timeout=10)
+    assert done, "an allocation waited for another thread's free to synchronise the device"
+    assert not freeing.is_alive() and len(took) == 1
+
+
+def test_a_pool_frees_under_its_device() -> None:
+    """A device-1 pool trimmed from a thread on device 0 frees with device 1 current
+    (CuPy's ``Memory.__dealloc__`` frees in the current device's context)."""
+    backend = EmulatedBackend(device_id=1)
+    pool = MemoryPool(backend, "device", cache_limit=4096)
+    blocks = [pool.malloc(4096) for _ in range(3)]
+    for block in blocks:
+        pool.free(block)
+    pool.free_all_blocks()
+    assert current_device() == 0
+    assert backend.frees_off_device == 0

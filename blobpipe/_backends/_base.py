@@ -11,7 +11,7 @@ loader) speaks only this interface:
     Backend.copy_to_device(dst, src, stream) -> Event   (asynchronous)
     Backend.copy_to_host(dst, src, stream)   -> Event   (asynchronous)
     Backend.launch(fn, stream)               -> Event   (asynchronous)
-    Backend.fill_device_zero(dst)
+    Backend.fill_device_zero(dst) / release_buffers(buffers)
     Backend.current_stream() / using(stream) / as_stream(obj)
     Backend.record_event(stream) / stream_wait(stream, event)
     Backend.bind_thread() / hold_device(view, owner) / check_device_array(a, what)
@@ -293,6 +293,16 @@ class Backend:
         hold the temporaries of device code such as the device transform). A
         blobpipe pool out of memory calls it before its last try."""
         return None
+
+    def release_buffers(self, buffers: list[Any]) -> None:
+        """Give ``buffers`` (host or device buffers of this backend, referenced nowhere
+        else) back to the system, emptying the list, under this backend's device.
+
+        CUDA's frees synchronise the device (``Memory.__dealloc__``'s ``cudaFree``,
+        ``PinnedMemory``'s ``cudaFreeHost``): the caller holds no lock that other
+        threads wait for.
+        """
+        buffers.clear()
 
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)

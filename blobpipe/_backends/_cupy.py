@@ -168,6 +168,10 @@ class CupyBackend(Backend):
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
 
+    def release_buffers(self, buffers: list[Any]) -> None:
+        with self._device:
+            buffers.clear()
+
     def release_cached(self, kind: str) -> None:
         cp = self._cp
         with self._device:

@@ -29,6 +29,13 @@ thread that creates a context on a device it does not use shows in a test.
 (Not modelled: the context's memory, and CUDA calls that touch device 0 without
 a switch, e.g. a runtime API call before any ``cudaSetDevice``.)
 
+Frees, as ``cudaFree`` does them: a device buffer of :meth:`EmulatedBackend.alloc_device`
+going back to the system (its last reference dropped) first waits for all work
+queued on every stream of its backend, so a free made while a lock is held keeps
+that lock for as long as the device is busy. A free from a thread whose current
+device is another one is counted (:attr:`EmulatedBackend.frees_off_device`): on
+CUDA it runs in that device's context (in a fresh thread, creating one on device 0).
+
 DLPack consumers: ``backend.xp.from_dlpack(obj)`` calls
 ``obj.__dlpack__(stream=<the caller's current stream>)``, as CuPy and torch pass
 theirs, so a producer that ignores the consumer's stream shows.
@@ -229,8 +236,23 @@ class _DeviceNumpy(ModuleType):
         return make
 
 
+def _free_device(backend_ref: weakref.ref[EmulatedBackend], device_id: int) -> None:
+    """``cudaFree`` of a buffer of device ``device_id``: counted when the calling
+    thread's current device is another; waits for every stream of the device's
+    backend (except from a stream's own thread, where CUDA would never free)."""
+    backend = backend_ref()
+    if backend is None:
+        return
+    if current_device() != device_id:
+        with backend._lock:
+            backend.frees_off_device += 1
+    if not getattr(_device, "worker", False):
+        backend.synchronize()
+
+
 def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id: int) -> None:
     _switch(device_id)
+    _device.worker = True
     while True:
         item = q.get()
         if item is _STOP:
@@ -308,6 +330,8 @@ class EmulatedBackend(Backend):
         self._lock = threading.Lock()
         self._local = threading.local()  # .stream: the stream using() made current
         self._xp = _DeviceNumpy(self)
+        #: device buffers freed from a thread whose current device was another
+        self.frees_off_device = 0
 
     def __repr__(self) -> str:
         return f"<EmulatedBackend emulated:{self.emulated_device}>"
@@ -320,7 +344,13 @@ class EmulatedBackend(Backend):
         buf = np.empty(nbytes, dtype=np.uint8).view(EmulatedArray)
         buf.device_id = self.emulated_device
         buf.backend = weakref.ref(self)
+        # its free synchronises the device, as cudaFree does (not at the interpreter's exit)
+        weakref.finalize(buf, _free_device, buf.backend, self.emulated_device).atexit = False
         return buf
+
+    def release_buffers(self, buffers: list[Any]) -> None:
+        with _device_scope(self.emulated_device):
+            buffers.clear()
 
     def _own(self, array: Any, what: str) -> Any:
         """``array`` as flat bytes, refused when it is memory of another device."""
