@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from blobpipe import Batches, Loader, Transform
+from blobpipe import Batches, Blob, Loader, Transform
 from blobpipe._backends import EmulatedBackend
-from blobpipe._backends._emulated import current_device
+from blobpipe._backends._emulated import _Capsule, current_device
 from blobpipe._pool import Block, MemoryPool
 from tests._helpers import queue_late, raw_db, unowned
-from tests.conftest import to_numpy
+from tests.conftest import cupy_backend_or_skip, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
 
@@ -136,3 +137,64 @@ def test_a_pool_frees_under_its_device() -> None:
     pool.free_all_blocks()
     assert current_device() == 0
     assert backend.frees_off_device == 0
+
+
+# -- the DLPack hand-shake under the blob's device -------------------------------------------------
+
+
+def test_a_device_export_orders_the_consumer_after_the_blobs_device() -> None:
+    """torch.from_dlpack of a blob on device 1 from a thread whose current device is
+    0 passes device 1's stream and switches nothing: the consumer's stream waits for
+    the caller's current stream *of device 1*, where the kernel writing the blob is
+    still queued (CuPy's own hand-shake would take device 0's)."""
+    EmulatedBackend(device_id=0)  # the thread's current device exists
+    one = EmulatedBackend(device_id=1)
+    blob = Blob((4096,), np.float32, backend=one)
+    blob.mutable_cpu_data()[:] = 1
+    data = blob.mutable_gpu_data()
+    one.run_later(lambda: data.fill(5), LATE)  # on device 1's current stream here
+    side = one.create_stream()
+    assert current_device() == 0
+    blob.__dlpack__(stream=side)
+    with one.using(side):
+        seen = one.xp.zeros(4096, np.float32)
+        one.run_later(lambda: one.xp.copyto(seen, data), 0)  # the consumer's kernel
+    side.synchronize()
+    assert to_numpy(seen).tolist() == [5] * 4096
+
+
+@pytest.mark.parametrize("stream", [0, 1, None])
+def test_a_device_export_passes_cupy_no_stream_0(stream: int | None) -> None:
+    """torch has passed 0 for its default stream; CuPy warns on 0 (an error under
+    ``-W error``). blobpipe orders the consumer itself and hands its array -1."""
+    backend = EmulatedBackend()
+    blob = Blob((16,), np.float32, backend=backend)
+    blob.mutable_gpu_data()
+    assert np.from_dlpack(_Capsule(blob.__dlpack__(stream=stream))).shape == (16,)
+
+
+@pytest.mark.gpu
+def test_a_cuda_export_to_a_stream_0_consumer_warns_nothing() -> None:  # pragma: no cover - GPU
+    """On CUDA: ``__dlpack__(stream=0)`` (torch's old default stream) under
+    ``-W error``: CuPy warns on 0; blobpipe hands it -1 after its own hand-shake."""
+    backend = cupy_backend_or_skip()
+    blob = Blob((16,), np.float32, backend=backend)
+    blob.mutable_gpu_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = backend.xp.from_dlpack(_Handshake(blob, 0))
+    assert x.shape == (16,)
+
+
+class _Handshake:
+    """A DLPack producer that passes ``stream`` to ``blob`` whatever it is asked."""
+
+    def __init__(self, blob: Blob, stream: int) -> None:
+        self._blob, self._stream = blob, stream
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        kwargs["stream"] = self._stream
+        return self._blob.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._blob.__dlpack_device__()  # type: ignore[no-any-return]

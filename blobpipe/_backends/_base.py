@@ -13,7 +13,7 @@ loader) speaks only this interface:
     Backend.launch(fn, stream)               -> Event   (asynchronous)
     Backend.fill_device_zero(dst) / release_buffers(buffers)
     Backend.current_stream() / using(stream) / as_stream(obj)
-    Backend.record_event(stream) / stream_wait(stream, event)
+    Backend.record_event(stream) / stream_wait(stream, event) / after_current(stream)
     Backend.bind_thread() / hold_device(view, owner) / check_device_array(a, what)
     Backend.dlpack_stream(stream)
     Event.query() / Event.synchronize() / await wait_event(event) / all_of(events)
@@ -353,7 +353,7 @@ class Backend:
                 f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes"
             )
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         event = self._copy_to_device(dst, src, stream)
         with self._stats_lock:
             self._h2d_copies += 1
@@ -370,7 +370,7 @@ class Backend:
                 f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes"
             )
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         event = self._copy_to_host(dst, src, stream)
         with self._stats_lock:
             self._d2h_copies += 1
@@ -392,7 +392,7 @@ class Backend:
         """
         self.require_device("launch")
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         return self._launch(fn, stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
@@ -482,8 +482,9 @@ class Backend:
         self.require_device("dlpack_stream")
         raise NotImplementedError  # pragma: no cover
 
-    def _after_current(self, stream: Stream) -> None:
-        """Order ``stream`` after the work queued so far on the caller's current stream.
+    def after_current(self, stream: Stream) -> None:
+        """Order ``stream`` after the work queued so far on the caller's current stream
+        of this backend's device, whichever device is current (no host wait).
 
         Kernels a user runs on ``mutable_gpu_data()`` arrays go to the current
         stream, which blobpipe's non-blocking streams do not wait for by

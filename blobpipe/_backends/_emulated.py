@@ -36,9 +36,13 @@ that lock for as long as the device is busy. A free from a thread whose current
 device is another one is counted (:attr:`EmulatedBackend.frees_off_device`): on
 CUDA it runs in that device's context (in a fresh thread, creating one on device 0).
 
-DLPack consumers: ``backend.xp.from_dlpack(obj)`` calls
+DLPack: ``backend.xp.from_dlpack(obj)`` calls
 ``obj.__dlpack__(stream=<the caller's current stream>)``, as CuPy and torch pass
-theirs, so a producer that ignores the consumer's stream shows.
+theirs, so a producer that ignores the consumer's stream shows. A device array's
+own ``__dlpack__(stream=...)`` does what CuPy's does (``cupy/_core/core.pyx``): the
+consumer's stream (None or 1: the legacy default stream of the *current* device;
+0 the same, with CuPy's warning; -1: no ordering) waits for the current stream of
+the calling thread's *current device*, which need not be the array's.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import contextlib
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -95,6 +100,8 @@ class EmulatedEvent(Event):
 
 _STOP = object()
 _device = threading.local()  # .id: the calling thread's current emulated device
+# device id -> the emulated backend made last for it (whose streams are that device's)
+_backends: dict[int, weakref.ref[EmulatedBackend]] = {}
 _touched_lock = threading.Lock()
 # thread -> the devices it switched to (its contexts)
 _touched: weakref.WeakKeyDictionary[threading.Thread, set[int]] = weakref.WeakKeyDictionary()
@@ -175,6 +182,28 @@ class EmulatedArray(np.ndarray):
         if isinstance(result, np.ndarray):
             return result.view(EmulatedArray)
         return result
+
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        """CuPy's hand-shake, then NumPy's export (see the module docstring)."""
+        here = current_device()
+        own = self.backend() if self.backend is not None else None
+        if own is None or own.emulated_device != here:
+            ref = _backends.get(here)
+            own = ref() if ref is not None else None
+        if own is not None:
+            if isinstance(stream, int) and not isinstance(stream, bool) and stream == 0:
+                warnings.warn(
+                    "Stream 0 is passed from a library that you are converting to; CuPy "
+                    "assumes 0 as a legacy default stream. Please report this problem to "
+                    "the library as this violates the DLPack protocol.",
+                    stacklevel=2,
+                )
+                stream = 1
+            consumer = own.dlpack_stream(stream)
+            current = own.current_stream()
+            if consumer is not None and not consumer.same(current):
+                own.stream_wait(consumer, own.record_event(current))
+        return np.ndarray.__dlpack__(self, **kwargs)
 
     def get(self) -> np.ndarray[Any, Any]:
         """A host copy (a plain NumPy array), after the current stream's work."""
@@ -330,6 +359,7 @@ class EmulatedBackend(Backend):
         self._lock = threading.Lock()
         self._local = threading.local()  # .stream: the stream using() made current
         self._xp = _DeviceNumpy(self)
+        _backends[self.emulated_device] = weakref.ref(self)
         #: device buffers freed from a thread whose current device was another
         self.frees_off_device = 0
 
