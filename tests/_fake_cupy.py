@@ -139,7 +139,7 @@ def make(devices: int = 2, version: int = 14) -> types.ModuleType:
             self.done = True
 
         def record(self, stream: Any = None) -> None:
-            pass
+            log.append(("eventRecord", None if stream is None else stream.ptr))
 
         def synchronize(self) -> None:
             log.append(("eventSynchronize", self.block))

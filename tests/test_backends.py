@@ -393,6 +393,31 @@ def test_cupy_dlpack_stream_values(fake_cupy: Any) -> None:
         assert stream is not None and stream.raw.ptr == ptr  # type: ignore[attr-defined]
 
 
+def test_cupy_records_another_threads_per_thread_default_stream_on_the_legacy_one(
+    fake_cupy: Any,
+) -> None:
+    """Handle 2 (a DLPack consumer's, ``Stream.ptds``, a current per-thread default
+    stream) names the calling thread's stream: recorded from another thread (a batch
+    let go in a collection or a DLPack deleter) it would name that thread's. There
+    blobpipe records on the legacy default stream (1), which waits for every
+    per-thread one; in the naming thread on 2 itself."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    for ptds in (backend.dlpack_stream(2), backend.as_stream(0x2)):
+        assert ptds is not None
+        fake_cupy.log.clear()
+        elsewhere = threading.Thread(target=lambda s=ptds: backend.record_event(s))
+        elsewhere.start()
+        elsewhere.join()
+        backend.record_event(ptds)
+        assert [e for e in fake_cupy.log if e[0] == "eventRecord"] == [
+            ("eventRecord", 1),
+            ("eventRecord", 2),
+        ]
+        assert not ptds.same(backend.current_stream())
+
+
 def test_cupy_set_gpu_data_checks_the_device(fake_cupy: Any) -> None:
     from blobpipe._backends._cupy import CupyBackend
 

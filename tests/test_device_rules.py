@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from blobpipe import Batches, Blob, Loader, Transform
-from blobpipe._backends import EmulatedBackend
+from blobpipe._backends import Backend, EmulatedBackend, Stream
 from blobpipe._backends._emulated import _Capsule, current_device
 from blobpipe._pool import Block, MemoryPool
 from tests._helpers import queue_late, raw_db, unowned
-from tests.conftest import cupy_backend_or_skip, to_numpy
+from tests.conftest import cupy_backend_or_skip, make_backend, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
 
@@ -198,3 +198,88 @@ class _Handshake:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._blob.__dlpack_device__()  # type: ignore[no-any-return]
+
+
+# -- per-thread default streams -------------------------------------------------------------------
+
+
+def _per_thread(backend: Backend) -> Stream:
+    """The per-thread default stream's handle as a Stream of ``backend`` (CUDA's 2)."""
+    if isinstance(backend, EmulatedBackend):
+        return backend.as_stream(backend.per_thread)
+    return backend.as_stream(backend.xp.cuda.Stream.ptds)  # pragma: no cover - GPU
+
+
+def _drop_in_another_thread(backend: Backend, held: list[object]) -> None:
+    """Let go of the last references in ``held`` from another thread (a DLPack
+    deleter, a collection in a filler) whose current stream is its own per-thread
+    default stream (a program built for per-thread default streams)."""
+
+    def drop() -> None:
+        with backend.using(_per_thread(backend)):
+            held.clear()
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("how", ["dlpack", "current"])
+def test_a_per_thread_default_stream_named_here_is_waited_for_when_let_go_elsewhere(
+    db30: Path, device: str, how: str
+) -> None:
+    """The consumer works on its per-thread default stream: it names it (handle 2)
+    to ``__dlpack__`` ("dlpack": the Loader's named stream is another) or has it
+    current when it takes the batch ("current"), reads the batch late there, and
+    the batch's last reference goes in another thread. The release recorded there
+    must not land on *that* thread's per-thread default stream: the slot is refilled
+    only after the consumer's read."""
+    backend = make_backend(device)
+    ptds = _per_thread(backend)
+    named = backend.create_stream() if how == "dlpack" else None
+    t = Transform(scale=0.5)
+    with Loader(
+        db30,
+        4,
+        device=backend,
+        prefetch=2,
+        transform=t,
+        device_transform=False,
+        mode="wrap",
+        stream=named,
+    ) as loader:
+        if how == "dlpack":
+            batch = next(loader)
+            batch.data.__dlpack__(stream=2)  # the capsule goes at once; the stream is named
+        else:
+            with backend.using(ptds):
+                batch = next(loader)
+        src = unowned(backend, batch.data.gpu_data())
+        seen = backend.xp.zeros(src.shape, src.dtype)
+        with backend.using(ptds):
+            queue_late(backend, lambda: backend.xp.copyto(seen, src), LATE)
+        held: list[object] = [batch]
+        del batch
+        _drop_in_another_thread(backend, held)
+        for _ in range(2 * loader.statistics().slots):  # every slot is refilled meanwhile
+            next(loader)
+        ptds.synchronize()
+    want = _expected(db30, 1, batch_size=4, transform=t)[0]
+    assert np.array_equal(to_numpy(seen), want)
+
+
+def test_the_legacy_stream_waits_for_every_per_thread_default_stream() -> None:
+    """The emulated model: an event on the null stream completes after the work
+    queued before it on another thread's per-thread default stream."""
+    backend = EmulatedBackend()
+    done: list[int] = []
+
+    def consumer() -> None:
+        backend.run_later(lambda: done.append(1), LATE, stream=backend.per_thread)
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    thread.join()
+    backend.record_event(backend.null_stream()).synchronize()
+    assert done == [1]

@@ -169,7 +169,23 @@ def all_of(events: list[Event] | tuple[Event, ...]) -> Event:
 
 
 class Stream(abc.ABC):
-    """An ordered queue of device work (copies, kernels)."""
+    """An ordered queue of device work (copies, kernels).
+
+    A per-thread default stream (CUDA's handle 2, ``cupy.cuda.Stream.ptds``) names a
+    different stream in every thread: its Stream keeps the thread it was named in
+    (:attr:`thread`), and from any other thread (a batch let go in a DLPack deleter
+    or a collection) the backend records and waits on the legacy default stream
+    instead, which CUDA orders after every per-thread default stream.
+    """
+
+    #: the thread whose per-thread default stream this is; None: the same stream
+    #: from every thread
+    thread: threading.Thread | None = None
+
+    def elsewhere(self) -> bool:
+        """True in a thread other than the one whose per-thread default stream this
+        names (work and events then go to the legacy default stream)."""
+        return self.thread is not None and self.thread is not threading.current_thread()
 
     @abc.abstractmethod
     def synchronize(self) -> None:

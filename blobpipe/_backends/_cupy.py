@@ -62,27 +62,47 @@ class _Handle:
         return (0, self.ptr)
 
 
-class _CupyStream(Stream):
-    """A CuPy stream of the backend's device (``device``: its ``cupy.cuda.Device``)."""
+_LEGACY = 1  # cudaStreamLegacy: the legacy default stream of the current device
+_PER_THREAD = 2  # cudaStreamPerThread: the calling thread's per-thread default stream
 
-    def __init__(self, stream: Any, cp: Any, device: Any) -> None:
+
+class _CupyStream(Stream):
+    """A CuPy stream of the backend's device (``device``: its ``cupy.cuda.Device``).
+
+    Over the per-thread default stream (handle 2) it keeps the thread that named it;
+    from another thread its work goes to ``legacy`` (the legacy default stream,
+    which CUDA orders after every per-thread default stream).
+    """
+
+    def __init__(self, stream: Any, cp: Any, device: Any, legacy: Any = None) -> None:
         self.raw = stream
         self._cp = cp
         self._device = device
+        self._legacy = legacy
+        if int(stream.ptr) == _PER_THREAD:
+            self.thread = threading.current_thread()
+
+    def here(self) -> Any:
+        """The CuPy stream this names in the calling thread."""
+        return self._legacy if self.elsewhere() else self.raw
 
     def synchronize(self) -> None:
         # on a blocking-sync event, made on the stream's device: the waiting thread
         # sleeps (cudaStreamSynchronize spins or yields, as the device's flags say)
         with self._device:
             event = self._cp.cuda.Event(block=True, disable_timing=True)
-            event.record(self.raw)
+            event.record(self.here())
         event.synchronize()
 
     def idle(self) -> bool:
-        return bool(self.raw.done)  # cudaStreamQuery
+        return not self.elsewhere() and bool(self.raw.done)  # cudaStreamQuery
 
     def same(self, other: Stream) -> bool:
-        return isinstance(other, _CupyStream) and int(other.raw.ptr) == int(self.raw.ptr)
+        return (
+            isinstance(other, _CupyStream)
+            and int(other.raw.ptr) == int(self.raw.ptr)
+            and other.thread is self.thread
+        )
 
 
 class CupyBackend(Backend):
@@ -112,6 +132,7 @@ class CupyBackend(Backend):
         self._device_id = device_id
         self._device = cp.cuda.Device(device_id)
         self._default: _CupyStream | None = None
+        self._legacy: Any = None  # a CuPy stream over cudaStreamLegacy (made on first use)
         self._lock = threading.Lock()
         self._bound = threading.local()  # .yes: bind_thread() ran in this thread
         note_cuda_initialised()
@@ -197,12 +218,21 @@ class CupyBackend(Backend):
         assert isinstance(stream, _CupyStream)
         # blocking-sync: a host thread that waits for it sleeps instead of spinning
         ev = self._cp.cuda.Event(block=True, disable_timing=not timing, interprocess=False)
-        ev.record(stream.raw)
+        ev.record(stream.here())
         return _CupyEvent(ev)
 
     def current_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.get_current_stream(), self._cp, self._device)
+            return self._wrap(self._cp.cuda.get_current_stream())
+
+    def _wrap(self, raw: Any) -> _CupyStream:
+        """A Stream of this backend over CuPy stream ``raw``."""
+        legacy = None
+        if int(raw.ptr) == _PER_THREAD:
+            legacy = self._legacy
+            if legacy is None:
+                legacy = self._legacy = self._external(_LEGACY)
+        return _CupyStream(raw, self._cp, self._device, legacy)
 
     def bind_thread(self) -> None:
         if getattr(self._bound, "yes", False):
@@ -259,7 +289,7 @@ class CupyBackend(Backend):
 
     @contextlib.contextmanager
     def _using(self, stream: _CupyStream) -> Iterator[None]:
-        with self._device, stream.raw:
+        with self._device, stream.here():
             yield
 
     def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
@@ -271,17 +301,17 @@ class CupyBackend(Backend):
             return stream
         base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
         if isinstance(stream, (cp.cuda.Stream, base)):
-            return _CupyStream(stream, cp, self._device)
+            return self._wrap(stream)
         handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
         if isinstance(handle, int) and not isinstance(handle, bool):
-            return _CupyStream(self._external(handle), cp, self._device)
+            return self._wrap(self._external(handle))
         raise TypeError(
             f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
             f"(an int), got {type(stream).__name__}"
         )
 
     def _stream_wait(self, stream: Stream, event: Event) -> None:
-        raw = self._own(stream).raw
+        raw = self._own(stream).here()
         if isinstance(event, _CupyEvent):
             with self._device:
                 raw.wait_event(event._event)
@@ -300,7 +330,7 @@ class CupyBackend(Backend):
             raise ValueError("host source of a device copy must be C-contiguous")
         with self._device:
             if src.nbytes:
-                dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.raw)
+                dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.here())
             return self._record(stream)
 
     def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
@@ -309,12 +339,12 @@ class CupyBackend(Backend):
             raise ValueError("host destination of a device copy must be C-contiguous")
         with self._device:
             if src.nbytes:
-                src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
+                src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.here())
             return self._record(stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
         assert isinstance(stream, _CupyStream)
-        with self._device, stream.raw:
+        with self._device, stream.here():
             fn()
             return self._record(stream)
 

@@ -29,6 +29,15 @@ thread that creates a context on a device it does not use shows in a test.
 (Not modelled: the context's memory, and CUDA calls that touch device 0 without
 a switch, e.g. a runtime API call before any ``cudaSetDevice``.)
 
+Per-thread default streams, as CUDA's handle 2 (``cudaStreamPerThread``,
+``cupy.cuda.Stream.ptds``): :attr:`EmulatedBackend.per_thread` names, in each
+thread that uses it, that thread's own stream. The legacy default stream (the
+null stream) waits for them: work queued on it, an event recorded on it included,
+runs after the work queued so far on every per-thread default stream of its
+backend, as CUDA orders the legacy stream after every blocking stream. (Not
+modelled: the other direction, per-thread default streams waiting for the legacy
+one.)
+
 Frees, as ``cudaFree`` does them: a device buffer of :meth:`EmulatedBackend.alloc_device`
 going back to the system (its last reference dropped) first waits for all work
 queued on every stream of its backend, so a free made while a lock is held keeps
@@ -67,6 +76,7 @@ __all__ = [
     "EmulatedBackend",
     "EmulatedEvent",
     "EmulatedStream",
+    "PerThreadStream",
     "current_device",
     "touched_devices",
     "use_device",
@@ -303,6 +313,7 @@ class EmulatedStream(Stream):
     """An ordered work queue served by one daemon thread."""
 
     def __init__(self, backend: EmulatedBackend) -> None:
+        self._backend = weakref.ref(backend)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._last: EmulatedEvent | None = None  # the event of the last work queued
         backend_ref = weakref.ref(backend)
@@ -338,6 +349,61 @@ class EmulatedStream(Stream):
         self.enqueue(None, delay=0.0).synchronize()
 
 
+class _LegacyStream(EmulatedStream):
+    """The null stream: its work runs after the work queued so far on every
+    per-thread default stream of its backend (CUDA's legacy default stream)."""
+
+    def enqueue(
+        self, fn: Callable[[], None] | None, *, delay: float | None = None
+    ) -> EmulatedEvent:
+        backend = self._backend()
+        if backend is not None:
+            before = [e for e in backend._per_thread_events() if not e.query()]
+            if before:
+
+                def wait() -> None:
+                    for event in before:
+                        event.synchronize()
+
+                super().enqueue(wait, delay=0.0)
+        return super().enqueue(fn, delay=delay)
+
+
+class PerThreadStream(Stream):
+    """CUDA's per-thread default stream handle (2, ``cupy.cuda.Stream.ptds``): work
+    queued on it goes to the per-thread default stream of the thread that queues it.
+
+    The backend's Streams for it (``as_stream``, ``current_stream``,
+    ``dlpack_stream(2)``) keep the thread they were made in (``thread``): from
+    another thread their work goes to the null stream, which waits for it."""
+
+    def __init__(self, backend: EmulatedBackend, thread: threading.Thread | None = None) -> None:
+        self._backend = weakref.ref(backend)
+        self.thread = thread
+
+    def _resolve(self) -> EmulatedStream:
+        backend = self._backend()
+        if backend is None:
+            raise RuntimeError("the emulated backend of this stream is gone")
+        return backend._stream(self)
+
+    def synchronize(self) -> None:
+        self._resolve().synchronize()
+
+    def idle(self) -> bool:
+        return not self.elsewhere() and self._resolve().idle()
+
+    def same(self, other: Stream) -> bool:
+        return (
+            isinstance(other, PerThreadStream)
+            and other._backend() is self._backend()
+            and other.thread is self.thread
+        )
+
+    def __repr__(self) -> str:
+        return "<PerThreadStream>"
+
+
 class EmulatedBackend(Backend):
     """A stand-in for a CUDA device whose copies finish later, on worker threads.
 
@@ -356,8 +422,14 @@ class EmulatedBackend(Backend):
         self._default: EmulatedStream | None = None
         self._null: EmulatedStream | None = None
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
+        # (thread, its per-thread default stream): kept until the thread ended and
+        # the stream ran its work, which the legacy stream waits for meanwhile
+        self._per_thread: list[tuple[threading.Thread, EmulatedStream]] = []
+        #: the per-thread default stream's handle (CUDA's 2, ``cupy.cuda.Stream.ptds``)
+        self.per_thread = PerThreadStream(self)
         self._lock = threading.Lock()
-        self._local = threading.local()  # .stream: the stream using() made current
+        # .stream: the stream using() made current; .per_thread: this thread's default
+        self._local = threading.local()
         self._xp = _DeviceNumpy(self)
         _backends[self.emulated_device] = weakref.ref(self)
         #: device buffers freed from a thread whose current device was another
@@ -424,9 +496,11 @@ class EmulatedBackend(Backend):
 
     def dlpack_stream(self, stream: object) -> Stream | None:
         if isinstance(stream, int) and not isinstance(stream, bool):
-            # -1: no ordering; CUDA's handles (1 legacy, 2 per-thread default, a
-            # cudaStream_t) have no emulated stream: the null stream stands in
-            return None if stream == -1 else self.null_stream()
+            # -1: no ordering; 2: the per-thread default stream; CUDA's other
+            # handles (1 legacy, a cudaStream_t): the null stream stands in
+            if stream == -1:
+                return None
+            return self.as_stream(self.per_thread) if stream == 2 else self.null_stream()
         if stream is None:
             return self.null_stream()  # DLPack: None means the legacy default stream
         return self.as_stream(stream)
@@ -446,19 +520,36 @@ class EmulatedBackend(Backend):
 
     def null_stream(self) -> EmulatedStream:
         """The stream current in every thread outside :meth:`using` (CUDA's legacy
-        default stream)."""
+        default stream: it waits for the per-thread default streams)."""
         with self._lock:
             if self._null is None:
-                self._null = EmulatedStream(self)
+                self._null = _LegacyStream(self)
                 self._streams.add(self._null)
             return self._null
 
-    def current_stream(self) -> EmulatedStream:
-        stream: EmulatedStream | None = getattr(self._local, "stream", None)
-        return stream if stream is not None else self.null_stream()
+    def _per_thread_stream(self) -> EmulatedStream:
+        """The calling thread's per-thread default stream (made on first use)."""
+        stream: EmulatedStream | None = getattr(self._local, "per_thread", None)
+        if stream is None:
+            stream = self._local.per_thread = EmulatedStream(self)
+            with self._lock:
+                self._streams.add(stream)
+                self._per_thread.append((threading.current_thread(), stream))
+        return stream
+
+    def _per_thread_events(self) -> list[EmulatedEvent]:
+        """The last event of every per-thread default stream (what the legacy waits for)."""
+        with self._lock:
+            self._per_thread = [(t, s) for t, s in self._per_thread if t.is_alive() or not s.idle()]
+            streams = [s for _, s in self._per_thread]
+        return [e for e in (s._last for s in streams) if e is not None]
+
+    def current_stream(self) -> Stream:
+        stream: Stream | None = getattr(self._local, "stream", None)
+        return self.as_stream(stream) if stream is not None else self.null_stream()
 
     @contextlib.contextmanager
-    def _using(self, stream: EmulatedStream) -> Iterator[None]:
+    def _using(self, stream: Stream) -> Iterator[None]:
         previous = getattr(self._local, "stream", None)
         self._local.stream = stream
         try:
@@ -468,10 +559,13 @@ class EmulatedBackend(Backend):
             self._local.stream = previous
 
     def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
-        return self._using(self._stream(stream))
+        self._stream(stream)  # a stream of this backend
+        return self._using(stream)
 
     def as_stream(self, stream: object) -> Stream:
-        if isinstance(stream, EmulatedStream):
+        if isinstance(stream, PerThreadStream) and stream.thread is None:
+            return PerThreadStream(self, threading.current_thread())  # named here
+        if isinstance(stream, (EmulatedStream, PerThreadStream)):
             return stream
         raise TypeError(
             f"the emulated device takes its own streams (create_stream()), got "
@@ -493,8 +587,11 @@ class EmulatedBackend(Backend):
 
         return self._stream(stream or self.current_stream()).enqueue(run, delay=seconds)
 
-    @staticmethod
-    def _stream(stream: Stream) -> EmulatedStream:
+    def _stream(self, stream: Stream) -> EmulatedStream:
+        """The emulated stream ``stream`` queues work on in the calling thread."""
+        if isinstance(stream, PerThreadStream):
+            # another thread's: the legacy stream, which waits for every per-thread one
+            return self.null_stream() if stream.elsewhere() else self._per_thread_stream()
         if not isinstance(stream, EmulatedStream):
             raise TypeError(f"expected a stream of the emulated backend, got {stream!r}")
         return stream
