@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import blobpipe
-from blobpipe import BackendUnavailableError, UnsupportedOperationError
+from blobpipe import ArgumentError, BackendUnavailableError, UnsupportedOperationError
 from blobpipe._backends import (
     COMPLETED,
     CudaDevices,
@@ -416,6 +418,49 @@ def test_cupy_records_another_threads_per_thread_default_stream_on_the_legacy_on
             ("eventRecord", 2),
         ]
         assert not ptds.same(backend.current_stream())
+
+
+class _TorchStream:
+    """What blobpipe reads of a ``torch.cuda.Stream``: its handle and its device."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.cuda_stream = handle
+        self.device = types.SimpleNamespace(type="cuda", index=device)
+
+
+def test_cupy_refuses_a_stream_of_another_device(fake_cupy: Any) -> None:
+    """A cuda:0 stream given to a cuda:1 backend (``Loader(stream=)``, a DLPack
+    consumer's) fails at once, not at its first event (invalid resource handle)."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(1)
+    with fake_cupy.cuda.Device(0):
+        zero = fake_cupy.cuda.Stream(non_blocking=True)
+    with fake_cupy.cuda.Device(1):
+        one = fake_cupy.cuda.Stream(non_blocking=True)
+    foreign = [zero, int(zero.ptr), _TorchStream(0x6000, 0), CupyBackend(0).create_stream()]
+    for stream in foreign:
+        with pytest.raises(ArgumentError, match=r"this backend is cuda:1|than cuda:1's"):
+            backend.as_stream(stream)
+    for stream in (one, int(one.ptr), _TorchStream(0x6001, 1), 1, 2):
+        assert backend.as_stream(stream) is not None
+
+
+def test_cupy_keeps_a_foreign_stream_object_alive(fake_cupy: Any) -> None:
+    """A torch stream given as ``Loader(stream=)`` stays alive while blobpipe's
+    Stream over its handle does (blobpipe records events on it later)."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    torch_stream = _TorchStream(0x6000, 0)
+    alive = weakref.ref(torch_stream)
+    stream = backend.as_stream(torch_stream)
+    del torch_stream
+    gc.collect()
+    assert alive() is not None
+    del stream
+    gc.collect()
+    assert alive() is None
 
 
 def test_cupy_set_gpu_data_checks_the_device(fake_cupy: Any) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blobpipe import Batches, Blob, Loader, Transform
+from blobpipe import ArgumentError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend, Stream
 from blobpipe._backends._emulated import _Capsule, current_device
 from blobpipe._pool import Block, MemoryPool
@@ -283,3 +283,32 @@ def test_the_legacy_stream_waits_for_every_per_thread_default_stream() -> None:
     thread.join()
     backend.record_event(backend.null_stream()).synchronize()
     assert done == [1]
+
+
+# -- streams of another device ------------------------------------------------------------------
+
+
+def test_cuda_refuses_an_event_on_a_stream_of_another_device() -> None:
+    """The emulated model: as ``cudaEventRecord`` with an event of device 1 on a
+    stream of device 0, and a copy queued there, fail (invalid resource handle)."""
+    zero, one = EmulatedBackend(device_id=0), EmulatedBackend(device_id=1)
+    foreign = zero.create_stream()
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidResourceHandle"):
+        one.record_event(foreign)
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidResourceHandle"):
+        one.copy_to_device(one.alloc_device(8), np.zeros(8, np.uint8), foreign)
+
+
+def test_a_stream_of_another_device_is_refused_when_named(db30: Path) -> None:
+    """``Loader(stream=)`` and a DLPack consumer's stream of another device fail at
+    once, naming both devices, not at the first release (where CUDA's error would
+    come from a collection, or be taken for the interpreter's exit)."""
+    zero, one = EmulatedBackend(device_id=0), EmulatedBackend(device_id=1)
+    foreign = zero.create_stream()
+    with pytest.raises(ArgumentError, match="emulated device 0, this backend is emulated device 1"):
+        Loader(db30, 4, device=one, stream=foreign)
+    blob = Blob((16,), np.float32, backend=one)
+    blob.mutable_gpu_data()
+    with pytest.raises(ArgumentError, match="emulated device 0"):
+        blob.__dlpack__(stream=foreign)
+    assert one.as_stream(one.create_stream()) is not None

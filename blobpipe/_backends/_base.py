@@ -451,8 +451,12 @@ class Backend:
         backend as is; on CUDA also a CuPy stream, a torch stream (its
         ``cuda_stream`` handle) or a raw ``cudaStream_t`` handle (an int).
 
+        The caller keeps a raw handle's stream alive while blobpipe uses it (a
+        stream object is kept referenced).
+
         Raises:
             TypeError: ``stream`` is none of those.
+            ArgumentError: a stream of another device (a ValueError).
         """
         self.require_device("as_stream")
         raise NotImplementedError  # pragma: no cover

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, UnsupportedOperationError
+from .._errors import ArgumentError, BackendUnavailableError, UnsupportedOperationError
 from ._base import Backend, Event, Stream, note_cuda_initialised
 
 __all__ = ["CupyBackend", "import_cupy"]
@@ -79,6 +79,7 @@ class _CupyStream(Stream):
         self._cp = cp
         self._device = device
         self._legacy = legacy
+        self.owner: object = None  # the caller's stream object, kept alive with this
         if int(stream.ptr) == _PER_THREAD:
             self.thread = threading.current_thread()
 
@@ -298,17 +299,58 @@ class CupyBackend(Backend):
     def as_stream(self, stream: object) -> Stream:
         cp = self._cp
         if isinstance(stream, _CupyStream):
+            self._check_device(int(stream._device.id), stream)
             return stream
         base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
         if isinstance(stream, (cp.cuda.Stream, base)):
-            return self._wrap(stream)
-        handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
-        if isinstance(handle, int) and not isinstance(handle, bool):
-            return self._wrap(self._external(handle))
-        raise TypeError(
-            f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
-            f"(an int), got {type(stream).__name__}"
+            self._check_device(int(stream.device_id), stream)  # -1: not known
+            self._check_handle(int(stream.ptr))
+            wrapped = self._wrap(stream)
+        else:
+            handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
+            if not isinstance(handle, int) or isinstance(handle, bool):
+                raise TypeError(
+                    f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t "
+                    f"handle (an int), got {type(stream).__name__}"
+                )
+            if handle is stream:
+                self._check_handle(handle)
+            else:
+                self._check_device(getattr(getattr(stream, "device", None), "index", None), stream)
+            wrapped = self._wrap(self._external(handle))
+        wrapped.owner = stream  # kept alive while blobpipe uses it
+        return wrapped
+
+    def _check_device(self, device: int | None, stream: object) -> None:
+        """Refuse a stream of another device (``device`` None or -1: not known)."""
+        if device is None or device < 0 or device == self._device_id:
+            return
+        n = self._device_id
+        raise ArgumentError(
+            f"stream: {stream} is a stream of cuda:{device}, this backend is cuda:{n}; "
+            f"pass a stream of cuda:{n} (made under cupy.cuda.Device({n}), or "
+            f"torch.cuda.Stream(device={n}))"
         )
+
+    def _check_handle(self, ptr: int) -> None:
+        """Refuse a ``cudaStream_t`` of another device's context, or none at all
+        (the special handles 0, 1 and 2 name a stream of whichever device is current)."""
+        driver = getattr(self._cp.cuda, "driver", None)
+        if ptr in (0, _LEGACY, _PER_THREAD) or driver is None:
+            return
+        try:
+            # the device of the stream's context: bound for the query alone, the
+            # calling thread's context (none, in a fresh thread) bound again after it
+            ctx = driver.streamGetCtx(ptr)
+            saved = driver.ctxGetCurrent()
+            driver.ctxSetCurrent(ctx)
+            try:
+                device = int(driver.ctxGetDevice())
+            finally:
+                driver.ctxSetCurrent(saved)
+        except Exception as exc:  # CUDADriverError: not a stream (destroyed, or never one)
+            raise ArgumentError(f"stream: {ptr:#x} is not a live CUDA stream ({exc})") from exc
+        self._check_device(device, f"{ptr:#x}")
 
     def _stream_wait(self, stream: Stream, event: Event) -> None:
         raw = self._own(stream).here()

@@ -38,6 +38,9 @@ backend, as CUDA orders the legacy stream after every blocking stream. (Not
 modelled: the other direction, per-thread default streams waiting for the legacy
 one.)
 
+Streams belong to a device: an event recorded, a copy or a kernel queued by one
+device's backend on a stream of another fails, as CUDA's invalid resource handle.
+
 Frees, as ``cudaFree`` does them: a device buffer of :meth:`EmulatedBackend.alloc_device`
 going back to the system (its last reference dropped) first waits for all work
 queued on every stream of its backend, so a free made while a lock is held keeps
@@ -68,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import UnsupportedOperationError
+from .._errors import ArgumentError, UnsupportedOperationError
 from ._base import Backend, Event, Stream, hold_array
 
 __all__ = [
@@ -314,6 +317,7 @@ class EmulatedStream(Stream):
 
     def __init__(self, backend: EmulatedBackend) -> None:
         self._backend = weakref.ref(backend)
+        self.device_id = backend.emulated_device
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._last: EmulatedEvent | None = None  # the event of the last work queued
         backend_ref = weakref.ref(backend)
@@ -563,9 +567,18 @@ class EmulatedBackend(Backend):
         return self._using(stream)
 
     def as_stream(self, stream: object) -> Stream:
-        if isinstance(stream, PerThreadStream) and stream.thread is None:
-            return PerThreadStream(self, threading.current_thread())  # named here
-        if isinstance(stream, (EmulatedStream, PerThreadStream)):
+        if isinstance(stream, PerThreadStream):
+            if stream.thread is None or stream._backend() is not self:
+                # handle 2 names the per-thread default stream of the thread naming it
+                return PerThreadStream(self, stream.thread or threading.current_thread())
+            return stream
+        if isinstance(stream, EmulatedStream):
+            if stream.device_id != self.emulated_device:
+                raise ArgumentError(
+                    f"stream: a stream of emulated device {stream.device_id}, this backend "
+                    f"is emulated device {self.emulated_device}; pass one of its own "
+                    "(create_stream())"
+                )
             return stream
         raise TypeError(
             f"the emulated device takes its own streams (create_stream()), got "
@@ -596,8 +609,20 @@ class EmulatedBackend(Backend):
             raise TypeError(f"expected a stream of the emulated backend, got {stream!r}")
         return stream
 
+    def _on_device(self, stream: Stream) -> EmulatedStream:
+        """``stream`` in the calling thread; refused, as CUDA refuses it (invalid
+        resource handle), when it is a stream of another device."""
+        emulated = self._stream(stream)
+        if emulated.device_id != self.emulated_device:
+            raise RuntimeError(
+                f"cudaErrorInvalidResourceHandle (emulated): work of emulated device "
+                f"{self.emulated_device} queued on a stream of emulated device "
+                f"{emulated.device_id}"
+            )
+        return emulated
+
     def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
-        return self._stream(stream).enqueue(fn)
+        return self._on_device(stream).enqueue(fn)
 
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
         d = self._own(dst, "copy_to_device")
@@ -623,7 +648,7 @@ class EmulatedBackend(Backend):
         return end.completed_at - start.completed_at
 
     def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
-        return self._stream(stream or self.default_stream()).enqueue(None, delay=0.0)
+        return self._on_device(stream or self.default_stream()).enqueue(None, delay=0.0)
 
     def synchronize(self) -> None:
         with self._lock:
