@@ -226,11 +226,11 @@ class Run:
         limit: float,
         log: str,
         env: dict[str, str] | None = None,
-        poll: Callable[[], None] | None = None,
+        poll: Callable[[], bool] | None = None,
     ) -> Outcome:
         """Run ``cmd`` (output to ``log`` in the output folder) for at most ``limit``
-        seconds, its whole process group killed then; ``poll`` is called about twice a
-        second meanwhile."""
+        seconds, its whole process group killed then, or earlier when ``poll`` (called
+        about twice a second meanwhile) returns True."""
         t0 = time.time()
         with (self.out / log).open("a") as f:
             proc = subprocess.Popen(
@@ -246,8 +246,8 @@ class Run:
                     proc.wait(timeout=0.5)
                 except subprocess.TimeoutExpired:
                     pass
-                if poll is not None:
-                    poll()
+                if poll is not None and poll():
+                    break
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -333,13 +333,17 @@ def run_tests(
     if missing_modules(("pytest_asyncio",)):
         opts += ["-p", "no:asyncio"]
     progress = run.out / f"{log}.jsonl"
+    progress.unlink(missing_ok=True)
     seen = 0
     in_flight: list[str | None] = [None]
+    since = [0.0]  # when the test in flight was seen to start
 
-    def ingest() -> None:
+    def ingest() -> bool:
+        """Take in the new lines; True once the test in flight has outlived its own
+        timeout by 10 s (a hang that holds the GIL, which the thread method cannot end)."""
         nonlocal seen
         if not progress.exists():
-            return
+            return False
         lines = progress.read_text(encoding="utf-8").splitlines()
         new = False
         for line in lines[seen:]:
@@ -349,6 +353,7 @@ def run_tests(
             event = json.loads(line)
             if event["event"] == "start":
                 in_flight[0] = event["test"]
+                since[0] = time.time()
             elif event["event"] == "finish":
                 in_flight[0] = None
             elif event["event"] == "end":
@@ -363,6 +368,7 @@ def run_tests(
         if new:
             count(record)
             run.write()
+        return in_flight[0] is not None and time.time() - since[0] > per_test + 10
 
     env = run.env(BLOBPIPE_PROGRESS=str(progress), BLOBPIPE_REQUIRE_GPU="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), env["PYTHONPATH"]])
@@ -449,7 +455,7 @@ def wheels_step(run: Run, record: dict[str, Any], limit: float) -> None:
     record.update(passed=outcome.status == "passed", status=outcome.status)
     if outcome.status == "passed":
         run.summary["site"] = str(SITE)
-        sys.path.append(str(SITE))
+        sys.path.insert(0, str(SITE))  # as PYTHONPATH puts it, for the steps' own checks
         importlib.invalidate_caches()
 
 
@@ -515,14 +521,14 @@ def probes_step(run: Run, record: dict[str, Any], limit: float) -> None:
     deadline = time.time() + limit
     findings: dict[str, Any] = {}
     record["findings"] = findings
-    for finding, ids in PROBES.items():
-        one: dict[str, Any] = {}
+    for k, (finding, ids) in enumerate(PROBES.items(), 1):
+        one: dict[str, Any] = {"log": f"probe-{k}.txt"}
         findings[finding] = one
         left = min(deadline - time.time(), 2 * PROBE_TEST_S + 10)
         if left < 3:
             one.update(passed=False, status="not run: the step's time is spent")
             continue
-        run_tests(run, one, ["-m", "gpu", *ids], left, PROBE_TEST_S, "probes.txt")
+        run_tests(run, one, ["-m", "gpu", *ids], left, PROBE_TEST_S, one["log"])
     record["passed"] = all(f.get("passed") for f in findings.values())
     record["status"] = "passed" if record["passed"] else "failed"
 

@@ -90,6 +90,10 @@ def test_a_step_past_the_budget_is_cut_and_recorded(tmp_path: Path) -> None:
 _TESTS = """
 import threading
 
+import pytest
+
+pytestmark = pytest.mark.gpu
+
 
 def test_before():
     pass
@@ -109,24 +113,32 @@ def test_after():
 
 
 @pytest.mark.timeout(120)
-def test_every_step_is_recorded_whatever_fails(tmp_path: Path) -> None:
-    """A test that hangs (its own timeout ends its process; the tests after it still
-    run), a step whose package is missing, a compiled module that is missing: each is
-    recorded, and the steps around them run and are recorded too."""
+def test_every_step_is_recorded_whatever_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe's test that hangs (its own timeout ends its process; the tests after
+    it, and the next probe in a process of its own, still run), a step whose package
+    is missing, a compiled module that is missing: each is recorded, and the steps
+    around them run and are recorded too."""
     gc = _gpu_check()
     out = tmp_path / "out"
     out.mkdir()
-    (tmp_path / "test_probe.py").write_text(_TESTS)
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(_TESTS)
+    names = ("test_before", "test_hangs", "test_fails")
+    monkeypatch.setattr(
+        gc,
+        "PROBES",
+        {"hangs": [f"{probe}::{n}" for n in names], "after": [f"{probe}::test_after"]},
+    )
+    monkeypatch.setattr(gc, "PROBE_TEST_S", 2)
     run = gc.Run(out, deadline=time.time() + 100)
-
-    def probe(run: Any, record: dict[str, Any], limit: float) -> None:
-        gc.run_tests(run, record, [str(tmp_path / "test_probe.py")], limit, 2, "probe.txt")
 
     def later(run: Any, record: dict[str, Any], limit: float) -> None:
         record.update(passed=True, status="passed")
 
     plan = [
-        gc.Step("probe", 60, probe, needs=("pytest", "pytest_timeout")),
+        gc.Step("probes", 60, gc.probes_step, needs=("pytest", "pytest_timeout")),
         gc.Step("optional", 10, later, needs=("numpy", "no_such_package_for_the_check")),
         gc.Step("compiled", 20, gc.compiled_step(("blobpipe._io._no_such_compiled_module",))),
         gc.Step("later", 10, later),
@@ -135,15 +147,16 @@ def test_every_step_is_recorded_whatever_fails(tmp_path: Path) -> None:
         run.step(step)
     summary = json.loads((out / "summary.json").read_text())
     steps = summary["steps"]
-    assert list(steps) == ["probe", "optional", "compiled", "later"]
-    tests = {name.split("::")[-1]: o for name, o in steps["probe"]["tests"].items()}
+    assert list(steps) == ["probes", "optional", "compiled", "later"]
+    hangs, after = (steps["probes"]["findings"][f] for f in ("hangs", "after"))
+    tests = {name.split("::")[-1]: o for name, o in hangs["tests"].items()}
     assert tests == {
         "test_before": "passed",
         "test_hangs": "hung: ended after 2 s",
         "test_fails": "failed",
-        "test_after": "passed",
     }
-    assert steps["probe"]["passed"] is False
+    assert [name.split("::")[-1] for name in after["tests"]] == ["test_after"]
+    assert after["passed"] and not hangs["passed"] and steps["probes"]["passed"] is False
     assert steps["optional"]["status"] == (
         "not run: needs no_such_package_for_the_check >= 0 (not installed)"
     )
@@ -152,7 +165,7 @@ def test_every_step_is_recorded_whatever_fails(tmp_path: Path) -> None:
     assert compiled["modules"]["blobpipe._io._no_such_compiled_module"]["loaded"] is False
     assert steps["later"]["passed"] is True
     # the progress file holds each test as it came
-    events = [json.loads(line) for line in (out / "probe.txt.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (out / "probe-1.txt.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events[:3]] == ["start", "end", "finish"]
 
 
