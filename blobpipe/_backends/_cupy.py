@@ -276,7 +276,8 @@ class CupyBackend(Backend):
                 stream = 1
         elif stream is None:  # DLPack: None means the legacy default stream
             stream = 1
-        return self.as_stream(stream)
+        # a consumer's handle is of the array's device (DLPack's contract): not looked up
+        return self._as_stream(stream, check_handle=False)
 
     def _external(self, ptr: int) -> Any:
         """A CuPy stream over a foreign ``cudaStream_t``."""
@@ -297,14 +298,21 @@ class CupyBackend(Backend):
         return self._using(self._own(stream))
 
     def as_stream(self, stream: object) -> Stream:
+        return self._as_stream(stream, check_handle=True)
+
+    def _as_stream(self, stream: object, check_handle: bool) -> _CupyStream:
+        """:meth:`as_stream`; ``check_handle``: a raw handle's device is checked too
+        (through its context: a few driver calls)."""
         cp = self._cp
         if isinstance(stream, _CupyStream):
             self._check_device(int(stream._device.id), stream)
             return stream
         base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
         if isinstance(stream, (cp.cuda.Stream, base)):
-            self._check_device(int(stream.device_id), stream)  # -1: not known
-            self._check_handle(int(stream.ptr))
+            device = int(stream.device_id)  # -1: not known (external, null, per-thread)
+            self._check_device(device, stream)
+            if device < 0 and check_handle:
+                self._check_handle(int(stream.ptr))
             wrapped = self._wrap(stream)
         else:
             handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
@@ -314,7 +322,8 @@ class CupyBackend(Backend):
                     f"handle (an int), got {type(stream).__name__}"
                 )
             if handle is stream:
-                self._check_handle(handle)
+                if check_handle:
+                    self._check_handle(handle)
             else:
                 self._check_device(getattr(getattr(stream, "device", None), "index", None), stream)
             wrapped = self._wrap(self._external(handle))

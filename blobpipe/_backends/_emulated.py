@@ -431,7 +431,8 @@ class EmulatedBackend(Backend):
         self._per_thread: list[tuple[threading.Thread, EmulatedStream]] = []
         #: the per-thread default stream's handle (CUDA's 2, ``cupy.cuda.Stream.ptds``)
         self.per_thread = PerThreadStream(self)
-        self._lock = threading.Lock()
+        # re-entrant: a device buffer's free (a finalizer) may run while it is held
+        self._lock = threading.RLock()
         # .stream: the stream using() made current; .per_thread: this thread's default
         self._local = threading.local()
         self._xp = _DeviceNumpy(self)
