@@ -161,6 +161,21 @@ def missing_modules(modules: tuple[str, ...]) -> list[str]:
     return missing
 
 
+# the process groups of the steps' processes running now: killed with this process
+_GROUPS: set[int] = set()
+
+
+def _end_on_sigterm(signum: int, frame: object) -> None:
+    """``timeout`` in gpu_check.sh ends this process: its steps' processes (each in a
+    session of its own) end with it."""
+    for group in list(_GROUPS):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(124)
+
+
 def has_gpu() -> bool:
     return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
 
@@ -241,6 +256,7 @@ class Run:
                 env=env or self.env(),
                 start_new_session=True,
             )
+            _GROUPS.add(proc.pid)
             while proc.poll() is None and time.time() - t0 < limit:
                 try:
                     proc.wait(timeout=0.5)
@@ -254,7 +270,9 @@ class Run:
                 except ProcessLookupError:
                     pass
                 proc.wait()
+                _GROUPS.discard(proc.pid)
                 return Outcome(f"timed out after {limit:.0f} s", None, round(time.time() - t0, 1))
+        _GROUPS.discard(proc.pid)
         code = proc.returncode
         return Outcome("passed" if code == 0 else "failed", code, round(time.time() - t0, 1))
 
@@ -702,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _end_on_sigterm)
     run = Run(out, (args.started or time.time()) + args.budget, no_gpu_ok=args.no_gpu_ok)
     run.summary["budget_s"] = args.budget
     steps = plan()

@@ -287,3 +287,35 @@ def test_the_preflight_imports_nothing_heavy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=25, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_steps_processes_end_with_the_check(tmp_path: Path) -> None:
+    """``timeout`` ending gpu_check.py (SIGTERM) ends the step's process too, though it
+    runs in a session of its own."""
+    code = textwrap.dedent(
+        f"""\
+        import sys, time
+        sys.path.insert(0, {str(SCRIPTS)!r})
+        import gpu_check as gc
+        import signal
+        signal.signal(signal.SIGTERM, gc._end_on_sigterm)
+        run = gc.Run(gc.Path({str(tmp_path)!r}), deadline=time.time() + 60)
+        run.process([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True);"
+                     " time.sleep(60)"], 50, "child.txt")
+        """
+    )
+    check = subprocess.Popen([sys.executable, "-c", code])
+    child = tmp_path / "child.txt"
+    for _ in range(100):
+        if child.exists() and child.read_text().strip():
+            break
+        time.sleep(0.1)
+    pid = int(child.read_text().split()[0])
+    check.terminate()
+    assert check.wait(timeout=20) == 124
+    for _ in range(50):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
