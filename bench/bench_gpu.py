@@ -11,8 +11,10 @@ All on W3 of the workload benchmark (``_workloads_data.imagenet_raw``: 2,048 raw
    memory, at the size of W3's uint8 batch after the host crop, of its float32
    batch and of 64 MiB; and the same bytes through blobpipe's own path (a Blob's
    pinned pool memory, ``backend.copy_to_device`` on a blobpipe stream, which also
-   orders each copy after the caller's stream). Target: blobpipe's path ≥ 90% of
-   the plain pinned copy, at every size.
+   orders each copy after the caller's stream). Targets: blobpipe's path ≥ 90% of
+   the plain pinned copy, at every size; and, given the PCIe link's bandwidth per
+   direction (``--link-gbps``, which ``scripts/gpu_check.py`` reads off
+   ``nvidia-smi``), ≥ 70% of the link, at every size.
 2. **Loader throughput**: ``blobpipe.Loader(..., device="cuda")`` on W3, consumed
    as fast as possible (``batch.data.gpu_data()``), with the device transform
    (uint8 crosses the bus) and without it (float32 crosses).
@@ -57,6 +59,7 @@ BATCH = 64
 STEP_MS = 5.0
 STARVATION_TARGET = 0.02
 POOL_BANDWIDTH_TARGET = 0.90  # blobpipe's pinned pool path against a plain pinned copy
+LINK_TARGET = 0.70  # blobpipe's pinned pool path against the PCIe link's bandwidth
 
 _SPIN = r"""
 extern "C" __global__ void spin(const float* x, long long cycles, float* sink) {
@@ -307,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write the results to OUT")
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="the PCIe link's GB/s per direction: blobpipe's path must reach 70%% of it",
+    )
     args = ap.parse_args(argv)
     try:
         cp, gpu = find_gpu()
@@ -332,7 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         "| result |"
     )
     print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+    link = args.link_gbps
     for r in bw:
+        if link:
+            r["link_fraction"] = r["pool_gbps"] / link
+            targets.append(
+                {
+                    "target": f"H2D from the pinned pool ≥ {LINK_TARGET:.0%} of the PCIe link's "
+                    f"{link:g} GB/s ({r['size']})",
+                    "measured": r["link_fraction"],
+                    "passed": r["link_fraction"] >= LINK_TARGET,
+                }
+            )
         passed = r["pool_ratio"] >= POOL_BANDWIDTH_TARGET
         targets.append(
             {
@@ -347,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['pageable_gbps']:.1f} | {r['pool_gbps']:.1f} | {r['pool_ratio']:.1%} | "
             f"≥ {POOL_BANDWIDTH_TARGET:.0%} | {'PASS' if passed else 'FAIL'} |"
         )
+    if link:
+        print(f"\nblobpipe's path against the PCIe link ({link:g} GB/s per direction):\n")
+        for r in bw:
+            verdict = "PASS" if r["link_fraction"] >= LINK_TARGET else "FAIL"
+            print(f"- {r['size']}: {r['link_fraction']:.1%} (≥ {LINK_TARGET:.0%}) {verdict}")
 
     # the default (one per CPU) and 2, as on the 2-core development machine
     worker_counts = [args.workers] if args.workers else sorted({os.cpu_count() or 1, 2})
@@ -409,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             "training": runs,
             "starvation_target": STARVATION_TARGET,
             "pool_bandwidth_target": POOL_BANDWIDTH_TARGET,
+            "link_gbps": link,
+            "link_target": LINK_TARGET,
             "targets": targets,
             "passed": ok,
         }

@@ -624,9 +624,11 @@ class Blob(BlobMath):
         ``__dlpack__``.
 
         A device export's ``stream`` (the consumer's stream, DLPack's
-        hand-shake: None is the legacy default stream, -1 none) also orders the
-        memory's reuse: a loader refills the batch's buffers, and the pool hands
-        them out again, only after the work the consumer queued on it by then.
+        hand-shake: None is the legacy default stream, -1 none) waits for the
+        caller's current stream on the blob's device, whichever device is
+        current, and also orders the memory's reuse: a loader refills the batch's
+        buffers, and the pool hands them out again, only after the work the
+        consumer queued on it by then.
 
         A Loader's batches are the loader's buffers (:attr:`readonly_export`):
         their host-side exports are
@@ -638,11 +640,15 @@ class Blob(BlobMath):
         """
         if self._head_on_device("data"):
             view = self.mutable_gpu_data()
-            consumer = self._backend.dlpack_stream(kwargs.get("stream"))
+            backend = self._backend
+            consumer = backend.dlpack_stream(kwargs.get("stream"))
             if consumer is not None:
+                # the hand-shake under the blob's device: the array's own (CuPy's)
+                # orders the consumer after the current stream of the caller's
+                # current device, and warns on stream 0; it is told -1 (none)
+                backend.after_current(consumer)
                 self._mem("data").release_after_stream(consumer)
-            if not hasattr(view, "__cuda_array_interface__"):
-                kwargs.pop("stream", None)  # NumPy (the emulated device) takes none
+            kwargs["stream"] = -1
             assert self._holder.data is not None
             held = self._holder.data.keep_alive(view, device=True, owner=self._owner)
             return held.__dlpack__(**kwargs)

@@ -17,7 +17,10 @@ Invariants:
   or the one it names) has completed: the consumer's kernels may still read it,
   and another stream is not ordered after them;
 * cached blocks (free or waiting) hold at most the cache limit: the free blocks
-  beyond it, largest first, go back to the system when a block is freed.
+  beyond it, largest first, go back to the system when a block is freed;
+* a buffer goes back to the system outside the pool's lock and under the
+  backend's device (:meth:`Backend.release_buffers`): CUDA's free synchronises the
+  device, and other threads allocate from the pool meanwhile.
 """
 
 from __future__ import annotations
@@ -196,7 +199,8 @@ class MemoryPool:
             raise ValueError(f"cache_limit must be >= 0, got {nbytes}")
         with self._lock:
             self._cache_limit = int(nbytes)
-            self._trim_locked()
+            dropped = self._trim_locked()
+        self._drop(dropped)
 
     def get_cache_limit(self) -> int:
         """The most bytes kept cached (0: no cap)."""
@@ -213,21 +217,24 @@ class MemoryPool:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         cap = size_class(nbytes)
         with self._lock:
-            self._reap_locked()
+            dropped = self._reap_locked()
             lst = self._free.get(cap)
+            block = None
             if lst:
-                buf = lst.pop()
                 self._free_count -= 1
                 self._cached -= cap
                 self._hits += 1
                 self._used += cap
                 self._requested += nbytes
-                return Block(self, buf, nbytes, cap)
-            if cap == 0:
+                block = Block(self, lst.pop(), nbytes, cap)
+            elif cap == 0:
                 self._hits += 1
                 if self._empty is None:
                     self._empty = self._backend_alloc(0, self.backend)
-                return Block(self, self._empty, 0, 0)
+                block = Block(self, self._empty, 0, 0)
+        self._drop(dropped)
+        if block is not None:
+            return block
         buf = self._allocate(cap, nbytes)
         with self._lock:
             self._misses += 1
@@ -313,7 +320,9 @@ class MemoryPool:
             else:
                 self._free[cap].append(buf)
                 self._free_count += 1
-            self._trim_locked()
+            del buf
+            dropped = self._trim_locked()
+        self._drop(dropped)
 
     def _release_event(self, stream: Stream | None) -> Event | None:
         """An event after the work queued so far on ``stream`` (else the current one)."""
@@ -325,23 +334,28 @@ class MemoryPool:
             # at interpreter exit no stream can be made: nothing will reuse the block
             return None
 
-    def _trim_locked(self) -> None:
-        """Release free blocks, largest first, while the cache is over its limit."""
+    def _trim_locked(self) -> list[Any]:
+        """Take free blocks out, largest first, while the cache is over its limit;
+        returns their buffers, for :meth:`_drop` once the lock is released."""
         limit = self._cache_limit
+        dropped: list[Any] = []
         if not limit or self._cached <= limit:
-            return
+            return dropped
         for cap in sorted(self._free, reverse=True):
             lst = self._free[cap]
             while lst and self._cached > limit:
-                lst.pop()
+                dropped.append(lst.pop())
                 self._cached -= cap
                 self._free_count -= 1
             if self._cached <= limit:
                 break
+        return dropped
 
-    def _reap_locked(self) -> None:
+    def _reap_locked(self) -> list[Any]:
+        """Move the pending blocks whose event completed to the free lists; returns
+        the buffers :meth:`_trim_locked` took out."""
         if not self._pending:
-            return
+            return []
         still = []
         for item in self._pending:
             event, cap, buf = item
@@ -351,7 +365,18 @@ class MemoryPool:
             else:
                 still.append(item)
         self._pending = still
-        self._trim_locked()
+        return self._trim_locked()
+
+    def _drop(self, buffers: list[Any]) -> None:
+        """Give ``buffers`` (referenced nowhere else) back to the system: called
+        without the pool's lock, under the backend's device."""
+        if not buffers:
+            return
+        backend = self._backend_ref()
+        if backend is None:
+            buffers.clear()
+        else:
+            backend.release_buffers(buffers)
 
     def free_all_blocks(self, wait: bool = False) -> None:
         """Release every cached free block to the system.
@@ -360,16 +385,18 @@ class MemoryPool:
         is true: then those events are waited for and the blocks released too.
         """
         with self._lock:
-            pending = list(self._pending) if wait else []
-        for event, _, _ in pending:
+            pending = [event for event, _, _ in self._pending] if wait else []
+        for event in pending:
             event.synchronize()
         with self._lock:
-            self._reap_locked()
+            dropped = self._reap_locked()
             for cap, lst in self._free.items():
                 self._cached -= cap * len(lst)
                 self._free_count -= len(lst)
+                dropped += lst
                 lst.clear()
             self._free.clear()
+        self._drop(dropped)
 
     # -- introspection ----------------------------------------------------------
     def used_bytes(self) -> int:
@@ -384,8 +411,8 @@ class MemoryPool:
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the counters."""
         with self._lock:
-            self._reap_locked()
-            return PoolStatistics(
+            dropped = self._reap_locked()
+            stats = PoolStatistics(
                 kind=self.kind,
                 hits=self._hits,
                 misses=self._misses,
@@ -398,6 +425,8 @@ class MemoryPool:
                 limit=self._limit,
                 cache_limit=self._cache_limit,
             )
+        self._drop(dropped)
+        return stats
 
 
 # each backend's shared pools by kind, for as long as the backend lives (they hold it

@@ -8,7 +8,10 @@ mkdir -p .whl
 # The versions this project is developed and tested with. The GPU machine's
 # image has numpy, CuPy, torch, OpenCV, anyio, protobuf, pytest, pytest-timeout and
 # hypothesis, but no lmdb, trio or pytest-asyncio; anyio and protobuf travel too, in case
-# the image's are older than pyproject.toml admits. gpu_check.sh names what is missing.
+# the image's are older than pyproject.toml admits (trio's other dependencies, attrs, idna
+# and sortedcontainers, the image has). gpu_check.py installs only the wheels of what the
+# machine lacks or has too old, and names what is still missing. Carry .whl/ (git-ignored)
+# to the machine with the checkout.
 for spec in "lmdb==3.0.0" "trio==0.35.0" "outcome==1.3.0.post0" "sniffio==1.3.1" \
             "protobuf==7.36.2" "anyio==4.16.0" "pytest-asyncio==1.5.0" "pytest-timeout==2.4.0" \
             "typing_extensions==4.16.0"; do

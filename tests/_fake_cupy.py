@@ -9,7 +9,9 @@ always sets the previous one again (``cupy/cuda/device.pyx``);
 takes an object with ``__cuda_stream__`` (``cupy/cuda/stream.pyx``);
 ``Memory(n)`` raises ``CUDARuntimeError`` with status ``errorMemoryAllocation``
 on out of memory, the pools raise ``OutOfMemoryError`` (``cupy/cuda/memory.pyx``).
-``version=13`` leaves out ``Stream.from_external``, as CuPy 13.
+``version=13`` leaves out ``Stream.from_external``, as CuPy 13. ``driver.streamGetCtx``
+gives the device a stream was made on as its context (any other handle: device -1,
+which blobpipe takes as not known).
 """
 
 from __future__ import annotations
@@ -99,9 +101,32 @@ def make(devices: int = 2, version: int = 14) -> types.ModuleType:
 
     counter = iter(range(100, 10**9))
 
+    contexts: dict[int, int] = {}  # stream handle -> the device whose context made it
+
     class Stream(_BaseStream):
         def __init__(self, non_blocking: bool = False, null: bool = False) -> None:
             super().__init__(0 if null else next(counter), get_device())
+            contexts[self.ptr] = get_device()
+
+    def stream_get_ctx(ptr: int) -> tuple[str, int]:
+        # a handle the stand-in did not make: a context of no device in particular
+        return ("context", contexts.get(ptr, -1))
+
+    def ctx_set_current(ctx: Any) -> None:
+        local.context = ctx or None
+
+    def ctx_get_device() -> int:
+        ctx = getattr(local, "context", None)
+        if ctx is None:
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT")
+        return int(ctx[1])
+
+    driver = types.SimpleNamespace(
+        ctxGetCurrent=lambda: getattr(local, "context", None) or 0,
+        ctxSetCurrent=ctx_set_current,
+        ctxGetDevice=ctx_get_device,
+        streamGetCtx=stream_get_ctx,
+    )
 
     if version >= 14:
 
@@ -139,7 +164,7 @@ def make(devices: int = 2, version: int = 14) -> types.ModuleType:
             self.done = True
 
         def record(self, stream: Any = None) -> None:
-            pass
+            log.append(("eventRecord", None if stream is None else stream.ptr))
 
         def synchronize(self) -> None:
             log.append(("eventSynchronize", self.block))
@@ -182,6 +207,7 @@ def make(devices: int = 2, version: int = 14) -> types.ModuleType:
     cp.get_default_pinned_memory_pool = lambda: pool  # type: ignore[attr-defined]
     cp.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
         runtime=runtime,
+        driver=driver,
         Device=Device,
         Stream=Stream,
         ExternalStream=ExternalStream,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import blobpipe
-from blobpipe import BackendUnavailableError, UnsupportedOperationError
+from blobpipe import ArgumentError, BackendUnavailableError, UnsupportedOperationError
 from blobpipe._backends import (
     COMPLETED,
     CudaDevices,
@@ -391,6 +393,74 @@ def test_cupy_dlpack_stream_values(fake_cupy: Any) -> None:
     for value, ptr in ((None, 1), (0, 1), (1, 1), (2, 2), (0x7000, 0x7000)):
         stream = backend.dlpack_stream(value)
         assert stream is not None and stream.raw.ptr == ptr  # type: ignore[attr-defined]
+
+
+def test_cupy_records_another_threads_per_thread_default_stream_on_the_legacy_one(
+    fake_cupy: Any,
+) -> None:
+    """Handle 2 (a DLPack consumer's, ``Stream.ptds``, a current per-thread default
+    stream) names the calling thread's stream: recorded from another thread (a batch
+    let go in a collection or a DLPack deleter) it would name that thread's. There
+    blobpipe records on the legacy default stream (1), which waits for every
+    per-thread one; in the naming thread on 2 itself."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    for ptds in (backend.dlpack_stream(2), backend.as_stream(0x2)):
+        assert ptds is not None
+        fake_cupy.log.clear()
+        elsewhere = threading.Thread(target=lambda s=ptds: backend.record_event(s))
+        elsewhere.start()
+        elsewhere.join()
+        backend.record_event(ptds)
+        assert [e for e in fake_cupy.log if e[0] == "eventRecord"] == [
+            ("eventRecord", 1),
+            ("eventRecord", 2),
+        ]
+        assert not ptds.same(backend.current_stream())
+
+
+class _TorchStream:
+    """What blobpipe reads of a ``torch.cuda.Stream``: its handle and its device."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.cuda_stream = handle
+        self.device = types.SimpleNamespace(type="cuda", index=device)
+
+
+def test_cupy_refuses_a_stream_of_another_device(fake_cupy: Any) -> None:
+    """A cuda:0 stream given to a cuda:1 backend (``Loader(stream=)``, a DLPack
+    consumer's) fails at once, not at its first event (invalid resource handle)."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(1)
+    with fake_cupy.cuda.Device(0):
+        zero = fake_cupy.cuda.Stream(non_blocking=True)
+    with fake_cupy.cuda.Device(1):
+        one = fake_cupy.cuda.Stream(non_blocking=True)
+    foreign = [zero, int(zero.ptr), _TorchStream(0x6000, 0), CupyBackend(0).create_stream()]
+    for stream in foreign:
+        with pytest.raises(ArgumentError, match=r"this backend is cuda:1|than cuda:1's"):
+            backend.as_stream(stream)
+    for stream in (one, int(one.ptr), _TorchStream(0x6001, 1), 1, 2):
+        assert backend.as_stream(stream) is not None
+
+
+def test_cupy_keeps_a_foreign_stream_object_alive(fake_cupy: Any) -> None:
+    """A torch stream given as ``Loader(stream=)`` stays alive while blobpipe's
+    Stream over its handle does (blobpipe records events on it later)."""
+    from blobpipe._backends._cupy import CupyBackend
+
+    backend = CupyBackend(0)
+    torch_stream = _TorchStream(0x6000, 0)
+    alive = weakref.ref(torch_stream)
+    stream = backend.as_stream(torch_stream)
+    del torch_stream
+    gc.collect()
+    assert alive() is not None
+    del stream
+    gc.collect()
+    assert alive() is None
 
 
 def test_cupy_set_gpu_data_checks_the_device(fake_cupy: Any) -> None:

@@ -424,6 +424,8 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
             str(tmp_path / "data"),
             "--json",
             str(out),
+            "--link-gbps",
+            "63",
         ],
         capture_output=True,
         text=True,
@@ -436,7 +438,12 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
     assert proc.returncode == (0 if doc["passed"] else 1), proc.stderr[-4000:]
     missed = [t for t in doc["targets"] if not t["passed"]]
     assert ("target missed" in proc.stderr) == bool(missed)
-    assert [t["target"][:5] for t in doc["targets"]] == ["H2D f"] * 3 + ["starv"]
+    assert [t["target"][:5] for t in doc["targets"]] == ["H2D f"] * 6 + ["starv"]
+    link = [t for t in doc["targets"] if "PCIe link" in t["target"]]
+    assert len(link) == 3 and doc["link_gbps"] == 63
+    pairs = zip(link, doc["bandwidth"], strict=True)
+    assert all(t["measured"] == r["pool_gbps"] / 63 for t, r in pairs)
+    assert "against the PCIe link (63 GB/s per direction)" in proc.stdout
     for header in (
         "| size | pinned GB/s | pageable GB/s | blobpipe pool GB/s | pool / pinned |",
         "| workers | transfer | img/s | bus GB/s | of pinned peak |",
@@ -448,6 +455,25 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
     assert doc["workload"]["crop"] == 80
     assert len(doc["loader_throughput"]) == 2
     assert doc["training"][0]["wall_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_workers_quick(tmp_path: Path) -> None:
+    """Host throughput by worker count, W3 and W4 (tiny): a row each, in the table and
+    the JSON, the speed-up over the first count."""
+    out = tmp_path / "workers.json"
+    proc = run_quick(
+        "bench_workers.py", tmp_path, "--workers", "1,2", "--seconds", "0.2", "--json", str(out)
+    )
+    assert "| workload | workers | img/s | img/s per worker | vs 1 worker |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["workers"]) for r in rows] == [
+        ("W3", 1),
+        ("W3", 2),
+        ("W4", 1),
+        ("W4", 2),
+    ]
+    assert all(r["img_per_s"] > 0 for r in rows) and rows[0]["speedup"] == 1.0
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ loader) speaks only this interface:
     Backend.copy_to_device(dst, src, stream) -> Event   (asynchronous)
     Backend.copy_to_host(dst, src, stream)   -> Event   (asynchronous)
     Backend.launch(fn, stream)               -> Event   (asynchronous)
-    Backend.fill_device_zero(dst)
+    Backend.fill_device_zero(dst) / release_buffers(buffers)
     Backend.current_stream() / using(stream) / as_stream(obj)
-    Backend.record_event(stream) / stream_wait(stream, event)
+    Backend.record_event(stream) / stream_wait(stream, event) / after_current(stream)
     Backend.bind_thread() / hold_device(view, owner) / check_device_array(a, what)
     Backend.dlpack_stream(stream)
     Event.query() / Event.synchronize() / await wait_event(event) / all_of(events)
@@ -169,7 +169,23 @@ def all_of(events: list[Event] | tuple[Event, ...]) -> Event:
 
 
 class Stream(abc.ABC):
-    """An ordered queue of device work (copies, kernels)."""
+    """An ordered queue of device work (copies, kernels).
+
+    A per-thread default stream (CUDA's handle 2, ``cupy.cuda.Stream.ptds``) names a
+    different stream in every thread: its Stream keeps the thread it was named in
+    (:attr:`thread`), and from any other thread (a batch let go in a DLPack deleter
+    or a collection) the backend records and waits on the legacy default stream
+    instead, which CUDA orders after every per-thread default stream.
+    """
+
+    #: the thread whose per-thread default stream this is; None: the same stream
+    #: from every thread
+    thread: threading.Thread | None = None
+
+    def elsewhere(self) -> bool:
+        """True in a thread other than the one whose per-thread default stream this
+        names (work and events then go to the legacy default stream)."""
+        return self.thread is not None and self.thread is not threading.current_thread()
 
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -294,6 +310,16 @@ class Backend:
         blobpipe pool out of memory calls it before its last try."""
         return None
 
+    def release_buffers(self, buffers: list[Any]) -> None:
+        """Give ``buffers`` (host or device buffers of this backend, referenced nowhere
+        else) back to the system, emptying the list, under this backend's device.
+
+        CUDA's frees synchronise the device (``Memory.__dealloc__``'s ``cudaFree``,
+        ``PinnedMemory``'s ``cudaFreeHost``): the caller holds no lock that other
+        threads wait for.
+        """
+        buffers.clear()
+
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)
 
@@ -343,7 +369,7 @@ class Backend:
                 f"copy size mismatch: {src.nbytes} host bytes, {dst.nbytes} device bytes"
             )
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         event = self._copy_to_device(dst, src, stream)
         with self._stats_lock:
             self._h2d_copies += 1
@@ -360,7 +386,7 @@ class Backend:
                 f"copy size mismatch: {src.nbytes} device bytes, {dst.nbytes} host bytes"
             )
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         event = self._copy_to_host(dst, src, stream)
         with self._stats_lock:
             self._d2h_copies += 1
@@ -382,7 +408,7 @@ class Backend:
         """
         self.require_device("launch")
         stream = stream or self.default_stream()
-        self._after_current(stream)
+        self.after_current(stream)
         return self._launch(fn, stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
@@ -425,8 +451,12 @@ class Backend:
         backend as is; on CUDA also a CuPy stream, a torch stream (its
         ``cuda_stream`` handle) or a raw ``cudaStream_t`` handle (an int).
 
+        The caller keeps a raw handle's stream alive while blobpipe uses it (a
+        stream object is kept referenced).
+
         Raises:
             TypeError: ``stream`` is none of those.
+            ArgumentError: a stream of another device (a ValueError).
         """
         self.require_device("as_stream")
         raise NotImplementedError  # pragma: no cover
@@ -472,8 +502,9 @@ class Backend:
         self.require_device("dlpack_stream")
         raise NotImplementedError  # pragma: no cover
 
-    def _after_current(self, stream: Stream) -> None:
-        """Order ``stream`` after the work queued so far on the caller's current stream.
+    def after_current(self, stream: Stream) -> None:
+        """Order ``stream`` after the work queued so far on the caller's current stream
+        of this backend's device, whichever device is current (no host wait).
 
         Kernels a user runs on ``mutable_gpu_data()`` arrays go to the current
         stream, which blobpipe's non-blocking streams do not wait for by

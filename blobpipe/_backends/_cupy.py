@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, UnsupportedOperationError
+from .._errors import ArgumentError, BackendUnavailableError, UnsupportedOperationError
 from ._base import Backend, Event, Stream, note_cuda_initialised
 
 __all__ = ["CupyBackend", "import_cupy"]
@@ -62,27 +62,48 @@ class _Handle:
         return (0, self.ptr)
 
 
-class _CupyStream(Stream):
-    """A CuPy stream of the backend's device (``device``: its ``cupy.cuda.Device``)."""
+_LEGACY = 1  # cudaStreamLegacy: the legacy default stream of the current device
+_PER_THREAD = 2  # cudaStreamPerThread: the calling thread's per-thread default stream
 
-    def __init__(self, stream: Any, cp: Any, device: Any) -> None:
+
+class _CupyStream(Stream):
+    """A CuPy stream of the backend's device (``device``: its ``cupy.cuda.Device``).
+
+    Over the per-thread default stream (handle 2) it keeps the thread that named it;
+    from another thread its work goes to ``legacy`` (the legacy default stream,
+    which CUDA orders after every per-thread default stream).
+    """
+
+    def __init__(self, stream: Any, cp: Any, device: Any, legacy: Any = None) -> None:
         self.raw = stream
         self._cp = cp
         self._device = device
+        self._legacy = legacy
+        self.owner: object = None  # the caller's stream object, kept alive with this
+        if int(stream.ptr) == _PER_THREAD:
+            self.thread = threading.current_thread()
+
+    def here(self) -> Any:
+        """The CuPy stream this names in the calling thread."""
+        return self._legacy if self.elsewhere() else self.raw
 
     def synchronize(self) -> None:
         # on a blocking-sync event, made on the stream's device: the waiting thread
         # sleeps (cudaStreamSynchronize spins or yields, as the device's flags say)
         with self._device:
             event = self._cp.cuda.Event(block=True, disable_timing=True)
-            event.record(self.raw)
+            event.record(self.here())
         event.synchronize()
 
     def idle(self) -> bool:
-        return bool(self.raw.done)  # cudaStreamQuery
+        return not self.elsewhere() and bool(self.raw.done)  # cudaStreamQuery
 
     def same(self, other: Stream) -> bool:
-        return isinstance(other, _CupyStream) and int(other.raw.ptr) == int(self.raw.ptr)
+        return (
+            isinstance(other, _CupyStream)
+            and int(other.raw.ptr) == int(self.raw.ptr)
+            and other.thread is self.thread
+        )
 
 
 class CupyBackend(Backend):
@@ -112,6 +133,7 @@ class CupyBackend(Backend):
         self._device_id = device_id
         self._device = cp.cuda.Device(device_id)
         self._default: _CupyStream | None = None
+        self._legacy: Any = None  # a CuPy stream over cudaStreamLegacy (made on first use)
         self._lock = threading.Lock()
         self._bound = threading.local()  # .yes: bind_thread() ran in this thread
         note_cuda_initialised()
@@ -168,6 +190,10 @@ class CupyBackend(Backend):
             ptr = cp.cuda.MemoryPointer(mem, 0)
             return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr)
 
+    def release_buffers(self, buffers: list[Any]) -> None:
+        with self._device:
+            buffers.clear()
+
     def release_cached(self, kind: str) -> None:
         cp = self._cp
         with self._device:
@@ -193,12 +219,21 @@ class CupyBackend(Backend):
         assert isinstance(stream, _CupyStream)
         # blocking-sync: a host thread that waits for it sleeps instead of spinning
         ev = self._cp.cuda.Event(block=True, disable_timing=not timing, interprocess=False)
-        ev.record(stream.raw)
+        ev.record(stream.here())
         return _CupyEvent(ev)
 
     def current_stream(self) -> Stream:
         with self._device:
-            return _CupyStream(self._cp.cuda.get_current_stream(), self._cp, self._device)
+            return self._wrap(self._cp.cuda.get_current_stream())
+
+    def _wrap(self, raw: Any) -> _CupyStream:
+        """A Stream of this backend over CuPy stream ``raw``."""
+        legacy = None
+        if int(raw.ptr) == _PER_THREAD:
+            legacy = self._legacy
+            if legacy is None:
+                legacy = self._legacy = self._external(_LEGACY)
+        return _CupyStream(raw, self._cp, self._device, legacy)
 
     def bind_thread(self) -> None:
         if getattr(self._bound, "yes", False):
@@ -241,7 +276,8 @@ class CupyBackend(Backend):
                 stream = 1
         elif stream is None:  # DLPack: None means the legacy default stream
             stream = 1
-        return self.as_stream(stream)
+        # a consumer's handle is of the array's device (DLPack's contract): not looked up
+        return self._as_stream(stream, check_handle=False)
 
     def _external(self, ptr: int) -> Any:
         """A CuPy stream over a foreign ``cudaStream_t``."""
@@ -255,29 +291,78 @@ class CupyBackend(Backend):
 
     @contextlib.contextmanager
     def _using(self, stream: _CupyStream) -> Iterator[None]:
-        with self._device, stream.raw:
+        with self._device, stream.here():
             yield
 
     def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
         return self._using(self._own(stream))
 
     def as_stream(self, stream: object) -> Stream:
+        return self._as_stream(stream, check_handle=True)
+
+    def _as_stream(self, stream: object, check_handle: bool) -> _CupyStream:
+        """:meth:`as_stream`; ``check_handle``: a raw handle's device is checked too
+        (through its context: a few driver calls)."""
         cp = self._cp
         if isinstance(stream, _CupyStream):
+            self._check_device(int(stream._device.id), stream)
             return stream
         base = getattr(cp.cuda.stream, "_BaseStream", cp.cuda.Stream)
         if isinstance(stream, (cp.cuda.Stream, base)):
-            return _CupyStream(stream, cp, self._device)
-        handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
-        if isinstance(handle, int) and not isinstance(handle, bool):
-            return _CupyStream(self._external(handle), cp, self._device)
-        raise TypeError(
-            f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t handle "
-            f"(an int), got {type(stream).__name__}"
+            device = int(stream.device_id)  # -1: not known (external, null, per-thread)
+            self._check_device(device, stream)
+            if device < 0 and check_handle:
+                self._check_handle(int(stream.ptr))
+            wrapped = self._wrap(stream)
+        else:
+            handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
+            if not isinstance(handle, int) or isinstance(handle, bool):
+                raise TypeError(
+                    f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t "
+                    f"handle (an int), got {type(stream).__name__}"
+                )
+            if handle is stream:
+                if check_handle:
+                    self._check_handle(handle)
+            else:
+                self._check_device(getattr(getattr(stream, "device", None), "index", None), stream)
+            wrapped = self._wrap(self._external(handle))
+        wrapped.owner = stream  # kept alive while blobpipe uses it
+        return wrapped
+
+    def _check_device(self, device: int | None, stream: object) -> None:
+        """Refuse a stream of another device (``device`` None or -1: not known)."""
+        if device is None or device < 0 or device == self._device_id:
+            return
+        n = self._device_id
+        raise ArgumentError(
+            f"stream: {stream} is a stream of cuda:{device}, this backend is cuda:{n}; "
+            f"pass a stream of cuda:{n} (made under cupy.cuda.Device({n}), or "
+            f"torch.cuda.Stream(device={n}))"
         )
 
+    def _check_handle(self, ptr: int) -> None:
+        """Refuse a ``cudaStream_t`` of another device's context, or none at all
+        (the special handles 0, 1 and 2 name a stream of whichever device is current)."""
+        driver = getattr(self._cp.cuda, "driver", None)
+        if ptr in (0, _LEGACY, _PER_THREAD) or driver is None:
+            return
+        try:
+            # the device of the stream's context: bound for the query alone, the
+            # calling thread's context (none, in a fresh thread) bound again after it
+            ctx = driver.streamGetCtx(ptr)
+            saved = driver.ctxGetCurrent()
+            driver.ctxSetCurrent(ctx)
+            try:
+                device = int(driver.ctxGetDevice())
+            finally:
+                driver.ctxSetCurrent(saved)
+        except Exception as exc:  # CUDADriverError: not a stream (destroyed, or never one)
+            raise ArgumentError(f"stream: {ptr:#x} is not a live CUDA stream ({exc})") from exc
+        self._check_device(device, f"{ptr:#x}")
+
     def _stream_wait(self, stream: Stream, event: Event) -> None:
-        raw = self._own(stream).raw
+        raw = self._own(stream).here()
         if isinstance(event, _CupyEvent):
             with self._device:
                 raw.wait_event(event._event)
@@ -296,7 +381,7 @@ class CupyBackend(Backend):
             raise ValueError("host source of a device copy must be C-contiguous")
         with self._device:
             if src.nbytes:
-                dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.raw)
+                dst.data.copy_from_host_async(src.ctypes.data, src.nbytes, stream.here())
             return self._record(stream)
 
     def _copy_to_host(self, dst: np.ndarray[Any, Any], src: Any, stream: Stream) -> Event:
@@ -305,12 +390,12 @@ class CupyBackend(Backend):
             raise ValueError("host destination of a device copy must be C-contiguous")
         with self._device:
             if src.nbytes:
-                src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.raw)
+                src.data.copy_to_host_async(dst.ctypes.data, src.nbytes, stream.here())
             return self._record(stream)
 
     def _launch(self, fn: Callable[[], object], stream: Stream) -> Event:
         assert isinstance(stream, _CupyStream)
-        with self._device, stream.raw:
+        with self._device, stream.here():
             fn()
             return self._record(stream)
 

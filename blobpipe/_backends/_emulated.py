@@ -29,9 +29,32 @@ thread that creates a context on a device it does not use shows in a test.
 (Not modelled: the context's memory, and CUDA calls that touch device 0 without
 a switch, e.g. a runtime API call before any ``cudaSetDevice``.)
 
-DLPack consumers: ``backend.xp.from_dlpack(obj)`` calls
+Per-thread default streams, as CUDA's handle 2 (``cudaStreamPerThread``,
+``cupy.cuda.Stream.ptds``): :attr:`EmulatedBackend.per_thread` names, in each
+thread that uses it, that thread's own stream. The legacy default stream (the
+null stream) waits for them: work queued on it, an event recorded on it included,
+runs after the work queued so far on every per-thread default stream of its
+backend, as CUDA orders the legacy stream after every blocking stream. (Not
+modelled: the other direction, per-thread default streams waiting for the legacy
+one.)
+
+Streams belong to a device: an event recorded, a copy or a kernel queued by one
+device's backend on a stream of another fails, as CUDA's invalid resource handle.
+
+Frees, as ``cudaFree`` does them: a device buffer of :meth:`EmulatedBackend.alloc_device`
+going back to the system (its last reference dropped) first waits for all work
+queued on every stream of its backend, so a free made while a lock is held keeps
+that lock for as long as the device is busy. A free from a thread whose current
+device is another one is counted (:attr:`EmulatedBackend.frees_off_device`): on
+CUDA it runs in that device's context (in a fresh thread, creating one on device 0).
+
+DLPack: ``backend.xp.from_dlpack(obj)`` calls
 ``obj.__dlpack__(stream=<the caller's current stream>)``, as CuPy and torch pass
-theirs, so a producer that ignores the consumer's stream shows.
+theirs, so a producer that ignores the consumer's stream shows. A device array's
+own ``__dlpack__(stream=...)`` does what CuPy's does (``cupy/_core/core.pyx``): the
+consumer's stream (None or 1: the legacy default stream of the *current* device;
+0 the same, with CuPy's warning; -1: no ordering) waits for the current stream of
+the calling thread's *current device*, which need not be the array's.
 """
 
 from __future__ import annotations
@@ -40,6 +63,7 @@ import contextlib
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -47,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import UnsupportedOperationError
+from .._errors import ArgumentError, UnsupportedOperationError
 from ._base import Backend, Event, Stream, hold_array
 
 __all__ = [
@@ -55,6 +79,7 @@ __all__ = [
     "EmulatedBackend",
     "EmulatedEvent",
     "EmulatedStream",
+    "PerThreadStream",
     "current_device",
     "touched_devices",
     "use_device",
@@ -88,6 +113,8 @@ class EmulatedEvent(Event):
 
 _STOP = object()
 _device = threading.local()  # .id: the calling thread's current emulated device
+# device id -> the emulated backend made last for it (whose streams are that device's)
+_backends: dict[int, weakref.ref[EmulatedBackend]] = {}
 _touched_lock = threading.Lock()
 # thread -> the devices it switched to (its contexts)
 _touched: weakref.WeakKeyDictionary[threading.Thread, set[int]] = weakref.WeakKeyDictionary()
@@ -169,6 +196,28 @@ class EmulatedArray(np.ndarray):
             return result.view(EmulatedArray)
         return result
 
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        """CuPy's hand-shake, then NumPy's export (see the module docstring)."""
+        here = current_device()
+        own = self.backend() if self.backend is not None else None
+        if own is None or own.emulated_device != here:
+            ref = _backends.get(here)
+            own = ref() if ref is not None else None
+        if own is not None:
+            if isinstance(stream, int) and not isinstance(stream, bool) and stream == 0:
+                warnings.warn(
+                    "Stream 0 is passed from a library that you are converting to; CuPy "
+                    "assumes 0 as a legacy default stream. Please report this problem to "
+                    "the library as this violates the DLPack protocol.",
+                    stacklevel=2,
+                )
+                stream = 1
+            consumer = own.dlpack_stream(stream)
+            current = own.current_stream()
+            if consumer is not None and not consumer.same(current):
+                own.stream_wait(consumer, own.record_event(current))
+        return np.ndarray.__dlpack__(self, **kwargs)
+
     def get(self) -> np.ndarray[Any, Any]:
         """A host copy (a plain NumPy array), after the current stream's work."""
         backend = self.backend() if self.backend is not None else None
@@ -229,8 +278,23 @@ class _DeviceNumpy(ModuleType):
         return make
 
 
+def _free_device(backend_ref: weakref.ref[EmulatedBackend], device_id: int) -> None:
+    """``cudaFree`` of a buffer of device ``device_id``: counted when the calling
+    thread's current device is another; waits for every stream of the device's
+    backend (except from a stream's own thread, where CUDA would never free)."""
+    backend = backend_ref()
+    if backend is None:
+        return
+    if current_device() != device_id:
+        with backend._lock:
+            backend.frees_off_device += 1
+    if not getattr(_device, "worker", False):
+        backend.synchronize()
+
+
 def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id: int) -> None:
     _switch(device_id)
+    _device.worker = True
     while True:
         item = q.get()
         if item is _STOP:
@@ -252,6 +316,8 @@ class EmulatedStream(Stream):
     """An ordered work queue served by one daemon thread."""
 
     def __init__(self, backend: EmulatedBackend) -> None:
+        self._backend = weakref.ref(backend)
+        self.device_id = backend.emulated_device
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._last: EmulatedEvent | None = None  # the event of the last work queued
         backend_ref = weakref.ref(backend)
@@ -287,6 +353,61 @@ class EmulatedStream(Stream):
         self.enqueue(None, delay=0.0).synchronize()
 
 
+class _LegacyStream(EmulatedStream):
+    """The null stream: its work runs after the work queued so far on every
+    per-thread default stream of its backend (CUDA's legacy default stream)."""
+
+    def enqueue(
+        self, fn: Callable[[], None] | None, *, delay: float | None = None
+    ) -> EmulatedEvent:
+        backend = self._backend()
+        if backend is not None:
+            before = [e for e in backend._per_thread_events() if not e.query()]
+            if before:
+
+                def wait() -> None:
+                    for event in before:
+                        event.synchronize()
+
+                super().enqueue(wait, delay=0.0)
+        return super().enqueue(fn, delay=delay)
+
+
+class PerThreadStream(Stream):
+    """CUDA's per-thread default stream handle (2, ``cupy.cuda.Stream.ptds``): work
+    queued on it goes to the per-thread default stream of the thread that queues it.
+
+    The backend's Streams for it (``as_stream``, ``current_stream``,
+    ``dlpack_stream(2)``) keep the thread they were made in (``thread``): from
+    another thread their work goes to the null stream, which waits for it."""
+
+    def __init__(self, backend: EmulatedBackend, thread: threading.Thread | None = None) -> None:
+        self._backend = weakref.ref(backend)
+        self.thread = thread
+
+    def _resolve(self) -> EmulatedStream:
+        backend = self._backend()
+        if backend is None:
+            raise RuntimeError("the emulated backend of this stream is gone")
+        return backend._stream(self)
+
+    def synchronize(self) -> None:
+        self._resolve().synchronize()
+
+    def idle(self) -> bool:
+        return not self.elsewhere() and self._resolve().idle()
+
+    def same(self, other: Stream) -> bool:
+        return (
+            isinstance(other, PerThreadStream)
+            and other._backend() is self._backend()
+            and other.thread is self.thread
+        )
+
+    def __repr__(self) -> str:
+        return "<PerThreadStream>"
+
+
 class EmulatedBackend(Backend):
     """A stand-in for a CUDA device whose copies finish later, on worker threads.
 
@@ -305,9 +426,19 @@ class EmulatedBackend(Backend):
         self._default: EmulatedStream | None = None
         self._null: EmulatedStream | None = None
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._local = threading.local()  # .stream: the stream using() made current
+        # (thread, its per-thread default stream): kept until the thread ended and
+        # the stream ran its work, which the legacy stream waits for meanwhile
+        self._per_thread: list[tuple[threading.Thread, EmulatedStream]] = []
+        #: the per-thread default stream's handle (CUDA's 2, ``cupy.cuda.Stream.ptds``)
+        self.per_thread = PerThreadStream(self)
+        # re-entrant: a device buffer's free (a finalizer) may run while it is held
+        self._lock = threading.RLock()
+        # .stream: the stream using() made current; .per_thread: this thread's default
+        self._local = threading.local()
         self._xp = _DeviceNumpy(self)
+        _backends[self.emulated_device] = weakref.ref(self)
+        #: device buffers freed from a thread whose current device was another
+        self.frees_off_device = 0
 
     def __repr__(self) -> str:
         return f"<EmulatedBackend emulated:{self.emulated_device}>"
@@ -320,7 +451,13 @@ class EmulatedBackend(Backend):
         buf = np.empty(nbytes, dtype=np.uint8).view(EmulatedArray)
         buf.device_id = self.emulated_device
         buf.backend = weakref.ref(self)
+        # its free synchronises the device, as cudaFree does (not at the interpreter's exit)
+        weakref.finalize(buf, _free_device, buf.backend, self.emulated_device).atexit = False
         return buf
+
+    def release_buffers(self, buffers: list[Any]) -> None:
+        with _device_scope(self.emulated_device):
+            buffers.clear()
 
     def _own(self, array: Any, what: str) -> Any:
         """``array`` as flat bytes, refused when it is memory of another device."""
@@ -364,9 +501,11 @@ class EmulatedBackend(Backend):
 
     def dlpack_stream(self, stream: object) -> Stream | None:
         if isinstance(stream, int) and not isinstance(stream, bool):
-            # -1: no ordering; CUDA's handles (1 legacy, 2 per-thread default, a
-            # cudaStream_t) have no emulated stream: the null stream stands in
-            return None if stream == -1 else self.null_stream()
+            # -1: no ordering; 2: the per-thread default stream; CUDA's other
+            # handles (1 legacy, a cudaStream_t): the null stream stands in
+            if stream == -1:
+                return None
+            return self.as_stream(self.per_thread) if stream == 2 else self.null_stream()
         if stream is None:
             return self.null_stream()  # DLPack: None means the legacy default stream
         return self.as_stream(stream)
@@ -386,19 +525,36 @@ class EmulatedBackend(Backend):
 
     def null_stream(self) -> EmulatedStream:
         """The stream current in every thread outside :meth:`using` (CUDA's legacy
-        default stream)."""
+        default stream: it waits for the per-thread default streams)."""
         with self._lock:
             if self._null is None:
-                self._null = EmulatedStream(self)
+                self._null = _LegacyStream(self)
                 self._streams.add(self._null)
             return self._null
 
-    def current_stream(self) -> EmulatedStream:
-        stream: EmulatedStream | None = getattr(self._local, "stream", None)
-        return stream if stream is not None else self.null_stream()
+    def _per_thread_stream(self) -> EmulatedStream:
+        """The calling thread's per-thread default stream (made on first use)."""
+        stream: EmulatedStream | None = getattr(self._local, "per_thread", None)
+        if stream is None:
+            stream = self._local.per_thread = EmulatedStream(self)
+            with self._lock:
+                self._streams.add(stream)
+                self._per_thread.append((threading.current_thread(), stream))
+        return stream
+
+    def _per_thread_events(self) -> list[EmulatedEvent]:
+        """The last event of every per-thread default stream (what the legacy waits for)."""
+        with self._lock:
+            self._per_thread = [(t, s) for t, s in self._per_thread if t.is_alive() or not s.idle()]
+            streams = [s for _, s in self._per_thread]
+        return [e for e in (s._last for s in streams) if e is not None]
+
+    def current_stream(self) -> Stream:
+        stream: Stream | None = getattr(self._local, "stream", None)
+        return self.as_stream(stream) if stream is not None else self.null_stream()
 
     @contextlib.contextmanager
-    def _using(self, stream: EmulatedStream) -> Iterator[None]:
+    def _using(self, stream: Stream) -> Iterator[None]:
         previous = getattr(self._local, "stream", None)
         self._local.stream = stream
         try:
@@ -408,10 +564,22 @@ class EmulatedBackend(Backend):
             self._local.stream = previous
 
     def using(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
-        return self._using(self._stream(stream))
+        self._stream(stream)  # a stream of this backend
+        return self._using(stream)
 
     def as_stream(self, stream: object) -> Stream:
+        if isinstance(stream, PerThreadStream):
+            if stream.thread is None or stream._backend() is not self:
+                # handle 2 names the per-thread default stream of the thread naming it
+                return PerThreadStream(self, stream.thread or threading.current_thread())
+            return stream
         if isinstance(stream, EmulatedStream):
+            if stream.device_id != self.emulated_device:
+                raise ArgumentError(
+                    f"stream: a stream of emulated device {stream.device_id}, this backend "
+                    f"is emulated device {self.emulated_device}; pass one of its own "
+                    "(create_stream())"
+                )
             return stream
         raise TypeError(
             f"the emulated device takes its own streams (create_stream()), got "
@@ -433,14 +601,29 @@ class EmulatedBackend(Backend):
 
         return self._stream(stream or self.current_stream()).enqueue(run, delay=seconds)
 
-    @staticmethod
-    def _stream(stream: Stream) -> EmulatedStream:
+    def _stream(self, stream: Stream) -> EmulatedStream:
+        """The emulated stream ``stream`` queues work on in the calling thread."""
+        if isinstance(stream, PerThreadStream):
+            # another thread's: the legacy stream, which waits for every per-thread one
+            return self.null_stream() if stream.elsewhere() else self._per_thread_stream()
         if not isinstance(stream, EmulatedStream):
             raise TypeError(f"expected a stream of the emulated backend, got {stream!r}")
         return stream
 
+    def _on_device(self, stream: Stream) -> EmulatedStream:
+        """``stream`` in the calling thread; refused, as CUDA refuses it (invalid
+        resource handle), when it is a stream of another device."""
+        emulated = self._stream(stream)
+        if emulated.device_id != self.emulated_device:
+            raise RuntimeError(
+                f"cudaErrorInvalidResourceHandle (emulated): work of emulated device "
+                f"{self.emulated_device} queued on a stream of emulated device "
+                f"{emulated.device_id}"
+            )
+        return emulated
+
     def _enqueue(self, stream: Stream, fn: Callable[[], None]) -> Event:
-        return self._stream(stream).enqueue(fn)
+        return self._on_device(stream).enqueue(fn)
 
     def _copy_to_device(self, dst: Any, src: np.ndarray[Any, Any], stream: Stream) -> Event:
         d = self._own(dst, "copy_to_device")
@@ -466,7 +649,7 @@ class EmulatedBackend(Backend):
         return end.completed_at - start.completed_at
 
     def record_event(self, stream: Stream | None = None, *, timing: bool = False) -> Event:
-        return self._stream(stream or self.default_stream()).enqueue(None, delay=0.0)
+        return self._on_device(stream or self.default_stream()).enqueue(None, delay=0.0)
 
     def synchronize(self) -> None:
         with self._lock:
