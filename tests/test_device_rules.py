@@ -306,3 +306,36 @@ def test_a_stream_of_another_device_is_refused_when_named(db30: Path) -> None:
     with pytest.raises(ArgumentError, match="emulated device 0"):
         blob.__dlpack__(stream=foreign)
     assert one.as_stream(one.create_stream()) is not None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("form", ["blocking", "async"])
+async def test_a_failing_device_kernel_reaches_the_consumer(
+    db30: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device transform that fails on the emulated stream is raised where the batch is
+    waited for, in both forms: never a batch of whatever the output held (the error is
+    sticky on its stream, as CUDA's, so the slot's later event reports it too)."""
+    import blobpipe._loader._device as device_module
+
+    real = device_module.apply
+
+    def failing(*args: object, **kwargs: object) -> None:
+        if threading.current_thread().name != "blobpipe-emulated-stream":
+            real(*args, **kwargs)  # the loader's warm-up, in the opening thread
+            return
+        raise RuntimeError("emulated kernel fault")
+
+    monkeypatch.setattr(device_module, "apply", failing)
+    backend = EmulatedBackend(delay=0.001)
+
+    async def first_batch() -> None:
+        if form == "blocking":
+            with Loader(db30, 4, device=backend, device_transform=True) as loader:
+                next(loader)
+        else:
+            async with Loader(db30, 4, device=backend, device_transform=True) as loader:
+                await anext(loader)
+
+    with pytest.raises(RuntimeError, match="emulated kernel fault"):
+        await first_batch()

@@ -204,12 +204,14 @@ class Stream(abc.ABC):
 async def wait_event(event: Event) -> None:
     """Wait for ``event`` without blocking the event loop.
 
-    Already-completed events return at once; otherwise the blocking wait runs
+    Already-completed events return at once (raising the error of the work they
+    cover, if it failed, as a wait would); otherwise the blocking wait runs
     in a worker thread (CUDA's synchronize releases the GIL), so other tasks
     keep running. Cancellation takes effect once the copy has finished: the
     buffers involved must not be released while the copy may still touch them.
     """
     if event.query():
+        event.synchronize()  # completed: returns at once, or raises what the work raised
         return
     await anyio.to_thread.run_sync(event.synchronize)
 

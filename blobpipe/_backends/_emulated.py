@@ -295,6 +295,7 @@ def _free_device(backend_ref: weakref.ref[EmulatedBackend], device_id: int) -> N
 def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id: int) -> None:
     _switch(device_id)
     _device.worker = True
+    failed: BaseException | None = None  # the stream's first error: sticky, as CUDA's
     while True:
         item = q.get()
         if item is _STOP:
@@ -304,11 +305,14 @@ def _worker(q: queue.SimpleQueue[Any], delay_ref: Callable[[], float], device_id
         if d > 0:
             threading.Event().wait(d)
         try:
-            if fn is not None:
+            if fn is not None and failed is None:
                 fn()
         except BaseException as exc:  # kept for synchronize(), as CUDA reports it
-            event.error = exc
+            failed = exc
         finally:
+            # every event after a failed piece of work reports it: work queued later
+            # on the stream may depend on it (a batch's copy, then its kernel)
+            event.error = failed
             event._set()
 
 
