@@ -364,6 +364,20 @@ def test_from_prototxt_options_override(monkeypatch: pytest.MonkeyPatch) -> None
         assert np.array_equal(batch.data.cpu_data(), caffe_reference("raw_color_b8")[0][0][:5])
 
 
+def test_from_prototxt_says_rand_skip_is_not_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's rand_skip is not silently dropped: a warning names it and the way out."""
+    monkeypatch.chdir(CAFFE)
+    net = (CAFFE / "ref/raw_color_b8/net.prototxt").read_text()
+    assert "rand_skip" not in net
+    skipping = tmp_path / "net.prototxt"
+    skipping.write_text(net.replace("batch_size:", "rand_skip: 100\n    batch_size:", 1))
+    with pytest.warns(UserWarning, match=r"rand_skip: 100 is not applied.*shuffle=True"):
+        loader = Loader.from_prototxt(skipping, "test", device="cpu")
+    loader.close()
+
+
 # -- forms: async (asyncio, trio) and blocking; epochs ----------------------------------------
 
 

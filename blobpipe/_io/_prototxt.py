@@ -64,8 +64,8 @@ class DataLayerConfig:
         batch_size: records per batch.
         prefetch: Caffe's prefetch queue depth (data_param.prefetch, default 4).
         rand_skip: data_param.rand_skip / image_data_param.rand_skip; a random skip
-            at start, which blobpipe does not apply (use ``order="shuffle"`` or
-            shards); kept for reference.
+            at start, which blobpipe does not apply (``Loader.from_prototxt`` warns;
+            use ``order="shuffle"`` or shards).
         tops: the layer's top blob names (a second top means labels are wanted; an
             HDF5Data layer's tops are its datasets).
         transform: the layer's transform, mean file already loaded (an ImageData

@@ -7,6 +7,7 @@ while open is garbage collected and its finalizer closes the pipeline.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, Literal
 
@@ -136,8 +137,19 @@ class Loader(AsyncForm, BlockingForm):
             DataError: an ImageData or HDF5Data layer's list, or an ``.h5`` file,
                 cannot be used.
             MissingDependencyError: an HDF5Data layer without h5py.
+
+        Warns:
+            UserWarning: the layer sets ``rand_skip``, which blobpipe does not apply.
         """
         config = read_data_layer(path, phase)
+        if config.rand_skip:
+            warnings.warn(
+                f"{os.fspath(path)}: rand_skip: {config.rand_skip} is not applied (Caffe "
+                "starts at a random line to spread asynchronous solvers); every epoch starts "
+                "at the first record: pass shuffle=True, or shard='auto' for several ranks",
+                UserWarning,
+                stacklevel=2,
+            )
         kwargs = config.batches_kwargs()
         source = kwargs.pop("source")
         kwargs.pop("mode")
