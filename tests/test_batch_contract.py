@@ -501,3 +501,38 @@ def test_a_batch_dropped_in_a_forked_child_leaves_the_ring_alone(db30: Path) -> 
         assert code == 0
         assert time.monotonic() - t0 < 5  # (not released by the alarm)
         np.testing.assert_array_equal(kept[0].data.cpu_data(), epoch(db30)[0][0])
+
+
+def test_a_release_that_cannot_be_ordered_never_reuses_the_slot(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the event after the consumer's work cannot be recorded (a device error),
+    the batch's slot is not refilled: the ring makes another, the error is reported
+    where the last reference went, and the slot's memory goes back only at close,
+    once the device is idle."""
+    import sys
+
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 0.0)  # 3 slots, no chunks
+    backend = EmulatedBackend(delay=0.001)
+    unraisable: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
+    original = blobpipe._loader._device.DeviceWork.release
+    failures = [RuntimeError("emulated: cannot record an event")]
+
+    def release(self: Any, stream: Any, slot: Any = None) -> Any:
+        if failures:
+            raise failures.pop()
+        return original(self, stream, slot)
+
+    monkeypatch.setattr(blobpipe._loader._device.DeviceWork, "release", release)
+    with Loader(db30, 4, device=backend, prefetch=2, mode="wrap", workers=1) as loader:
+        it = iter(loader)
+        next(it)  # dropped at once: its release fails
+        assert [str(e) for e in unraisable] == ["emulated: cannot record an event"]
+        seen = [np.array(b.data.cpu_data()) for _, b in zip(range(12), it, strict=False)]
+        assert loader.statistics().slots == 3  # another slot took its place
+    with Batches(db30, 4, mode="wrap") as reference:
+        want = [np.array(b.data) for _, b in zip(range(13), reference, strict=False)]
+    for got, expect in zip(seen, want[1:], strict=True):
+        np.testing.assert_array_equal(got, expect)
+    assert used(backend) == 0

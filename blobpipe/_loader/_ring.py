@@ -185,7 +185,6 @@ class Lease:
         self.stream = stream
         self.pairs: list[MemoryPair] = []  # the batch views' memory references
 
-
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
         # At the interpreter's end nothing reuses the slot; in a forked child the
@@ -220,6 +219,7 @@ class Ring:
         self.slots: list[Slot] = []
         self._free: deque[Slot] = deque()
         self._held: set[Slot] = set()  # slots whose lease lives
+        self._lost: list[Slot] = []  # slots whose release could not be ordered
         # the lock the condition waits on, taken directly where it is taken per batch
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -333,11 +333,14 @@ class Ring:
                 pair.release()
             if self._has_device:
                 released = self._release(lease.stream, slot)
-        except RuntimeError:
-            pass  # at interpreter exit no event can be made, and nothing reuses the slot
         except BaseException:
-            with self._lock:  # unordered: never reused (the ring makes another slot)
+            # unordered after the consumer: never reused; the ring makes another slot,
+            # and this one's buffers go back only when the device is idle (close)
+            with self._lock:
                 self._held.discard(slot)
+                if slot in self.slots:
+                    self.slots.remove(slot)
+                self._lost.append(slot)
                 self._wake_for_room()
             raise
         with self._lock:
@@ -400,8 +403,13 @@ class Ring:
             slots = [slot for slot in self.slots if slot not in self._held]
             self.slots = [slot for slot in self.slots if slot in self._held]
             self._free.clear()
+            lost, self._lost = self._lost, []
         for slot in slots:
             slot.close()
+        if lost:
+            self._backend.synchronize()  # the consumer's work on them, whatever it was
+            for slot in lost:
+                slot.close()
 
 
 def _gib(nbytes: int) -> str:
