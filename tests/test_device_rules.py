@@ -22,6 +22,7 @@ import pytest
 from blobpipe import ArgumentError, Batches, Blob, Loader, Transform
 from blobpipe._backends import Backend, EmulatedBackend, Stream
 from blobpipe._backends._emulated import _Capsule, current_device
+from blobpipe._io import _lmdbenv
 from blobpipe._pool import Block, MemoryPool
 from tests._helpers import queue_late, raw_db, unowned
 from tests.conftest import cupy_backend_or_skip, make_backend, to_numpy
@@ -339,3 +340,4 @@ async def test_a_failing_device_kernel_reaches_the_consumer(
 
     with pytest.raises(RuntimeError, match="emulated kernel fault"):
         await first_batch()
+    assert _lmdbenv.REGISTRY.envs == {}  # the loader closed whole, its database with it

@@ -27,6 +27,7 @@ from ._base import (
     Stream,
     all_of,
     cuda_initialised,
+    finished,
     wait_event,
 )
 from ._emulated import EmulatedBackend
@@ -44,6 +45,7 @@ __all__ = [
     "HostBackend",
     "Stream",
     "all_of",
+    "finished",
     "get_backend",
     "get_default_backend",
     "set_cuda_devices",

@@ -38,6 +38,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
     "Stream",
     "all_of",
     "cuda_initialised",
+    "finished",
     "hold_array",
     "note_cuda_initialised",
     "wait_event",
@@ -201,7 +203,7 @@ class Stream(abc.ABC):
         return False
 
 
-async def wait_event(event: Event) -> None:
+async def wait_event(event: Event, *, raising: bool = True) -> None:
     """Wait for ``event`` without blocking the event loop.
 
     Already-completed events return at once (raising the error of the work they
@@ -209,11 +211,23 @@ async def wait_event(event: Event) -> None:
     in a worker thread (CUDA's synchronize releases the GIL), so other tasks
     keep running. Cancellation takes effect once the copy has finished: the
     buffers involved must not be released while the copy may still touch them.
+    ``raising=False``: return once the work is over, failed or not (a release).
     """
     if event.query():
-        event.synchronize()  # completed: returns at once, or raises what the work raised
+        if raising:
+            event.synchronize()  # completed: returns at once, or raises what the work raised
         return
-    await anyio.to_thread.run_sync(event.synchronize)
+    await anyio.to_thread.run_sync(event.synchronize if raising else partial(finished, event))
+
+
+def finished(event: Event) -> None:
+    """Block until ``event`` completed, whether or not the work it covers failed: the
+    wait before buffers that work touched are released (the failure itself is
+    reported where the work's result is waited for)."""
+    try:
+        event.synchronize()
+    except Exception:  # over all the same; the consumer is told where it waits for it
+        pass
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,17 @@ class AsyncForm:
         if made is None:
             raise StopAsyncIteration
         done = made[0].event
-        if not done.query():
-            # Shielded: the batch has left the hand-off, so a cancellation here
-            # would lose it and its slot. The wait is bounded by the copy.
-            with anyio.CancelScope(shield=True):
-                await wait_event(done)
+        try:
+            if done.query():
+                done.synchronize()  # completed: returns at once, or raises what failed
+            else:
+                # Shielded: the batch has left the hand-off, so a cancellation here
+                # would lose it and its slot. The wait is bounded by the copy.
+                with anyio.CancelScope(shield=True):
+                    await wait_event(done)
+        except Exception as exc:  # its device work failed
+            pipe.device_failed(exc)
+            raise
         return pipe.deliver(*made, t0)
 
     async def _wait(self, pipe: Pipeline, t0: float) -> Item:

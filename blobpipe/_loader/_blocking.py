@@ -70,7 +70,11 @@ class BlockingForm:
         made = pipe.arrived(item, t0)
         if made is None:
             raise StopIteration
-        made[0].event.synchronize()
+        try:
+            made[0].event.synchronize()
+        except Exception as exc:  # its device work failed
+            pipe.device_failed(exc)
+            raise
         return pipe.deliver(*made, t0)
 
     def _open(self) -> None:

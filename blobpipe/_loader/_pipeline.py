@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Any
 
-from .._backends import Backend, Stream
+from .._backends import Backend, Stream, finished
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
 from . import _chunk
@@ -189,8 +189,8 @@ class Pipeline:
     def _synchronize_slots(self) -> None:
         """:meth:`settle`, blocking the calling thread."""
         for slot in self._ring.unheld():
-            slot.event.synchronize()
-            slot.released.synchronize()
+            finished(slot.event)
+            finished(slot.released)
 
     def release(self) -> None:
         """Give the ring back to the pool, close the hand-off and the database (once;
@@ -525,6 +525,15 @@ class Pipeline:
             self.lifecycle.fail(item.exc)
             raise item.exc
         return item
+
+    def device_failed(self, exc: BaseException) -> None:
+        """The device work of a batch that arrived failed (the consumer gets ``exc``): the
+        loader stops, as after a filler's error."""
+        lifecycle = self.lifecycle
+        if lifecycle.state is State.OPEN:
+            lifecycle.move(State.FAILING)
+        if lifecycle.state is State.FAILING:
+            lifecycle.fail(exc)
 
     def deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
         """Account for the batch whose device work completed and hand it out."""

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import COMPLETED, Backend, Event, Stream, all_of, wait_event
+from .._backends import COMPLETED, Backend, Event, Stream, all_of, finished, wait_event
 from .._blob import Blob
 from .._errors import PoolMemoryError
 from .._io._batches import BatchPlan
@@ -147,8 +147,8 @@ class Slot:
     def close(self) -> None:
         """Release the buffers once the slot's and the consumer's device work completed
         (waiting for both here)."""
-        self.event.synchronize()
-        self.released.synchronize()
+        finished(self.event)
+        finished(self.released)
         self._drop()
 
     def close_after(self) -> None:
@@ -392,8 +392,8 @@ class Ring:
         """Wait until no device work (the slot's or the consumer's) uses the buffers of
         any slot the caller does not hold."""
         for slot in self.unheld():
-            await wait_event(slot.event)
-            await wait_event(slot.released)
+            await wait_event(slot.event, raising=False)
+            await wait_event(slot.released, raising=False)
 
     def close(self) -> None:
         """Release the buffers of every slot the caller does not hold (after its device
