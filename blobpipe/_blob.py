@@ -837,7 +837,6 @@ class _Typed:
         self.interface: dict[str, Any] | None = None
 
 
-
 def _owners(mine: object, other: object) -> object:
     """What a blob keeps referenced to keep both ``mine`` and ``other`` (None: nothing)."""
     if mine is None or mine is other:

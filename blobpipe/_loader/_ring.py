@@ -227,6 +227,7 @@ class Ring:
         self._stopped = False
         self._closed = False
         self.pid = os.getpid()  # the process whose leases give slots back
+
     @property
     def size(self) -> int:
         """The slots the ring has now (those it is made with before it opens)."""
