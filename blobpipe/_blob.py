@@ -36,7 +36,7 @@ import numpy as np
 from ._backends import Backend, Event, Stream, get_backend
 from ._backends._base import hold_array
 from ._blobmath import BlobMath
-from ._codec import BlobProto, fill_blobproto, proto_arrays, proto_shape_equals
+from ._blobproto import BlobProtoIO
 from ._errors import (
     BlobIndexError,
     ShapeError,
@@ -59,13 +59,9 @@ from ._syncedmem import MemoryPair, SharedMemory, SyncedMemory
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
 _DLPACK_CPU: Final = 1  # DLDeviceType.kDLCPU
-_NO_INTEGERS: Final = (
-    "{what}: BlobProto has no integer fields (float or double values only), and this blob "
-    "is {dtype}"
-)
 
 
-class Blob(BlobMath):
+class Blob(BlobMath, BlobProtoIO):
     """Caffe's Blob: an N-D array of ``dtype`` with data and diff memories.
 
     ``shape`` is a sequence of at most 32 non-negative ints, or None for
@@ -765,63 +761,6 @@ class Blob(BlobMath):
         if self._count == 0:
             return
         self._copy_values(source, "diff" if copy_diff else "data")
-
-    # -- protobuf ------------------------------------------------------------------------
-    def shape_equals(self, proto: BlobProto) -> bool:
-        """Whether ``proto``'s shape equals this blob's (Caffe's ``ShapeEquals``).
-
-        When any legacy field (num, channels, height, width) is set, the blob
-        must have at most 4 axes and match them padded with leading 1s, as
-        legacy parameter blobs were indexed from the end.
-        """
-        return proto_shape_equals(proto, self._shape)
-
-    def from_proto(self, proto: BlobProto, reshape: bool = True) -> None:
-        """Load shape (with ``reshape``), data and diff from a ``caffe.BlobProto``.
-
-        The shape comes from the legacy num/channels/height/width fields when
-        any is set (unset ones read 0, as in Caffe), else from ``shape``.
-        Without ``reshape`` the proto's shape must equal the blob's
-        (:meth:`shape_equals`). Data comes from ``double_data`` when it is not
-        empty, else ``data``; the diff likewise, and stays untouched when the
-        proto has none. Values are cast to the blob's dtype. Everything is
-        validated before the blob changes.
-
-        Raises ProtoError for a bad shape or a value count that differs from
-        the shape's, ShapeError for a shape mismatch without ``reshape``,
-        UnsupportedOperationError for integer blobs.
-        """
-        self.check_open()
-        self._check_float(_NO_INTEGERS.format(what="from_proto", dtype=self._dtype))
-        shape, data, diff = proto_arrays(
-            proto,
-            self._itemsize,
-            None if reshape else (self._shape, self._count),
-            self.shape_string(),
-        )
-        if reshape:
-            self.reshape(shape)
-        if data.size:
-            self.mutable_cpu_data().reshape(-1)[:] = data
-            if diff is not None:
-                self.mutable_cpu_diff().reshape(-1)[:] = diff
-
-    def to_proto(self, write_diff: bool = False, proto: BlobProto | None = None) -> BlobProto:
-        """This blob as a ``caffe.BlobProto`` (Caffe's ``ToProto``).
-
-        Writes the ``shape`` field (never the legacy ones) and the data; float64
-        blobs write ``double_data``/``double_diff``, float32 blobs
-        ``data``/``diff``. With ``write_diff`` the diff is written too. A
-        ``proto`` passed in is cleared, filled and returned.
-
-        Raises UnsupportedOperationError for integer blobs (BlobProto has no
-        integer fields), StateError when closed.
-        """
-        self.check_open()
-        self._check_float(_NO_INTEGERS.format(what="to_proto", dtype=self._dtype))
-        data = self.cpu_data() if self._count else None
-        diff = self.cpu_diff() if self._count and write_diff else None
-        return fill_blobproto(proto, self._shape, data, diff)
 
 
 class _Typed:
