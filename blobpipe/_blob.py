@@ -137,8 +137,8 @@ class Blob(BlobMath, BlobProtoIO):
         ``owner``: an object the view, and every array and DLPack export made from
         it, keep referenced (a loader batch's lease: its slot is refilled only once
         nothing made from the batch lives); a view of a view keeps its owner too.
-        ``references_to``: a list the view's memory references are appended to
-        (:meth:`references`), for whoever releases them in place of a finalizer.
+        ``references_to``: a list the view's memory references (its ``MemoryPair``)
+        are appended to, for whoever releases them in place of a finalizer.
 
         Raises StateError when this blob is closed.
         """
@@ -163,13 +163,6 @@ class Blob(BlobMath, BlobProtoIO):
         if references_to is not None:
             references_to.append(view._holder)
         return view
-
-    def references(self) -> MemoryPair:
-        """This blob's references to its data and diff memories: their ``release()``
-        (once; later calls do nothing) is what :meth:`close` and the finalizer do
-        to them. A view made with ``finalizer=False`` whose lifetime another object
-        tracks (a loader batch's lease) hands them to it."""
-        return self._holder
 
     def add_finalizer(self) -> None:
         """Give a view made with ``finalizer=False`` the safety net every other Blob
