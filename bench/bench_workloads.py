@@ -83,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ from _make import make
 from _workloads_data import DbSpec, Prepared, imagenet_raw, prepare, warm_page_cache
 
 import blobpipe
+from blobpipe._io._budget import Budget
 
 FORMAT = 1  # of the JSON document
 LATER_TARGET = 1.6
@@ -106,6 +108,12 @@ ASYNC_TARGET = 0.95
 PASSTHROUGH_TARGET = 0.25
 TRANSFORM_TOLERANCE = 1e-3
 PEER_TARGET = 1.0
+#: the rows whose later epochs' GIL budget is measured and shown (``blobpipe._io._budget``)
+BUDGETED = ("batches", "blocking", "async")
+#: the most of a batch's CPU time that may hold the GIL (Amdahl's serial fraction s of the
+#: blocking Loader's later epochs): 3% lets ≥ 32 workers feed large records, 30% small ones
+GIL_SMALL = 0.30
+GIL_LARGE = 0.03
 #: the pipelines users would pick instead, each a target for the Loader where it runs
 PEERS = ("torch", "dali", "dali-roi")
 
@@ -119,6 +127,7 @@ class Workload:
     first_target: float | None = FIRST_TARGET
     later_target: float | None = LATER_TARGET
     passthrough: bool = False  # W5: the baseline is the memcpy
+    gil_target: float | None = None  # the most GIL share s of the blocking Loader
 
     @property
     def baseline(self) -> str:
@@ -159,14 +168,19 @@ def workloads(quick: bool) -> list[Workload]:
     )
     r = cs.Recipe
     return [
-        Workload("W1", "MNIST", mnist, r(batch=64, phase="test", scale=0.00390625)),
-        Workload("W2", "CIFAR-10", cifar, r(batch=100, phase="train", mirror=True)),
+        Workload(
+            "W1", "MNIST", mnist, r(batch=64, phase="test", scale=0.00390625), gil_target=GIL_SMALL
+        ),
+        Workload(
+            "W2", "CIFAR-10", cifar, r(batch=100, phase="train", mirror=True), gil_target=GIL_SMALL
+        ),
         Workload(
             "W3",
             "ImageNet raw, TRAIN",
             imagenet,
             r(batch=64, phase="train", shuffle=True, crop=crop, mirror=True),
             later_target=1.5,
+            gil_target=GIL_LARGE,
         ),
         Workload(
             "W3-test",
@@ -174,6 +188,7 @@ def workloads(quick: bool) -> list[Workload]:
             imagenet,
             r(batch=64, phase="test", crop=crop),
             later_target=1.5,
+            gil_target=GIL_LARGE,
         ),
         Workload(
             "W4",
@@ -188,6 +203,7 @@ def workloads(quick: bool) -> list[Workload]:
                 mean_value=(104.0, 117.0, 123.0),
                 encoded=True,
             ),
+            gil_target=GIL_LARGE,
         ),
         Workload(
             "W5",
@@ -266,6 +282,8 @@ class Row:
     checks: list[Check] = field(default_factory=list)
     rates: dict[str, list[float]] = field(default_factory=lambda: {"first": [], "later": []})
     same_first_batch: bool | None = None
+    # later passes measured in this process: each pass's GIL budget and its batch count
+    budgets: list[tuple[Budget, int]] = field(default_factory=list)
     # filled in by evaluate(): whether anything was checked, and what failed
     checked: bool = False
     problems: list[str] = field(default_factory=list)
@@ -279,6 +297,10 @@ class Row:
 
     def median(self, kind: str) -> float | None:
         return statistics.median(self.rates[kind]) if self.rates[kind] else None
+
+    def gil(self, of: Callable[[Budget, int], float]) -> float | None:
+        """The median over the later passes of ``of(budget, batches)``."""
+        return statistics.median(of(b, n) for b, n in self.budgets) if self.budgets else None
 
 
 @dataclass
@@ -440,6 +462,9 @@ def run_pass(run: Run, row: Row, kind: str, keep: bool) -> None:
             f"expected {epochs * run.prepared.count}"
         )
     row.rates[kind].append(sample.images / sample.seconds)
+    if kind == "later" and sample.budget is not None and c.key in BUDGETED:
+        per_epoch = -(-run.prepared.count // run.recipe.batch)
+        row.budgets.append((sample.budget, epochs * per_epoch))
     if sample.first_batch is not None:
         run.firsts[(c.key, kind)] = sample.first_batch
     settle()
@@ -567,12 +592,20 @@ def evaluate(run: Run) -> None:
             if not c.passed:  # three decimals: 1.299 must not read as 1.30
                 got = "—" if c.measured is None else f"{c.measured:.3f}×"
                 row.problems.append(f"{c.kind} vs {c.against} {got} < {c.target:.2f}×")
+        target = run.workload.gil_target
+        serial = row.gil(lambda b, n: b.serial)
+        if row.contender.key == "blocking" and target is not None and serial is not None:
+            row.checked = True
+            if serial > target:
+                row.problems.append(f"GIL share {serial:.3f} > {target:.2f}")
         if row.same_first_batch is False:
             row.problems.append("first batch differs from the baseline's")
         error = run.transform_errors.get(row.contender.key)
         if error is not None and error > TRANSFORM_TOLERANCE:
             row.problems.append(f"differs from blobpipe.Transform (max |Δ| {error:.3g})")
-        row.checked = bool(row.checks) or row.same_first_batch is not None or error is not None
+        row.checked = (
+            row.checked or bool(row.checks) or row.same_first_batch is not None or error is not None
+        )
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -614,6 +647,8 @@ def _target_text(run: Run, row: Row) -> str:
         parts.append(f"≥ {PEER_TARGET:.2f}× " + ", ".join(peers))
     if any(c.against == "blocking" for c in row.checks):
         parts.append(f"≥ {ASYNC_TARGET:.2f}× blocking")
+    if row.contender.key == "blocking" and run.workload.gil_target is not None:
+        parts.append(f"GIL share ≤ {run.workload.gil_target:.2f}")
     return ", ".join(parts)
 
 
@@ -673,6 +708,7 @@ PEERS_HEADER = (
     "DALI CPU (best)",
     "blobpipe for",
     "blobpipe async for",
+    "GIL share · bound 32 workers",
 )
 
 
@@ -700,9 +736,66 @@ def peers_table(runs: list[Run]) -> list[tuple[str, ...]]:
                 cell(run, ("dali", "dali-roi")),
                 cell(run, ("blocking",)),
                 cell(run, ("async",)),
+                _gil_cell(run.row("blocking")),
             )
         )
     return lines
+
+
+def _gil_cell(row: Row) -> str:
+    serial = row.gil(lambda b, n: b.serial)
+    bound = row.gil(lambda b, n: b.bound(32))
+    return "—" if serial is None or bound is None else f"{serial:.1%} · {bound:.1f}×"
+
+
+GIL_HEADER = (
+    "workload",
+    "contender",
+    "wall µs/batch",
+    "GIL µs/batch",
+    "GIL-free µs/batch",
+    "GIL share s",
+    "GIL busy",
+    "bound 2",
+    "bound 32",
+    "target",
+)
+
+
+def gil_table(runs: list[Run]) -> list[tuple[str, ...]]:
+    """The later epochs' GIL budget per batch (medians over rounds): wall time, CPU time
+    counted as holding the GIL and CPU time of the compiled modules without it, the GIL
+    share s of the CPU time (Amdahl's serial fraction), the share of the wall time the
+    GIL was held (busy), and the speed-up over one thread that 2 and 32 workers can reach
+    at most, ``1 / (s + (1 - s) / N)``."""
+    lines = []
+    for run in runs:
+        for row in run.rows:
+            if not row.budgets:
+                continue
+            us = [row.gil(lambda b, n, f=f: 1e6 * f(b) / n) for f in _PER_BATCH]
+            target = run.workload.gil_target
+            checked = row.contender.key == "blocking" and target is not None
+            lines.append(
+                (
+                    run.workload.name,
+                    row.contender.label,
+                    *(f"{v:,.1f}" for v in us if v is not None),
+                    f"{row.gil(lambda b, n: b.serial):.1%}",
+                    f"{row.gil(lambda b, n: b.busy):.0%}",
+                    f"{row.gil(lambda b, n: b.bound(2)):.2f}×",
+                    f"{row.gil(lambda b, n: b.bound(32)):.1f}×",
+                    f"≤ {target:.0%}" if checked and target is not None else "",
+                )
+            )
+    return lines
+
+
+_PER_BATCH: tuple[Callable[[Budget], float], ...] = (
+    lambda b: b.wall,
+    lambda b: b.held,
+    lambda b: b.free,
+)
 
 
 MEMORY_HEADER = (
@@ -860,6 +953,16 @@ def json_doc(
                     ],
                     "same_first_batch": row.same_first_batch,
                     "result": row.result,
+                    "gil_budget": [
+                        {
+                            "batches": n,
+                            "wall_s": b.wall,
+                            "cpu_s": b.cpu,
+                            "free_s": b.free,
+                            "serial": b.serial,
+                        }
+                        for b, n in row.budgets
+                    ],
                     "problems": row.problems,
                 }
             )
@@ -1013,9 +1116,16 @@ def main(argv: list[str] | None = None) -> int:
         "one row per workload: each contender's later-epoch · first-epoch ratio to the plain "
         "loop (W5: the memcpy); the A/A control is in the table below:\n"
     )
-    print(render(PEERS_HEADER, peers_table(runs), args.markdown, {1, 2, 3, 4, 5}))
+    print(render(PEERS_HEADER, peers_table(runs), args.markdown, {1, 2, 3, 4, 5, 6}))
     print()
     print(render(HEADER, main_table(runs), args.markdown, right))
+    print(
+        "\nthe GIL budget of later epochs, per batch (medians): CPU time counted as holding "
+        "the GIL (all but the compiled modules' GIL-free sections: an upper bound) and "
+        "GIL-free; s = GIL / (GIL + GIL-free) bounds N workers at 1 / (s + (1 - s) / N) "
+        "times one thread:\n"
+    )
+    print(render(GIL_HEADER, gil_table(runs), args.markdown, {2, 3, 4, 5, 6, 7, 8}))
     print()
     print(
         "bytes moved per image against the memory bandwidth of this run "

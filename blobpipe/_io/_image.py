@@ -181,6 +181,11 @@ def _compiled(name: str) -> Any:
     return module
 
 
+def compiled_modules() -> tuple[Any, Any]:
+    """The compiled decoders ``_jpegwindow`` and ``_pngrows`` (None where not built)."""
+    return _compiled("_jpegwindow"), _compiled("_pngrows")
+
+
 def jpeg_window_decoding() -> bool:
     """Whether this installation decodes JPEG records with libjpeg-turbo (built at
     install where its headers are present): only the crop's window when a transform

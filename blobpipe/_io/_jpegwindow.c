@@ -213,8 +213,10 @@ static PyObject *decode_window(PyObject *self, PyObject *args) {
     long h = 0, w = 0;
     if (PyBuffer_IsContiguous(&out, 'C')) {
         Py_BEGIN_ALLOW_THREADS
+        FREE_BEGIN
         ok = decode(data.buf, (size_t)data.len, out.buf, out.len, top, left, height, width, 0,
                     0, &h, &w, 0, 0);
+        FREE_END
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&data);
@@ -231,8 +233,10 @@ static PyObject *decode_whole(PyObject *self, PyObject *args) {
     long h = 0, w = 0;
     if (PyBuffer_IsContiguous(&out, 'C')) {
         Py_BEGIN_ALLOW_THREADS
+        FREE_BEGIN
         status = decode(data.buf, (size_t)data.len, out.buf, out.len, 0, 0, 0, 0, 1, max_pixels,
                         &h, &w, 0, 0);
+        FREE_END
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&data);
@@ -248,6 +252,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     const Py_ssize_t H = r.sp.H, W = r.sp.W;
     const int whole = r.sp.ch == H && r.sp.cw == W;
     Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
     for (Py_ssize_t i = 0; i < r.n; i++) {
         if (!r.images[i].held) continue;
         long h = 0, w = 0;
@@ -256,6 +261,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
                    (long long)H * W, &h, &w, (long)H, (long)W) == 1)
             row_done(&r, i);
     }
+    FREE_END
     Py_END_ALLOW_THREADS;
     return close_rows(&r);
 }
@@ -273,6 +279,7 @@ static PyMethodDef methods[] = {
      "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc) -> bytes: "
      "a batch's JPEGs decoded (a crop's window alone) and transformed into their output rows "
      "in one call without the GIL; 1 per row done, 0 per row left to the caller."},
+    FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -109,12 +109,14 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
     for (Py_ssize_t i = 0; i < r.n; i++) {
         if (!r.images[i].held) continue;
         if (decode(r.images[i].view.buf, (size_t)r.images[i].view.len, r.scratch, (long)H, (long)W,
                    lines))
             row_done(&r, i);
     }
+    FREE_END
     Py_END_ALLOW_THREADS;
     PyMem_RawFree(lines);
     return close_rows(&r);
@@ -125,6 +127,7 @@ static PyMethodDef methods[] = {
      "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc) -> bytes: "
      "a batch's 8-bit RGB PNGs decoded and transformed into their output rows in one call "
      "without the GIL; 1 per row done, 0 per row left to the caller."},
+    FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

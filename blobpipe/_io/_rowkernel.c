@@ -88,8 +88,10 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
     }
     const uint8_t *base = (const uint8_t *)src.view.buf;
     Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
     for (Py_ssize_t i = 0; i < n; i++)
         transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&outs, &sp, i));
+    FREE_END
     Py_END_ALLOW_THREADS;
     Py_INCREF(Py_None);
     result = Py_None;
@@ -130,7 +132,9 @@ static PyObject *transform_image(PyObject *self, PyObject *args) {
     float line[3 * STACK_LINE]; /* a mirrored line's scratch; wider lines: in place */
     if (sp.cw <= STACK_LINE) sp.line = line;
     Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
     transform_one(&sp, (const uint8_t *)src.view.buf, h0, w0, flip, ob.view.buf);
+    FREE_END
     Py_END_ALLOW_THREADS;
     Py_INCREF(Py_None);
     result = Py_None;
@@ -146,6 +150,7 @@ static PyMethodDef methods[] = {
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
     {"transform_image", transform_image, METH_VARARGS,
      "Caffe's transform of one uint8 image, (C, H, W) or (H, W, C) (see the module source)."},
+    FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,83 @@
+"""The GIL budget (``blobpipe._io._budget``): the compiled modules' GIL-free CPU time."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from blobpipe._io import _budget
+from blobpipe._io._kernels import row_kernel
+
+kernel = row_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled row kernel is not built")
+
+
+def _transform(rows: int = 256, side: int = 128) -> None:
+    src = np.full(rows * 3 * side * side, 7, np.uint8)
+    offsets = np.arange(rows, dtype=np.int64) * 3 * side * side
+    zeros = np.zeros(rows, np.intp)
+    out = np.empty((rows, 3, side, side), np.float32)
+    kernel.transform_rows(
+        src, offsets, (3, side, side), zeros, zeros, np.zeros(rows, np.bool_), None, 0.5, out,
+        0, False,
+    )  # fmt: skip
+    assert out[0, 0, 0, 0] == 3.5
+
+
+@needs_kernel
+def test_kernel_time_counts_as_gil_free() -> None:
+    with _budget.measure() as b:
+        _transform()
+    assert b.free > 0
+    assert b.cpu >= b.free * 0.9  # the process clock and the thread clocks: same time
+    assert b.serial < 0.5  # a large transform: most of it without the GIL
+
+
+@needs_kernel
+def test_counts_kernel_calls_of_other_threads() -> None:
+    with _budget.measure() as b:
+        threads = [threading.Thread(target=_transform) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    with _budget.measure() as one:
+        _transform()
+    assert b.free > 1.5 * one.free * 0.8
+
+
+def test_python_work_holds_the_gil() -> None:
+    with _budget.measure() as b:
+        sum(i * i for i in range(200_000))
+    assert b.free == 0
+    assert b.serial == pytest.approx(1.0)
+    assert b.bound(32) == pytest.approx(1.0)
+
+
+@needs_kernel
+def test_counting_stops_after_the_block() -> None:
+    with _budget.measure():
+        pass
+    before = kernel.free_cpu(False)
+    _transform()
+    assert kernel.free_cpu(False) == before  # not counted outside a measured block
+
+
+@needs_kernel
+def test_nested_blocks_keep_counting_until_the_outer_ends() -> None:
+    with _budget.measure() as outer:
+        with _budget.measure():
+            pass
+        _transform()  # after the inner block ended: still counted for the outer one
+    assert outer.free > 0
+
+
+def test_amdahl_bound() -> None:
+    b = _budget.Budget(wall=1.0, cpu=1.0, free=0.75)
+    assert b.serial == pytest.approx(0.25)
+    assert b.busy == pytest.approx(0.25)
+    assert b.bound(1) == pytest.approx(1.0)
+    assert b.bound(2) == pytest.approx(1 / (0.25 + 0.75 / 2))
+    assert b.bound() == pytest.approx(4.0)
