@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -288,6 +288,18 @@ class Batches:
         key = self._keys[int(self.epoch_order(epoch)[pos])]
         return make_state(epoch, pos, key, self._settings, (self._rank, self._world))
 
+    def _state_at(self, epoch: int, pos: int) -> Callable[[], dict[str, Any]]:
+        """What makes the state at ``pos`` of ``epoch`` later, also once this Batches is
+        closed (a kept batch's ``state``): the record's index is looked up now, its
+        key when asked."""
+        index = int(self.epoch_order(epoch)[pos])  # pos < the shard's length: advance()
+        keys, settings, shard = self._keys, self._settings, (self._rank, self._world)
+
+        def state() -> dict[str, Any]:
+            return make_state(epoch, pos, keys[index], settings, shard)
+
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: the next record to plan, and how the order is made.
 
@@ -419,7 +431,7 @@ class Batches:
     ) -> BatchPlan:
         """The plan of one batch: its rows, ``valid`` real ones, and the cursor
         ``after`` it (the resume state); reads its first record to learn its shape."""
-        state = self._state(after[0], after[1])
+        state = self._state_at(after[0], after[1])
         keys = key_source(self._keys, indices)
         first = int(indices[0])
         plans = []
@@ -446,7 +458,7 @@ class Batches:
                     record_shape=record_shape,
                     data_shape=(len(indices), *out_shape),
                     dtype=dtype,
-                    state=state,
+                    state_source=state,
                     label_dtype=self._label_dtype,
                     name=src.name,
                     has_label=filler.kind == DATUM,

@@ -67,7 +67,10 @@ class BatchPlan:
         dtype: the batch array's dtype (float32, or uint8 for raw pixels; float64
             for BlobProto records on request).
         label_dtype: the labels' dtype (float32, as Caffe, or int64).
-        state: the resume state after this batch (see :meth:`Batches.state_dict`).
+        state: the resume state after this batch (see :meth:`Batches.state_dict`),
+            made on first use from ``state_source`` (a state costs a dict and a
+            key's lookup, which a batch nobody checkpoints at never needs).
+        state_source: makes :attr:`state` (called once, on first use).
         name: the source's name (``"data"`` for a single database).
         has_label: whether the records carry labels (Datums do, BlobProtos not).
         extra: the other sources read in lockstep, as ``(name, plan)``: the same
@@ -87,7 +90,7 @@ class BatchPlan:
     record_shape: tuple[int, ...]
     data_shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    state: dict[str, Any]
+    state_source: Callable[[], dict[str, Any]]
     label_dtype: np.dtype[Any] = field(default=np.dtype(np.float32))
     name: str = "data"
     has_label: bool = True
@@ -106,6 +109,16 @@ class BatchPlan:
             keys = self.key_source()
             object.__setattr__(self, "_keys", keys)  # a cache of a frozen field's value
         return keys
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The resume state after this batch (made once, on first use; threads that
+        race here make equal states)."""
+        state: dict[str, Any] | None = self.__dict__.get("_state")
+        if state is None:
+            state = self.state_source()
+            object.__setattr__(self, "_state", state)  # a cache of a frozen field's value
+        return state
 
     def take(self, rows: npt.ArrayLike, indices: npt.ArrayLike) -> BatchPlan:
         """The plan of rows ``rows`` alone, with global indices ``indices`` instead (a
@@ -229,7 +242,7 @@ def merged(plans: list[BatchPlan]) -> BatchPlan | None:
         words=joined([p.words for p in plans]),
         valid=sum(p.valid for p in plans),
         data_shape=(len(indices), *head.data_shape[1:]),
-        state=plans[-1].state,
+        state_source=plans[-1].state_source,
     )
 
 

@@ -62,7 +62,6 @@ class Batch:
         "_name",
         "_plan",
         "epoch",
-        "state",
         "valid",
     )
 
@@ -101,7 +100,11 @@ class Batch:
         self._plan = plan
         self.epoch: int = plan.epoch
         self.valid: int = plan.valid
-        self.state: dict[str, Any] = plan.state
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The resume state after this batch (``Loader(..., state=...)``)."""
+        return self._plan.state
 
     @property
     def keys(self) -> tuple[bytes, ...]:

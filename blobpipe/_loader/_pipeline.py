@@ -83,7 +83,7 @@ class Pipeline:
         self._n_fillers = min(workers, prefetch)
         # The producer plans ahead of the consumer: resume after the last
         # *delivered* batch, never from the producer's cursor.
-        self.resume_state: dict[str, Any] = batches.state_dict()
+        self._resume: dict[str, Any] | BatchPlan = batches.state_dict()
         self._lock = threading.Lock()  # the filler count, the release
         self._ring = Ring(backend, prefetch, device.release)
         self.handoff: Handoff[Made] = Handoff()  # the consumer takes batches from it
@@ -201,7 +201,15 @@ class Pipeline:
             self._released = True
         self._ring.close()
         self.handoff.close()  # a consumer waiting in another task or thread sees the close
+        # the state made now: the last plan (its keys, their file map) is not kept
+        self._resume = self.resume_state
         self.batches.close()
+
+    @property
+    def resume_state(self) -> dict[str, Any]:
+        """Where to resume: after the last delivered batch (before any, the start)."""
+        resume = self._resume
+        return resume.state if isinstance(resume, BatchPlan) else resume
 
     def statistics(self, backend: Backend) -> LoaderStatistics:
         """The counters so far (see :class:`LoaderStatistics`)."""
@@ -222,7 +230,7 @@ class Pipeline:
                 f"{lifecycle!r}); create a new Loader with state=..."
             )
         self.batches.load_state_dict(state)
-        self.resume_state = self.batches.state_dict()
+        self._resume = self.batches.state_dict()
 
     # -- producer --------------------------------------------------------------------
     def _thread_filler(self, k: int) -> None:
@@ -538,7 +546,7 @@ class Pipeline:
     def deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
         """Account for the batch whose device work completed and hand it out."""
         self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
-        self.resume_state = plan.state
+        self._resume = plan  # its state is made when asked for
         src = slot.out if self.device.on_device else slot.host
         # the consumer's stream: the named one, else the one current here
         stream = self._stream
