@@ -1624,3 +1624,27 @@ def test_an_export_outlives_its_batch_and_loader(db30: Path) -> None:
             batch.data.cpu_data()
     np.testing.assert_array_equal(view, want)
     np.testing.assert_array_equal(last, last_want)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("budget", [0.0, 3600.0])
+async def test_a_ready_batch_is_a_checkpoint_once_yield_every_passed(
+    db30: Path, budget: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer that never awaits sees a cancellation at the first ``__anext__``
+    after YIELD_EVERY of its own time (0: at once); before that, batches that are
+    ready are handed out with no checkpoint at all (the async protocol needs none)."""
+    monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
+    seen = 0
+    async with Loader(db30, 4, device="cpu", prefetch=8, mode="epoch", last="keep") as loader:
+        await wait_until(lambda: len(loader._pipe.handoff) >= 4, "batches ready")
+        with anyio.CancelScope() as scope:
+            async for _ in loader:
+                seen += 1
+                if seen == 2:
+                    scope.cancel()  # no await in the body
+    if budget == 0.0:
+        assert scope.cancelled_caught
+        assert seen == 2
+    else:
+        assert seen >= 4  # the ready batches, each without a checkpoint

@@ -26,9 +26,9 @@ from ._pipeline import Item, Pipeline
 
 __all__ = ["YIELD_EVERY", "AsyncForm"]
 
-#: Seconds: the longest ``async for`` keeps its event loop from other tasks, while
-#: batches are ready and while it waits for one in the loop's thread (every call
-#: still checks for cancellation). A turn of the loop costs more than a small batch
+#: Seconds: the longest ``async for`` keeps its event loop from other tasks (and a
+#: cancellation from its consumer), while batches are ready and while it waits for
+#: one in the loop's thread. A turn of the loop costs more than a small batch
 #: and lets a busy filler take the GIL, and a wake-up through the loop takes several
 #: turns, so neither is taken per batch (docs/performance.md).
 YIELD_EVERY = 0.005
@@ -134,20 +134,17 @@ class AsyncForm:
         pipe = self._pipe
         if pipe.lifecycle.state is State.UNOPENED:
             await self.open()
-        # Every call is a cancellation point, so a consumer whose body never
-        # awaits can still be cancelled (and time out), and the event loop runs
-        # other tasks at least every YIELD_EVERY: a batch already there gets a
-        # checkpoint when the loop last ran other tasks at least YIELD_EVERY ago,
-        # else a cancellation check only.
+        # A batch already there costs no checkpoint while the event loop ran other
+        # tasks less than YIELD_EVERY ago; else it gets one. So a consumer whose body
+        # never awaits is still cancelled (and times out) within YIELD_EVERY of its
+        # own time, and other tasks run at least that often; a wait for a batch that
+        # is not there is a cancellation point at once (``_wait``).
         t0 = pipe.begin_next()
         handoff = pipe.handoff
-        if handoff.ready():
-            if t0 - self._yielded >= YIELD_EVERY:
-                await anyio.lowlevel.checkpoint()
-                t0 = self._yielded = time.perf_counter()
-                pipe.lifecycle.check_iterable()
-            else:  # batches arriving faster than this: cancellation is still seen
-                await anyio.lowlevel.checkpoint_if_cancelled()
+        if handoff.ready() and t0 - self._yielded >= YIELD_EVERY:
+            await anyio.lowlevel.checkpoint()
+            t0 = self._yielded = time.perf_counter()
+            pipe.lifecycle.check_iterable()
         item = handoff.take()
         if item is None:
             item = await self._wait(pipe, t0)
