@@ -109,10 +109,14 @@ def grid(quick: bool) -> list[Point]:
         ("raw", (1, 28, 28), {"phase": "train", "crop": 24, "mirror": True, "mean_value": (33.0,)}),
         ("raw", (3, 32, 32), {"phase": "test", "scale": s}),
         ("raw", (3, 32, 32), {"phase": "train", "mirror": True, "mean_file": True}),
+        ("raw", (3, 32, 32), {"phase": "train", "mirror": True, "mean_value": mv}),
+        ("raw", (3, 40, 40), {"phase": "test", "crop": 32, "scale": s}),
+        ("raw", (3, 48, 48), {"phase": "test", "scale": s}),
         ("raw", (3, 64, 64), {"phase": "test", "scale": s}),
         ("raw", (3, 64, 64), {"phase": "test", "scale": s, "layout": "NHWC"}),
         ("raw", (3, 64, 64), {"phase": "train", "crop": 56, "mirror": True, "mean_file": True}),
         ("raw", (3, 64, 64), {"phase": "test", "dtype": "uint8"}),
+        ("raw", (3, 80, 80), {"phase": "train", "crop": 64, "mirror": True, "mean_file": True}),
         ("raw", (3, 96, 96), {"phase": "test", "scale": s}),
         ("raw", (3, 96, 96), {"phase": "train", "crop": 80, "mirror": True, "mean_file": True}),
         ("raw", (3, 96, 96), {"phase": "test", "mean_value": mv, "scale": s}),
@@ -141,7 +145,7 @@ def grid(quick: bool) -> list[Point]:
         ("png", (3, 256, 256), {"phase": "train", "crop": 227, "mirror": True, "mean_value": mv}),
     ]
     if quick:
-        table = [table[i] for i in (6, 25)]
+        table = [table[i] for i in (9, 29)]
     points = []
     for kind, shape, kw in table:
         if quick:  # small records, few of them

@@ -92,12 +92,18 @@ def test_bench_workloads_quick(workloads_quick: tuple[Path, str]) -> None:
     # the README's table: one row per workload, the contenders as columns
     assert (
         "| workload | plain loop img/s | torch DataLoader | DALI CPU (best) | blobpipe for "
-        "| blobpipe async for |"
+        "| blobpipe async for | GIL share · bound 32 workers |"
     ) in text
     for name in WORKLOAD_ROWS:
         row = next(x for x in text.splitlines() if x.startswith(f"| {name} | ") and "×" in x)
         pair = r"[\d.]+× · [\d.]+×"
-        assert re.search(rf"\| {pair} \| {pair} \|$", row), row  # for, async
+        gil = r"[\d.]+% · [\d.]+×"
+        assert re.search(rf"\| {pair} \| {pair} \| {gil} \|$", row), row  # for, async, GIL
+    # the GIL budget of each blobpipe row's later epochs, the blocking row's target
+    assert "| workload | contender | wall µs/batch | GIL µs/batch | GIL-free µs/batch |" in text
+    for name, target in (("W1", 30), ("W2", 30), ("W3", 3), ("W3-test", 3), ("W4", 3)):
+        line = f"| {name} | Loader, blocking for (2 workers) |"
+        assert any(x.startswith(line) and x.endswith(f"| ≤ {target}% |") for x in text.splitlines())
     assert "| workload | open ms | ring MB | ring first touch ms | plain first epoch ms |" in text
     for name in WORKLOAD_ROWS:
         assert f"| {name} | plain loop (1 thread) |" in text or name.startswith("W5")
@@ -114,6 +120,14 @@ def test_bench_workloads_quick(workloads_quick: tuple[Path, str]) -> None:
 
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_workloads" and doc["quick"] and doc["rounds"] == 1
+    for w in doc["workloads"]:
+        rows = {c["key"]: c for c in w["contenders"]}
+        for key in ("batches", "blocking", "async"):
+            (budget,) = rows[key]["gil_budget"]  # one round: one later pass
+            assert budget["batches"] > 0 and budget["cpu_s"] > 0
+            assert budget["free_s"] >= 0 and 0 <= budget["serial"] <= 1
+        if "plain" in rows:
+            assert rows["plain"]["gil_budget"] == []
     assert doc["memcpy"]["copied_gbps_median"] > 0
     runs = {w["name"]: w for w in doc["workloads"]}
     assert list(runs) == ["W1", "W2", "W3", "W3-test", "W4", "W5"]
@@ -188,6 +202,24 @@ def test_bench_workloads_check_exit_status(workloads_quick: tuple[Path, str]) ->
     missed = int(summary.group(3))
     assert int(summary.group(1)) + missed == int(summary.group(2))
     assert checked.returncode == (1 if missed else 0), checked.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_pairs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "pairs.json"
+    proc = run_quick("bench_pairs.py", tmp_path, "--json", str(out), "--markdown")
+    text = proc.stdout
+    assert "| point | rounds | 2 workers / Batches, later (≥ 1.50×) |" in text
+    assert "points resolved (the A/A control's 90% interval within ±5%)" in text
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_pairs" and doc["quick"] and doc["rounds"] == 3
+    assert len(doc["points"]) == 2
+    for point in doc["points"]:
+        assert f"| {point['name']} | 3 |" in text
+        for key in ("plain", "batches", "async", "blocking", "again"):
+            assert len(point["rates"][key]["later"]) == 3
+        assert 0 < point["gil_serial"] <= 1
 
 
 @pytest.mark.slow
