@@ -54,7 +54,7 @@ from ._shape import (
     legacy_dim,
     validate_shape,
 )
-from ._syncedmem import MemoryPair, SharedMemory, SyncedMemory
+from ._syncedmem import BorrowedPair, MemoryPair, SharedMemory, SyncedMemory
 
 __all__ = ["MAX_BLOB_AXES", "SUPPORTED_DTYPES", "Blob"]
 
@@ -115,9 +115,8 @@ class Blob(BlobMath, BlobProtoIO):
         self,
         *,
         readonly_export: bool = False,
-        finalizer: bool = True,
         owner: object = None,
-        references_to: list[MemoryPair] | None = None,
+        borrow: bool = False,
     ) -> Blob:
         """A new Blob of the same shape and dtype sharing this blob's data *and* diff
         memories (as ``ndarray.view()`` shares an array's memory).
@@ -128,17 +127,15 @@ class Blob(BlobMath, BlobProtoIO):
         memories and ends the sharing for it alone.
 
         ``readonly_export`` sets the view's :attr:`readonly_export`.
-        ``finalizer=False`` leaves out the garbage-collection safety net (its
-        cost counts on a loader's per-batch path): the caller must close the
-        view, or call :meth:`add_finalizer` before handing it to code that may
-        drop it open; a view dropped open without a finalizer never releases its
-        references, so the memories never return to the pool.
 
         ``owner``: an object the view, and every array and DLPack export made from
         it, keep referenced (a loader batch's lease: its slot is refilled only once
         nothing made from the batch lives); a view of a view keeps its owner too.
-        ``references_to``: a list the view's memory references (its ``MemoryPair``)
-        are appended to, for whoever releases them in place of a finalizer.
+        ``borrow``: the view takes no references of its own (nothing to release, no
+        finalizer): ``owner`` must keep the memories alive while anything made from
+        the view lives (a lease holds its slot, whose Blobs own them; the loader's
+        per-batch path, where the references' locks and the finalizer cost more
+        than the rest of a small batch's view).
 
         Raises StateError when this blob is closed.
         """
@@ -152,23 +149,25 @@ class Blob(BlobMath, BlobProtoIO):
         view._count = self._count
         view._shaped = self._shaped
         view._backend = self._backend
-        view._holder = MemoryPair(data.acquire(), diff.acquire())
+        view._holder = (
+            BorrowedPair(data, diff) if borrow else MemoryPair(data.acquire(), diff.acquire())
+        )
         view._closed = False
         view._closed_message = None
         view._typed = dict(self._typed)  # the same buffers: their typed views are shared
         view._held = {}
         view._readonly_export = readonly_export
         view._owner = owner if self._owner is None else _owners(self._owner, owner)
-        view._finalizer = weakref.finalize(view, view._holder.release) if finalizer else None
-        if references_to is not None:
-            references_to.append(view._holder)
+        view._finalizer = None if borrow else weakref.finalize(view, view._holder.release)
         return view
 
-    def add_finalizer(self) -> None:
-        """Give a view made with ``finalizer=False`` the safety net every other Blob
-        has: a finalizer releasing its references when it is garbage-collected
-        unclosed. Nothing when the blob has one already or is closed."""
-        if self._finalizer is None and not self._closed:
+    def _own_memories(self) -> None:
+        """A view that borrows its memories (a loader batch's Blob) takes references of
+        its own, and the finalizer that releases them, before it lets go of one or
+        replaces one: from then on it is an ordinary Blob."""
+        holder = self._holder
+        if isinstance(holder, BorrowedPair):
+            self._holder = holder.acquired()
             self._finalizer = weakref.finalize(self, self._holder.release)
 
     def _new_memory(self, nbytes: int) -> SharedMemory:
@@ -314,6 +313,7 @@ class Blob(BlobMath, BlobProtoIO):
             nbytes = count * self._itemsize
             data, diff = self._new_memory(nbytes), self._new_memory(nbytes)
             self._typed.clear()
+            self._own_memories()
             self._holder.release()
             self._holder.data, self._holder.diff = data, diff
         self._shape, self._count, self._shaped = new_shape, count, True
@@ -558,6 +558,7 @@ class Blob(BlobMath, BlobProtoIO):
         if data.size != self.nbytes:
             fresh_data = self._new_memory(self.nbytes)
             fresh_diff = self._new_memory(self.nbytes)
+            self._own_memories()
             self._holder.release()
             self._holder.data, self._holder.diff = fresh_data, fresh_diff
 
@@ -707,6 +708,7 @@ class Blob(BlobMath, BlobProtoIO):
         src = other._holder.data if which == "data" else other._holder.diff
         assert src is not None
         new = src.acquire()
+        self._own_memories()
         if which == "data":
             old, self._holder.data = self._holder.data, new
         else:

@@ -512,3 +512,20 @@ class MemoryPair:
             data.release()
         if diff is not None:
             diff.release()
+
+
+class BorrowedPair(MemoryPair):
+    """A blob's data and diff memories without references of its own: whoever makes it
+    keeps them alive for as long as the blob can use them (a loader batch's lease, which
+    the blob keeps referenced, holds the slot whose Blobs own them). Releasing it only
+    lets go of them."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        self.data = self.diff = None
+
+    def acquired(self) -> MemoryPair:
+        """The same memories with a reference of its own to each."""
+        assert self.data is not None and self.diff is not None
+        return MemoryPair(self.data.acquire(), self.diff.acquire())

@@ -180,6 +180,39 @@ def test_views_and_shared_blobs_keep_the_batch(db800: Path, device: str) -> None
         view.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_blob_reshaped_or_closed_releases_nothing_of_the_slot(
+    db800: Path, device: str
+) -> None:
+    """A batch's Blobs borrow the slot's memories: reshaping one beyond its capacity
+    (new memories for it alone), sharing another Blob's data or diff, or closing it
+    lets go of nothing the slot owns, so
+    the next batches in that slot, and a view taken before, hold the right values;
+    the memory returns to the pool once the loader and everything made from the
+    batch are gone."""
+    backend = make_backend(device)
+    want = epoch(db800, 8)
+    with Loader(db800, 8, device=backend, mode="wrap", prefetch=2) as loader:
+        it = iter(loader)
+        batch = next(it)
+        view = batch.data.view()  # references of its own
+        batch.data.reshape((16, *batch.data.shape[1:]))  # beyond capacity: new memories
+        batch.label.close()
+        other = next(it)
+        other.data.share_data(Blob(other.data.shape, other.data.dtype, backend=backend))
+        other.label.share_diff(Blob(other.label.shape, other.label.dtype, backend=backend))
+        del batch, other
+        for k in range(2, 120):
+            got = next(it)
+            np.testing.assert_array_equal(host(got.data.cpu_data()), want[k % 100][0])
+        del got
+    np.testing.assert_array_equal(view.cpu_data(), want[0][0])  # after the loader's close
+    assert used(backend) > 0
+    view.close()
+    gc.collect()
+    assert used(backend) == 0
+
+
 # -- the device's order, the consumer's included ---------------------------------------------
 
 

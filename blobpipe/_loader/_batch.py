@@ -79,22 +79,25 @@ class Batch:
         The batch holds views of those Blobs (:meth:`Blob.view`: no allocation),
         with read-only host exports, each keeping ``lease`` (the slot's
         :class:`~blobpipe._loader._ring.Lease`) referenced, as does every array
-        made from them. The views have no finalizer of their own: the lease's end
-        releases their memory references (their ``MemoryPair`` s, added to
-        ``lease.pairs``).
+        made from them. The views borrow the slot Blobs' memories (no references
+        of their own, nothing to release): the lease holds the slot, so the
+        memories live while anything made from the batch does.
 
         Raises:
             StateError: one of the slot's Blobs is closed.
         """
-        views: list[Blob] = []
-        pairs = lease.pairs
-        for blob in (data, label, *(extra or {}).values()):
-            views.append(
-                blob.view(readonly_export=True, finalizer=False, owner=lease, references_to=pairs)
-            )
+        data_view = data.view(readonly_export=True, owner=lease, borrow=True)
+        label_view = label.view(readonly_export=True, owner=lease, borrow=True)
+        self._extra = (
+            {
+                name: blob.view(readonly_export=True, owner=lease, borrow=True)
+                for name, blob in extra.items()
+            }
+            if extra
+            else {}
+        )
+        self._data, self._label = data_view, label_view
         self._lease: Lease | None = lease
-        self._data, self._label = views[0], views[1]
-        self._extra = dict(zip((extra or {}), views[2:], strict=True))
         self._name = plan.name
         self._has_label = plan.has_label
         self._plan = plan

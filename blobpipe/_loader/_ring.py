@@ -50,7 +50,6 @@ from .._blob import Blob
 from .._errors import PoolMemoryError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry
-from .._syncedmem import MemoryPair
 
 __all__ = ["Lease", "Ring", "Slot"]
 
@@ -169,21 +168,20 @@ class Lease:
     """The caller's hold on a delivered slot (see the module docstring).
 
     The batch, its Blobs and every array or export made from them reference the
-    lease; the ring does not. When it goes, :meth:`Ring.give_back` releases the
-    memory references of the batch's Blob views (``pairs``: their finalizer, run
-    once here for them all) and returns the slot, ordered after the work queued by
+    lease; the ring does not. The batch's Blob views borrow the slot Blobs' memories
+    (no references of their own), which the held slot keeps. When the lease goes,
+    :meth:`Ring.give_back` returns the slot, ordered after the work queued by
     then on the consumer's stream (``stream``, the one current where the batch was
     delivered, or the Loader's named one) and on the streams DLPack consumers named.
     It may go in any thread (a DLPack deleter, a collection in a filler).
     """
 
-    __slots__ = ("_ring", "pairs", "slot", "stream")
+    __slots__ = ("_ring", "slot", "stream")
 
     def __init__(self, ring: Ring, slot: Slot, stream: Stream | None) -> None:
         self._ring: Ring | None = ring
         self.slot = slot
         self.stream = stream
-        self.pairs: list[MemoryPair] = []  # the batch views' memory references
 
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
@@ -323,15 +321,13 @@ class Ring:
         return lease
 
     def give_back(self, lease: Lease) -> None:
-        """The lease of ``lease.slot`` ended: release its batch views' references,
-        order the slot's reuse after the consumer's streams, and free it (or, while
+        """The lease of ``lease.slot`` ended: order the slot's reuse after the
+        consumer's streams, and free it (or, while
         the ring has more slots than it keeps room for, or once it is closed,
         release its buffers)."""
         slot = lease.slot
         released: Event = COMPLETED
         try:
-            for pair in lease.pairs:
-                pair.release()
             if self._has_device:
                 released = self._release(lease.stream, slot)
         except BaseException:
