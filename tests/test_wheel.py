@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,9 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """The two wheels (built by the script) and a fresh environment with the repaired one
-    installed, its dependencies from pip."""
+    installed, its dependencies from pip (about 300 MB, removed afterwards)."""
     tmp = tmp_path_factory.mktemp("wheel")
     out = tmp / "out"
     build = subprocess.run(
@@ -166,7 +167,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
         check=False,
     )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
-    return Env(python, repaired, unrepaired, tmp)
+    yield Env(python, repaired, unrepaired, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def probe(env: Env, hidden: list[str], prefix: list[str], path: Path | None) -> dict[str, Any]:
