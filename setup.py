@@ -13,6 +13,10 @@ Elsewhere the build skips it (``optional``) and images are decoded whole with Op
 the same pixels. Decoding a batch's 8-bit RGB PNGs with libpng in one call
 (``blobpipe/_io/_pngrows.c``) likewise needs libpng's headers (Debian/Ubuntu: libpng-dev;
 Fedora: libpng-devel).
+
+``scripts/build_wheel.sh`` builds the release wheel, refuses one without either decoder, and
+repairs it with auditwheel: libjpeg-turbo and libpng are copied into it (``blobpipe.libs/``),
+so its decoders load where neither library nor its headers are installed.
 """
 
 from setuptools import Extension, setup
