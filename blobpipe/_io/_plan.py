@@ -325,6 +325,19 @@ def row_arrays(
         return views
     out: list[tuple[np.ndarray, ...]] = []
     for runs in batches:
+        if len(runs) == 1:  # one run of one epoch (most batches): views, no joins
+            e, a, b = runs[0]
+            out.append(
+                (
+                    read_only(orders.order(e)[a:b]),
+                    read_only(np.full(b - a, e, np.int64)),
+                    read_only(np.arange(a, b, dtype=np.int64)),
+                    read_only(orders.words(e)[a:b])
+                    if random
+                    else read_only(np.zeros(b - a, np.uint64)),
+                )
+            )
+            continue
         indices = joined([orders.order(e)[a:b] for e, a, b in runs])
         out.append(
             (
