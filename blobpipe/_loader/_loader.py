@@ -43,6 +43,9 @@ class Loader(AsyncForm, BlockingForm):
     A Loader never entered opens on first use (``for``, ``async for``, ``next``,
     ``anext``) and runs until :meth:`close` / :meth:`aclose`, garbage collection or
     the interpreter's exit; ``with`` releases its threads and memory at a known point.
+    ``async for`` waits for a batch that is not there yet at a checkpoint (cancellable),
+    and hands out a batch that is there without one for up to 5 ms of the caller's
+    time, then with one: a body that never awaits is still cancelled within 5 ms.
 
     Args:
         source: an LMDB or LevelDB path (or an open :class:`~blobpipe.LmdbReader`,
