@@ -270,6 +270,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
                    (long long)H * W, &h, &w, (long)H, (long)W) == 1)
             row_done(&r, i);
     }
+    free_scratch(&r);
     FREE_END
     Py_END_ALLOW_THREADS;
     return close_rows(&r);

@@ -724,6 +724,16 @@ static inline void row_done(Rows *r, Py_ssize_t i) {
     r->st[i] = 1;
 }
 
+/* The scratch let go of, at the end of the GIL-free section (a large one is unmapped:
+ * a system call the other threads need not wait for). No GIL needed. */
+static inline void free_scratch(Rows *r) {
+    PyMem_RawFree(r->scratch);
+    r->scratch = NULL;
+    PyMem_RawFree(r->line);
+    r->line = NULL;
+    r->sp.line = NULL;
+}
+
 /* The status bytes (a new reference); everything else released. */
 static inline PyObject *close_rows(Rows *r) {
     PyObject *status = r->status;

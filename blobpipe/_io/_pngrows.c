@@ -119,6 +119,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
                    lines))
             row_done(&r, i);
     }
+    free_scratch(&r);
     FREE_END
     Py_END_ALLOW_THREADS;
     PyMem_RawFree(lines);
