@@ -7,11 +7,14 @@ slots), :meth:`Filler.fill`
 1. locates the records in the record index (``_index.py``): the LMDB data file
    mapped read-only when it can be, else the joined values of these rows;
 2. takes each row's pixels where they lie: raw uint8 pixels as views of the
-   buffer (rows at one stride as one strided view); JPEGs and PNGs of the batch's
-   record shape decoded and transformed in one call where that is exact
-   (``_image.decode_rows``), other encoded images one after another
-   (``_image.decode_image``; with a crop, ``_image.decode_window`` decodes only the
-   crop's window where that is exact); float records through the parser;
+   buffer (rows at one stride as one strided view); JPEGs and PNGs decoded and
+   transformed in one call where that is exact (``_image.decode_rows``), each at its
+   own size as its header says (``_image.image_sizes``) with its own crop and flip
+   (drawn for every row at once, ``Transform.geometry_of``) where the transform
+   makes one row shape of any size (a crop, no mean file), else those of the batch's
+   record shape; other encoded images one after another (``_image.decode_image``;
+   with a crop, ``_image.decode_window`` decodes only the crop's window where that
+   is exact); float records through the parser;
 3. draws each row's crop offset and flip, and runs the transform kernel
    (``_kernels.apply``) from those pixels into the caller's output.
 
@@ -44,6 +47,7 @@ from ._image import (
     decode_rows,
     decode_whole,
     decode_window,
+    image_sizes,
     imread_flag,
     rows_decodable,
 )
@@ -137,6 +141,16 @@ class Part(NamedTuple):
     data: np.ndarray
     label: np.ndarray
     geometry: Geometry | None
+
+
+class Decoded(NamedTuple):
+    """The rows of a fill range decoded and transformed in one call: which were written
+    (``done``), every row's crop and flip (``geometry``: those of the rows written are
+    theirs) and ``(H, W)`` size (``sizes``: the rows written were decoded at theirs)."""
+
+    done: npt.NDArray[np.bool_]
+    geometry: Geometry
+    sizes: npt.NDArray[np.intp]
 
 
 def part_of(
@@ -370,51 +384,30 @@ class Filler:
                         apply(np, src, part.data[lo:hi], g.take(slice(lo, hi)), spec)
                 if part.geometry is not None:
                     store_geometry(part.geometry, slice(None), g)
-        else:  # row by row: each decoded image transformed while it is in cache
-            # each row's crop and flip, set below (or its checked path raises), then
-            # stored in the parts' geometry
-            drawn = Geometry.zeros(n)
-            h_off, w_off, mirror = drawn.arrays()
-            # row r's part and its row there
-            where = [(part, r) for _, part in spans for r in range(len(part.label))]
-            expected = plan.data_shape[1:]
-            learned: list[tuple[int, tuple[int, ...]]] = []
-            # rows of the batch's record shape (all, mostly) take their crops and
-            # flips from one draw for the whole range (the windows decoded too); a
-            # record's fit depends on its shape and dtype alone: checked once each
-            shared = t.geometry(shape, self._phase, words)
-            fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
-            kinds = loc.kind.tolist()
-            # the JPEGs and PNGs of the batch's record shape, in one call where it can be done
-            done = self._decode_rows(plan, loc, start, shared, [part.data for _, part in spans])
-            if done is not None and done.any():
-                written = np.flatnonzero(done)
-                h_off[written], w_off[written], mirror[written] = (
-                    a[written] for a in shared.arrays()
-                )
-                learned.extend((r, shape) for r in written.tolist())
-            for r, chw in self._rows(plan, loc, start, shared, done):
-                part, at = where[r]
-                fit = None if chw is None else (chw.shape, chw.dtype)
-                if fit is None or (fit not in fits and not self._fits(chw, expected)):
-                    # the checked path raises; a row it fills after all is done
-                    p, part.label[at] = self._checked_row(plan, start + r, part.data[at])
-                    h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
-                    continue
-                fits.add(fit)
-                if chw.shape == shape:
-                    hh, ww, flip = shared.row(r)
-                else:
-                    hh, ww, flip = t.geometry(chw.shape, self._phase, words[r : r + 1]).row(0)
-                h_off[r], w_off[r], mirror[r] = hh, ww, flip
-                apply_one(chw, part.data[at], hh, ww, flip, spec)
-                if kinds[r] == ENCODED:
-                    learned.append((r, chw.shape))
+        else:  # encoded rows in one call; the rest row by row, each image transformed in cache
+            # the JPEGs and PNGs, each of its own size, in one call where it can be done
+            batch = self._decode_rows(plan, loc, start, words, [part.data for _, part in spans])
+            every = batch is not None and bool(batch.done.all())
+            # each row's crop and flip (those of the rows written there, the others set
+            # below, or their checked path raises), then stored in the parts' geometry
+            drawn = batch.geometry if batch is not None and every else Geometry.zeros(n)
+            if batch is not None and not every:
+                written = np.flatnonzero(batch.done)
+                store_geometry(drawn, written, batch.geometry.take(written))
+            learned = [] if every else self._fill_rows(plan, loc, start, spans, drawn, batch)
             for a, part in spans:
                 if part.geometry is not None:
                     store_geometry(
                         part.geometry, slice(None), drawn.take(slice(a, a + len(part.label)))
                     )
+            if persistent and batch is not None:  # the shapes of the rows written, once
+                new = batch.done & (loc.shape[:, 0] == 0)
+                if new.any():
+                    at = np.flatnonzero(new)
+                    shapes = np.empty((len(at), 3), np.int32)
+                    shapes[:, 0] = shape[0]
+                    shapes[:, 1:] = batch.sizes[at]
+                    index.note_shapes(rows[at], shapes)
             if persistent and learned:
                 noted = np.fromiter((r for r, _ in learned), np.intp, len(learned))
                 index.note_shapes(rows[noted], np.array([s for _, s in learned], np.int32))
@@ -480,36 +473,100 @@ class Filler:
                 path=self._path,
             )
 
+    def _fill_rows(
+        self, plan: BatchPlan, loc: Located, start: int, spans: list[tuple[int, Part]],
+        drawn: Geometry, batch: Decoded | None,
+    ) -> list[tuple[int, tuple[int, ...]]]:  # fmt: skip
+        """The rows of the range from ``start`` that ``batch`` (:meth:`_decode_rows`) did
+        not write, one at a time into their parts (``spans``), their crops and flips into
+        ``drawn``; returns the encoded rows decoded, with their shapes."""
+        t = self._transform
+        shape = plan.record_shape
+        spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
+        words = plan.words[start : start + len(drawn)]
+        h_off, w_off, mirror = drawn.arrays()
+        # row r's part and its row there
+        where = [(part, r) for _, part in spans for r in range(len(part.label))]
+        expected = plan.data_shape[1:]
+        learned: list[tuple[int, tuple[int, ...]]] = []
+        # rows of the batch's record shape (all, mostly) take their crops and flips from
+        # one draw for the whole range (the windows decoded too); a record's fit depends
+        # on its shape and dtype alone: checked once each
+        shared = t.geometry(shape, self._phase, words)
+        fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
+        kinds = loc.kind.tolist()
+        done = None if batch is None else batch.done
+        for r, chw in self._rows(plan, loc, start, shared, done):
+            part, at = where[r]
+            fit = None if chw is None else (chw.shape, chw.dtype)
+            if fit is None or (fit not in fits and not self._fits(chw, expected)):
+                # the checked path raises; a row it fills after all is done
+                p, part.label[at] = self._checked_row(plan, start + r, part.data[at])
+                h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
+                continue
+            fits.add(fit)
+            if chw.shape == shape:
+                hh, ww, flip = shared.row(r)
+            else:
+                hh, ww, flip = t.geometry(chw.shape, self._phase, words[r : r + 1]).row(0)
+            h_off[r], w_off[r], mirror[r] = hh, ww, flip
+            apply_one(chw, part.data[at], hh, ww, flip, spec)
+            if kinds[r] == ENCODED:
+                learned.append((r, chw.shape))
+        return learned
+
     def _decode_rows(
-        self, plan: BatchPlan, loc: Located, start: int, shared: Geometry, outs: list[np.ndarray]
-    ) -> npt.NDArray[np.bool_] | None:
-        """The rows (of the range from ``start``, into ``outs``) whose JPEG or PNG has the
-        batch's record shape, decoded and transformed in one call where that is exact
-        (``decode_rows``, crops and flips from ``shared``); which rows were written,
-        or None where none could be (no compiled decoder, a record shape that does not
-        make this batch's rows: the checked path names why)."""
+        self, plan: BatchPlan, loc: Located, start: int, words: npt.NDArray[np.uint64],
+        outs: list[np.ndarray],
+    ) -> Decoded | None:  # fmt: skip
+        """The rows (of the range from ``start``, into ``outs``) whose JPEG or PNG is
+        decoded and transformed in one call where that is exact (``decode_rows``), each
+        image of its own size as its header says (``image_sizes``; the decoder checks
+        it), with the crop and flip its record alone would get (``geometry_of``, drawn
+        for every row at once); of the batch's record shape alone where another size
+        would make another row or take another mean (``crops_any_size``). Returns
+        which rows were written, the rows' crops and flips and ``(H, W)`` sizes
+        (those of the rows written are theirs); or None where none could be (no
+        compiled decoder, a record shape that does not make this batch's rows: the
+        checked path names why)."""
         shape = plan.record_shape
         expected = plan.data_shape[1:]
         if not rows_decodable(shape, self._flag):
             return None
         if not self._fits(np.broadcast_to(np.zeros((), np.uint8), shape), expected):
             return None
-        spec = self._transform.kernel_spec(shape)
-        args = kernel_args(outs, shared, spec)
+        encoded = loc.kind == ENCODED
+        if start == 0 and plan.first_decoded is not None:
+            encoded[0] = False  # row 0: next_plan decoded it
+        if not encoded.any():
+            return None
+        # each row's image as its extent of the buffer (-1: none)
+        extents = np.empty((len(encoded), 2), np.int64)
+        extents[:, 0] = np.where(encoded, loc.offset, -1)
+        extents[:, 1] = loc.length
+        heads = image_sizes(loc.buffer, extents)
+        if heads is None:
+            return None
+        t = self._transform
+        h, w = heads[:, 1], heads[:, 2]
+        if t.crops_any_size:  # the batch's pixel limit bounds every image decoded here
+            crop = t.crop_size
+            ok = (h >= crop) & (w >= crop) & (h * w <= DEFAULT_MAX_PIXELS)
+        else:
+            ok = (h == shape[1]) & (w == shape[2])
+        sizes = heads[:, 1:]
+        if not ok.all():  # left to the row-by-row path, which names what is wrong
+            if not ok.any():
+                return None
+            extents[~ok, 0] = -1
+            sizes = np.where(ok[:, None], sizes, np.array(shape[1:], np.intp))
+        sizes = np.ascontiguousarray(sizes, np.intp)
+        geometry = t.geometry_of(sizes[:, 0], sizes[:, 1], self._phase, words)
+        args = kernel_args(outs, geometry, t.kernel_spec(shape))
         if args is None:
             return None
-        buffer = loc.buffer
-        noted = loc.shape.tolist()
-        first = start == 0 and plan.first_decoded is not None  # row 0: next_plan decoded it
-        images: list[memoryview | None] = [
-            buffer[o : o + n].data
-            if k == ENCODED and not (r == 0 and first) and (not s[0] or tuple(s) == shape)
-            else None
-            for r, (k, o, n, s) in enumerate(
-                zip(loc.kind.tolist(), loc.offset.tolist(), loc.length.tolist(), noted, strict=True)
-            )
-        ]
-        return decode_rows(images, shape, self._flag, args)
+        done = decode_rows(loc.buffer, shape, self._flag, args, sizes, heads[:, 0], extents)
+        return None if done is None else Decoded(done, geometry, sizes)
 
     def _rows(
         self,

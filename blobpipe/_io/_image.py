@@ -18,14 +18,15 @@ decodes, so worker threads decode in parallel.
 A batch's images go through the compiled ``_jpegwindow`` module (libjpeg-turbo, built
 when its headers are present at install) wherever the pixels are exactly those of
 OpenCV's whole-image decode (an ordinary colour JPEG: see ``_jpegwindow.c``): a batch's
-JPEGs of one size in one call (:func:`decode_rows`); where a batch keeps only a crop
+JPEGs in one call (:func:`decode_rows`; of one size, or each of its own size as its
+header says, :func:`image_sizes`, under a crop); where a batch keeps only a crop
 of an image, :func:`decode_window` decodes only the crop's window (partial
 decompression); where it keeps the whole image, :func:`decode_whole` decodes it
 straight into a block of the thread's, without OpenCV's fixed cost per call (about a
-third of a 64×64 image's decode). A batch's 8-bit RGB PNGs of one size go through the
-compiled ``_pngrows`` module (libpng, built when its headers are present) in one call
-the same way (:func:`decode_rows`; see ``_pngrows.c``). Every other image, or every
-image when the modules are absent, is decoded by :func:`decode_image`.
+third of a 64×64 image's decode). A batch's 8-bit RGB PNGs go through the compiled
+``_pngrows`` module (libpng, built when its headers are present) in one call the same
+way (:func:`decode_rows`; see ``_pngrows.c``). Every other image, or every image when
+the modules are absent, is decoded by :func:`decode_image`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -45,6 +46,8 @@ from ._imagehead import NO_SIGNATURE, JpegFrame, image_size, jpeg_frame
 __all__ = [
     "CAPTION_SCALE",
     "DEFAULT_MAX_PIXELS",
+    "IMAGE_JPEG",
+    "IMAGE_PNG",
     "JpegFrame",
     "Undecodable",
     "decode_image",
@@ -53,6 +56,7 @@ __all__ = [
     "decode_window",
     "encode_image",
     "image_header",
+    "image_sizes",
     "imread_flag",
     "jpeg_frame",
     "jpeg_window_decoding",
@@ -260,8 +264,29 @@ def decode_window(
     return decode_image(data, flag, max_pixels)
 
 
-_JPEG_SIGNATURE = b"\xff\xd8"
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: :func:`image_sizes`' formats (the compiled modules' ``header_size``, ``_kernel.h``).
+IMAGE_JPEG = 1
+IMAGE_PNG = 2
+
+
+def image_sizes(
+    images: Any, extents: npt.NDArray[np.int64] | None = None
+) -> npt.NDArray[np.intp] | None:
+    """Per image, ``(format, height, width)`` from its header, read by the compiled
+    decoders' ``image_sizes`` (``_kernel.h``'s ``header_size``) in one call without the
+    GIL: :data:`IMAGE_JPEG` with its first frame header's size, :data:`IMAGE_PNG` with
+    its IHDR's, 0 for anything else (or a row left alone); ``0 × 0`` where the size
+    cannot be read. ``images``: row ``i``'s bytes or None; or, with ``extents`` (a
+    C-contiguous ``(n, 2)`` int64 array), one buffer, row ``i``'s bytes at
+    ``extents[i] = (offset, length)`` (offset -1: left alone). A hint for drawing each
+    row's crop before :func:`decode_rows` (which checks every image's size as it
+    decodes it). None where no compiled decoder is built here."""
+    decoder = _compiled("_jpegwindow") or _compiled("_pngrows")
+    if decoder is None:
+        return None
+    args = (images,) if extents is None else (images, extents)
+    heads = np.frombuffer(decoder.image_sizes(*args), np.intp)
+    return cast("npt.NDArray[np.intp]", heads.reshape(-1, 3))
 
 
 def rows_decodable(shape: tuple[int, ...], flag: int) -> bool:
@@ -277,36 +302,46 @@ def rows_decodable(shape: tuple[int, ...], flag: int) -> bool:
 
 
 def decode_rows(
-    images: Sequence[bytes | memoryview | None],
+    images: Any,
     shape: tuple[int, ...],
     flag: int,
     kernel_args: tuple[Any, ...],
+    sizes: npt.NDArray[np.intp] | None = None,
+    formats: npt.NDArray[np.intp] | None = None,
+    extents: npt.NDArray[np.int64] | None = None,
 ) -> npt.NDArray[np.bool_] | None:
     """A batch's JPEGs and PNGs of ``shape`` (``(3, H, W)``, within the pixel limit: the
     batch's, already checked) decoded and transformed into their output rows, one
     call per format without the GIL (``_jpegwindow.decode_rows``: only a crop's
     window, where there is a crop; ``_pngrows.decode_rows``: 8-bit RGB PNGs),
     wherever the pixels are exactly OpenCV's (see the module docstring).
-    ``images``: row ``i``'s bytes, or None to leave it; ``kernel_args``:
-    ``_kernels.kernel_args`` of the rows' outputs, geometry and spec. Returns which
-    rows were written; the caller fills the others (another format or size,
-    refused, or None). None where nothing can be done here (no compiled decoder, a
-    flag other than colour or unchanged, not 3 channels)."""
+    ``images``, ``extents``: as :func:`image_sizes` takes them (every image goes to
+    the decoder of its format, which leaves it where it cannot promise OpenCV's
+    pixels); ``kernel_args``: ``_kernels.kernel_args`` of the rows' outputs, geometry
+    and spec. ``sizes``: each row's own ``(height, width)`` (a C-contiguous ``(n, 2)``
+    intp array, each within the pixel limit, the crop drawn for it; the kernel's spec
+    the same for every size: ``Transform.crops_any_size``), else every row is of
+    ``shape``. ``formats``: :func:`image_sizes`' formats of the images, where the
+    caller has them. Returns which rows were written; the caller fills the others
+    (another format or size, refused, or left alone). None where nothing can be done
+    here (no compiled decoder, a flag other than colour or unchanged, not 3
+    channels)."""
     if not rows_decodable(shape, flag):
         return None
+    if formats is None:
+        heads = image_sizes(images, extents)
+        formats = np.zeros(0, np.intp) if heads is None else heads[:, 0]
+    present = set(formats.tolist())
+    extra = (sizes,) if extents is None else (sizes, extents)
     done: npt.NDArray[np.bool_] | None = None
-    for decoder, signature in (
-        (_compiled("_jpegwindow"), _JPEG_SIGNATURE),
-        (_compiled("_pngrows"), _PNG_SIGNATURE),
+    for decoder, kind in (
+        (_compiled("_jpegwindow"), IMAGE_JPEG),
+        (_compiled("_pngrows"), IMAGE_PNG),
     ):
-        if decoder is None:
-            continue
-        size = len(signature)
-        these = [b if b is not None and b[:size] == signature else None for b in images]
-        if not any(b is not None for b in these):
-            continue
-        status = np.frombuffer(decoder.decode_rows(these, shape, *kernel_args), np.bool_)
-        done = status if done is None else done | status
+        if decoder is not None and kind in present:
+            status = decoder.decode_rows(images, shape, *kernel_args, *extra)
+            written = np.frombuffer(status, np.bool_)
+            done = written if done is None else done | written
     return done
 
 

@@ -23,17 +23,25 @@
  * read from the frame header and checked against max_pixels before anything
  * is allocated or written.
  *
- * decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc)
- *     -> bytes
+ * decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc
+ *             [, sizes[, extents]]) -> bytes
  *
- * A batch's JPEGs of one shape (C, H, W) = (3, H, W): row i's image (a buffer, or
- * None to leave the row alone) decoded, only the window of its crop (h_off[i],
+ * A batch's JPEGs of one shape (C, H, W) = (3, H, W), or with `sizes` (an (n, 2)
+ * intp array, or None) each of its own size (H_i, W_i) = sizes[i] (a crop that fits
+ * each, or every size the batch's: _kernel.h's check_sizes): row i's image (a
+ * buffer, or None to leave the row alone; with `extents`, an (n, 2) int64 array,
+ * `images` is one buffer and row i's image its bytes at extents[i] = (offset,
+ * length), offset -1 to leave the row alone) decoded, only the window of its crop (h_off[i],
  * w_off[i], crop, crop) where there is a crop, and transformed into its output
  * row by the shared kernel (_kernel.h: mirror, mean, scale, layout; the other
  * arguments as _rowkernel.c's transform_rows); one call, the GIL released once.
  * Returns one byte per row: 1 where the row was written, 0 where it was left to
- * the caller (None, an image of another size, or refused as below). The one
- * scratch image is H*W*3 bytes, the batch's shape, which the caller has checked.
+ * the caller (None, an image of another size than its row's, or refused as
+ * below). The one scratch image is the largest row's H_i*W_i*3 bytes, every size
+ * checked before the GIL is released (the caller bounds them by its pixel limit).
+ *
+ * image_sizes(images[, extents]) -> bytes: each image's format and size from its
+ * header (_kernel.h's header_size), for drawing the crops before decode_rows.
  *
  * All three leave alone (False, status 0), having written nothing the caller may use,
  * whenever the result might differ from OpenCV's cv2.imdecode of the whole image
@@ -249,18 +257,20 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     (void)self;
     Rows r;
     if (rows_from_args(&r, args) < 0) return NULL;
-    const Py_ssize_t H = r.sp.H, W = r.sp.W;
-    const int whole = r.sp.ch == H && r.sp.cw == W;
     Py_BEGIN_ALLOW_THREADS;
     FREE_BEGIN
     for (Py_ssize_t i = 0; i < r.n; i++) {
-        if (!r.images[i].held) continue;
+        if (r.im.p[i] == NULL) continue;
+        Py_ssize_t H, W; /* checked by open_rows: H*W*3 fits, the scratch holds it */
+        row_size(&r, i, &H, &W);
+        const int whole = r.sp.ch == H && r.sp.cw == W;
         long h = 0, w = 0;
-        if (decode(r.images[i].view.buf, (size_t)r.images[i].view.len, r.scratch, H * W * 3,
+        if (decode(r.im.p[i], (size_t)r.im.len[i], r.scratch, H * W * 3,
                    (long)r.hs[i], (long)r.ws[i], (long)r.sp.ch, (long)r.sp.cw, whole,
                    (long long)H * W, &h, &w, (long)H, (long)W) == 1)
             row_done(&r, i);
     }
+    free_scratch(&r);
     FREE_END
     Py_END_ALLOW_THREADS;
     return close_rows(&r);
@@ -276,9 +286,14 @@ static PyMethodDef methods[] = {
      "out's first height*width*3 bytes (1), out too small for it (2), or refused where it "
      "might differ from OpenCV's decode or has more than max_pixels pixels (0)."},
     {"decode_rows", decode_rows, METH_VARARGS,
-     "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc) -> bytes: "
-     "a batch's JPEGs decoded (a crop's window alone) and transformed into their output rows "
-     "in one call without the GIL; 1 per row done, 0 per row left to the caller."},
+     "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc[, sizes"
+     "[, extents]]) -> bytes: a batch's JPEGs decoded (a crop's window alone) and "
+     "transformed into their output rows in one call without the GIL; 1 per row done, 0 "
+     "per row left to the caller. sizes: "
+     "(n, 2) intp, each row's own (height, width), else every row's is the shape's; "
+     "extents: (n, 2) int64, row i's image at images[offset:offset + length] (offset -1: "
+     "none), images one buffer."},
+    IMAGE_SIZES_METHOD,
     FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };

@@ -1,10 +1,11 @@
 /* Caffe's DataTransformer over uint8 pixels, one record into one output row with
  * its own crop offset and flip (transform_one, run without the GIL), and the
- * argument checks around it; and the arguments and state of a batch of encoded
- * images decoded into their rows (Rows). Included by the compiled modules that
- * transform rows: _rowkernel.c (raw records, one image), _jpegwindow.c (JPEGs) and
- * _pngrows.c (PNGs); _rowkernel.c's top comment states the arithmetic and the
- * arguments. Every
+ * argument checks around it; the arguments and state of a batch of encoded images
+ * decoded into their rows (Rows: each image of the batch's size, or of its own); and
+ * the size each image's header announces (header_size, image_sizes). Included by the
+ * compiled modules that transform rows: _rowkernel.c (raw records, one image),
+ * _jpegwindow.c (JPEGs) and _pngrows.c (PNGs); _rowkernel.c's top comment states the
+ * arithmetic and the arguments. Every
  * includer is built with -ffp-contract=off: no fused multiply-add changes a
  * rounding.
  */
@@ -466,23 +467,105 @@ static void release_outs(Outs *o) {
 }
 
 
-/* A batch of encoded images of one shape (3, H, W) going into their output rows:
- * the arguments and state of the decoders' decode_rows (_jpegwindow.c, _pngrows.c),
- * which decode row i's image into `scratch` (H*W*3 bytes, (H, W, 3) BGR rows) and
- * then call row_done. */
+/* A batch's images: row i's bytes at p[i] (len[i] of them), p[i] NULL where the row
+ * is left alone. Given as a sequence of buffers (None: left), each acquired; or as one
+ * buffer and an (n, 2) int64 array of extents (offset, length) in it (offset -1:
+ * left), every extent checked inside the buffer. */
 typedef struct {
-    PyObject *seq; /* the images, as a fast sequence */
     Py_ssize_t n;
-    Buf *images; /* row i's image; not held where it is None */
-    Buf hb, wb, fb, mb;
+    PyObject *seq; /* the sequence form: the images, as a fast sequence */
+    Buf *bufs;     /* the sequence form: row i's buffer; not held where it is None */
+    Buf data, eb;  /* the extents form: the buffer and the extents */
+    const unsigned char **p;
+    Py_ssize_t *len;
+} Images;
+
+static inline void release_images(Images *im) {
+    if (im->bufs != NULL)
+        for (Py_ssize_t i = 0; i < im->n; i++) release(&im->bufs[i]);
+    PyMem_Free(im->bufs);
+    im->bufs = NULL;
+    PyMem_Free((void *)im->p);
+    im->p = NULL;
+    PyMem_Free(im->len);
+    im->len = NULL;
+    release(&im->data);
+    release(&im->eb);
+    Py_CLEAR(im->seq);
+}
+
+/* Acquire `images_o` (with `extents_o`, or Py_None for the sequence form); -1 with an
+ * exception set (release_images then releases what was acquired). */
+static inline int get_images(Images *im, PyObject *images_o, PyObject *extents_o) {
+    memset(im, 0, sizeof(*im));
+    if (extents_o == Py_None) {
+        im->seq = PySequence_Fast(images_o, "images must be a sequence");
+        if (im->seq == NULL) return -1;
+        im->n = PySequence_Fast_GET_SIZE(im->seq);
+    } else {
+        if (get_buf(images_o, &im->data, 0, "images") || get_buf(extents_o, &im->eb, 0, "extents"))
+            return -1;
+        if (!items_are(&im->eb, "i", 8, "extents", "int64")) return -1;
+        if (im->eb.view.len % 16 != 0) {
+            PyErr_SetString(PyExc_ValueError, "extents must be (offset, length) per image");
+            return -1;
+        }
+        im->n = im->eb.view.len / 16;
+    }
+    const size_t n = im->n > 0 ? (size_t)im->n : 1;
+    im->p = PyMem_Calloc(n, sizeof(*im->p));
+    im->len = PyMem_Calloc(n, sizeof(*im->len));
+    if (im->seq != NULL) im->bufs = PyMem_Calloc(n, sizeof(Buf));
+    if (im->p == NULL || im->len == NULL || (im->seq != NULL && im->bufs == NULL)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (im->seq != NULL) {
+        for (Py_ssize_t i = 0; i < im->n; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(im->seq, i);
+            if (item == Py_None) continue;
+            if (get_buf(item, &im->bufs[i], 0, "images")) return -1;
+            im->p[i] = (const unsigned char *)im->bufs[i].view.buf;
+            im->len[i] = im->bufs[i].view.len;
+        }
+        return 0;
+    }
+    const int64_t *e = (const int64_t *)im->eb.view.buf;
+    const Py_ssize_t size = im->data.view.len;
+    for (Py_ssize_t i = 0; i < im->n; i++) {
+        const int64_t at = e[2 * i], len = e[2 * i + 1];
+        if (at == -1) continue;
+        /* compared without a sum that could overflow */
+        if (at < 0 || len < 0 || at > (int64_t)size || len > (int64_t)size - at) {
+            PyErr_Format(PyExc_ValueError, "image %zd's extent (%lld, %lld) is outside the %zd "
+                         "bytes of images", i, (long long)at, (long long)len, size);
+            return -1;
+        }
+        im->p[i] = (const unsigned char *)im->data.view.buf + at;
+        im->len[i] = (Py_ssize_t)len;
+    }
+    return 0;
+}
+
+/* A batch of encoded images going into their output rows: the arguments and state of
+ * the decoders' decode_rows (_jpegwindow.c, _pngrows.c), which decode row i's image
+ * (im.p[i], im.len[i]) into `scratch` as (H_i, W_i, 3) BGR rows (row_size: the batch's
+ * shape (3, H, W), or row i's own size where the call has `sizes`) and then call
+ * row_done. */
+typedef struct {
+    Images im;
+    Py_ssize_t n;
+    Buf hb, wb, fb, mb, sb;
     Outs outs;
     Spec sp;
     const Py_ssize_t *hs, *ws;
     const uint8_t *flips;
-    PyObject *status; /* bytes, one per row: 1 written */
+    const Py_ssize_t *sizes; /* NULL, or (H_i, W_i) per row: 2*n values */
+    Py_ssize_t max_h;        /* the tallest row's height */
+    PyObject *status;        /* bytes, one per row: 1 written */
     char *st;
-    unsigned char *scratch;
-    float *line; /* sp.line: a mirrored line's scratch, one for the call */
+    unsigned char *scratch; /* the largest row's H_i*W_i*3 bytes */
+    float *line;            /* sp.line: a mirrored line's scratch, one for the call */
 } Rows;
 
 static inline void release_rows(Rows *r) {
@@ -491,48 +574,94 @@ static inline void release_rows(Rows *r) {
     PyMem_RawFree(r->line);
     r->line = NULL;
     Py_CLEAR(r->status);
-    if (r->images != NULL)
-        for (Py_ssize_t i = 0; i < r->n; i++) release(&r->images[i]);
-    PyMem_Free(r->images);
-    r->images = NULL;
+    release_images(&r->im);
     release(&r->hb);
     release(&r->wb);
     release(&r->fb);
     release(&r->mb);
+    release(&r->sb);
     release_outs(&r->outs);
-    Py_CLEAR(r->seq);
 }
 
-/* Acquire and check the arguments (every crop inside the image, the outputs n rows);
+/* Row i's image size: its own where the call has sizes, else the batch's. No GIL needed. */
+static inline void row_size(const Rows *r, Py_ssize_t i, Py_ssize_t *H, Py_ssize_t *W) {
+    if (r->sizes != NULL) {
+        *H = r->sizes[2 * i];
+        *W = r->sizes[2 * i + 1];
+    } else {
+        *H = r->sp.H;
+        *W = r->sp.W;
+    }
+}
+
+/* Every row's size checked against the spec (made for the batch's shape): positive,
+ * its H*W*C float32 bytes fit a Py_ssize_t, the crop inside it, and the batch's own
+ * size wherever a row's output or mean depends on it (no crop: the output row is the
+ * image; a mean file: it is the batch's H*W); *largest: the largest row's H*W*3.
+ * -1 with a ValueError set. */
+static inline int check_sizes(Rows *r, Py_ssize_t crop, Py_ssize_t *largest) {
+    const Spec *sp = &r->sp;
+    *largest = sp->size;
+    r->max_h = sp->H;
+    if (r->sizes == NULL) return 0;
+    *largest = 0;
+    r->max_h = 0;
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        Py_ssize_t H, W, hw, size, bytes;
+        row_size(r, i, &H, &W);
+        if (H <= 0 || W <= 0 || !mul_fits(H, W, &hw) || !mul_fits(hw, sp->C, &size) ||
+            !mul_fits(size, 4, &bytes)) {
+            PyErr_Format(PyExc_ValueError,
+                         "row %zd's size %zdx%zd must be positive and its float32 bytes fit "
+                         "a Py_ssize_t", i, H, W);
+            return -1;
+        }
+        if (H < sp->ch || W < sp->cw ||
+            ((!crop || (sp->mean != NULL && sp->mstep)) && (H != sp->H || W != sp->W))) {
+            PyErr_Format(PyExc_ValueError,
+                         "row %zd's size %zdx%zd does not make a row of the batch (crop %zdx%zd"
+                         "; without a crop, or with a mean file, each row must be %zdx%zd)",
+                         i, H, W, sp->ch, sp->cw, sp->H, sp->W);
+            return -1;
+        }
+        if (r->hs[i] < 0 || r->ws[i] < 0 || r->hs[i] > H - sp->ch || r->ws[i] > W - sp->cw) {
+            PyErr_Format(PyExc_ValueError, "row %zd's crop does not fit", i);
+            return -1;
+        }
+        if (r->im.p[i] != NULL && size > *largest) *largest = size;
+        if (r->im.p[i] != NULL && H > r->max_h) r->max_h = H;
+    }
+    return 0;
+}
+
+/* Acquire and check the arguments (every crop inside its image, the outputs n rows);
  * -1 with an exception set and nothing held. */
 static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W,
                             PyObject *h_o, PyObject *w_o, PyObject *flip_o, PyObject *mean_o,
-                            double scale, PyObject *out_o, Py_ssize_t crop, int nhwc) {
+                            double scale, PyObject *out_o, Py_ssize_t crop, int nhwc,
+                            PyObject *sizes_o, PyObject *extents_o) {
     memset(r, 0, sizeof(*r));
-    r->seq = PySequence_Fast(images_o, "images must be a sequence");
-    if (r->seq == NULL) return -1;
-    r->n = PySequence_Fast_GET_SIZE(r->seq);
-    r->images = PyMem_Calloc(r->n > 0 ? (size_t)r->n : 1, sizeof(Buf));
-    if (r->images == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
+    if (get_images(&r->im, images_o, extents_o)) goto fail;
+    r->n = r->im.n;
     if (get_buf(h_o, &r->hb, 0, "h_off") || get_buf(w_o, &r->wb, 0, "w_off") ||
         get_buf(flip_o, &r->fb, 0, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &r->mb, 0, "mean")) || get_outs(out_o, &r->outs))
+        (mean_o != Py_None && get_buf(mean_o, &r->mb, 0, "mean")) ||
+        (sizes_o != Py_None && get_buf(sizes_o, &r->sb, 0, "sizes")) || get_outs(out_o, &r->outs))
         goto fail;
-    for (Py_ssize_t i = 0; i < r->n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(r->seq, i);
-        if (item != Py_None && get_buf(item, &r->images[i], 0, "images")) goto fail;
-    }
     const Py_ssize_t n = r->n;
     if (!items_are(&r->hb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
         !items_are(&r->wb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp") ||
-        !items_are(&r->fb, "?u", 1, "mirror", "bool or uint8"))
+        !items_are(&r->fb, "?u", 1, "mirror", "bool or uint8") ||
+        (r->sb.held && !items_are(&r->sb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "sizes", "intp")))
         goto fail;
     if (r->hb.view.len / r->hb.view.itemsize != n || r->wb.view.len / r->wb.view.itemsize != n ||
         r->fb.view.len != n) {
         PyErr_SetString(PyExc_ValueError, "h_off, w_off and mirror must be one per image");
+        goto fail;
+    }
+    /* n <= PY_SSIZE_T_MAX / sizeof(Py_ssize_t): h_off holds n of them */
+    if (r->sb.held && r->sb.view.len / r->sb.view.itemsize != 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "sizes must be (height, width) per image");
         goto fail;
     }
     if (C != 3) {
@@ -545,13 +674,18 @@ static inline int open_rows(Rows *r, PyObject *images_o, Py_ssize_t C, Py_ssize_
     r->hs = (const Py_ssize_t *)r->hb.view.buf;
     r->ws = (const Py_ssize_t *)r->wb.view.buf;
     r->flips = (const uint8_t *)r->fb.view.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!crop_fits(&r->sp, r->hs[i], r->ws[i], i)) goto fail;
+    r->sizes = r->sb.held ? (const Py_ssize_t *)r->sb.view.buf : NULL;
+    if (r->sizes == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!crop_fits(&r->sp, r->hs[i], r->ws[i], i)) goto fail;
+    }
+    Py_ssize_t largest;
+    if (check_sizes(r, crop, &largest) < 0) goto fail;
     r->status = PyBytes_FromStringAndSize(NULL, n);
     if (r->status == NULL) goto fail;
     r->st = PyBytes_AS_STRING(r->status);
     memset(r->st, 0, (size_t)n);
-    r->scratch = PyMem_RawMalloc((size_t)r->sp.size);
+    r->scratch = PyMem_RawMalloc(largest > 0 ? (size_t)largest : 1);
     r->line = PyMem_RawMalloc((size_t)r->sp.cw * 3 * sizeof(float));
     if (r->scratch == NULL || r->line == NULL) {
         PyErr_NoMemory();
@@ -565,23 +699,39 @@ fail:
 }
 
 /* open_rows from decode_rows's arguments: (images, (C, H, W), h_off, w_off, mirror,
- * mean, scale, out, crop, nhwc); -1 with an exception set and nothing held. */
+ * mean, scale, out, crop, nhwc[, sizes[, extents]]); -1 with an exception set and
+ * nothing held. */
 static inline int rows_from_args(Rows *r, PyObject *args) {
-    PyObject *images_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
+    PyObject *images_o, *h_o, *w_o, *flip_o, *mean_o, *out_o, *sizes_o = Py_None,
+                                                               *extents_o = Py_None;
     Py_ssize_t C, H, W, crop;
     double scale;
     int nhwc;
-    if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
-                          &mean_o, &scale, &out_o, &crop, &nhwc))
+    if (!PyArg_ParseTuple(args, "O(nnn)OOOOdOni|OO", &images_o, &C, &H, &W, &h_o, &w_o, &flip_o,
+                          &mean_o, &scale, &out_o, &crop, &nhwc, &sizes_o, &extents_o))
         return -1;
-    return open_rows(r, images_o, C, H, W, h_o, w_o, flip_o, mean_o, scale, out_o, crop, nhwc);
+    return open_rows(r, images_o, C, H, W, h_o, w_o, flip_o, mean_o, scale, out_o, crop, nhwc,
+                     sizes_o, extents_o);
 }
 
 /* Row i's image is in scratch: transform it into its output row. No GIL needed. */
 static inline void row_done(Rows *r, Py_ssize_t i) {
-    transform_one(&r->sp, r->scratch, r->hs[i], r->ws[i], r->flips[i] != 0,
+    Spec sp = r->sp; /* the batch's; a row of its own size reads its own lines */
+    row_size(r, i, &sp.H, &sp.W);
+    sp.size = sp.C * sp.H * sp.W;
+    transform_one(&sp, r->scratch, r->hs[i], r->ws[i], r->flips[i] != 0,
                   out_row(&r->outs, &r->sp, i));
     r->st[i] = 1;
+}
+
+/* The scratch let go of, at the end of the GIL-free section (a large one is unmapped:
+ * a system call the other threads need not wait for). No GIL needed. */
+static inline void free_scratch(Rows *r) {
+    PyMem_RawFree(r->scratch);
+    r->scratch = NULL;
+    PyMem_RawFree(r->line);
+    r->line = NULL;
+    r->sp.line = NULL;
 }
 
 /* The status bytes (a new reference); everything else released. */
@@ -624,5 +774,94 @@ static PyObject *free_cpu(PyObject *self, PyObject *on) {
     {"free_cpu", free_cpu, METH_O,                                                        \
      "free_cpu(counting) -> int: nanoseconds of CPU time this module's calls spent "      \
      "without the GIL while counting was on (all threads); turns counting on or off."}
+
+/* What an image's header announces, for drawing each row's crop before its decode:
+ * IMAGE_JPEG (the SOI marker) with the first frame header's height and width, markers
+ * read as libjpeg reads them (_imagehead.py's jpeg_frame: bytes other than 0xFF skipped,
+ * fill bytes swallowed, 0xFF 0x00, TEM and RSTn without a segment, every other segment
+ * skipped by its length; none before SOS, EOI, another SOI or the end: 0 × 0);
+ * IMAGE_PNG (the PNG signature) with the IHDR chunk's (0 × 0 where there is none, or a
+ * side above 2^31 - 1); else IMAGE_OTHER, 0 × 0. Only a hint: a decoder still checks
+ * that the image it decodes has the size it was given, and leaves it otherwise. */
+enum { IMAGE_OTHER = 0, IMAGE_JPEG = 1, IMAGE_PNG = 2 };
+
+static inline int header_size(const unsigned char *b, Py_ssize_t n, Py_ssize_t *h,
+                              Py_ssize_t *w) {
+    *h = *w = 0;
+    if (n >= 8 && memcmp(b, "\x89PNG\r\n\x1a\n", 8) == 0) {
+        if (n >= 24 && memcmp(b + 12, "IHDR", 4) == 0) {
+            const uint32_t pw = ((uint32_t)b[16] << 24) | ((uint32_t)b[17] << 16) |
+                                ((uint32_t)b[18] << 8) | b[19];
+            const uint32_t ph = ((uint32_t)b[20] << 24) | ((uint32_t)b[21] << 16) |
+                                ((uint32_t)b[22] << 8) | b[23];
+            if (pw <= 0x7FFFFFFFu && ph <= 0x7FFFFFFFu) *h = (Py_ssize_t)ph, *w = (Py_ssize_t)pw;
+        }
+        return IMAGE_PNG;
+    }
+    if (n < 2 || b[0] != 0xFF || b[1] != 0xD8) return IMAGE_OTHER;
+    Py_ssize_t i = 2;
+    while (i < n) {
+        if (b[i] != 0xFF) {
+            i++;
+            continue;
+        }
+        while (i + 1 < n && b[i + 1] == 0xFF) i++; /* fill bytes */
+        if (i + 1 >= n) break;
+        const unsigned m = b[i + 1];
+        if (m == 0x00 || m == 0x01 || (m >= 0xD0 && m <= 0xD7)) { /* no segment */
+            i += 2;
+            continue;
+        }
+        if (m == 0xD8 || m == 0xD9 || m == 0xDA || n - i < 4) break;
+        const Py_ssize_t len = ((Py_ssize_t)b[i + 2] << 8) | b[i + 3];
+        if (len < 2) break;
+        if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) { /* SOFn */
+            if (n - i >= 10) {
+                *h = ((Py_ssize_t)b[i + 5] << 8) | b[i + 6];
+                *w = ((Py_ssize_t)b[i + 7] << 8) | b[i + 8];
+            }
+            break;
+        }
+        i += 2 + len;
+    }
+    return IMAGE_JPEG;
+}
+
+/* image_sizes(images[, extents]) -> bytes: per image (as decode_rows takes them; a row
+ * left alone: IMAGE_OTHER, 0 × 0) three Py_ssize_t, (format, height, width) as
+ * header_size reads them. The headers are read without the GIL: a few bytes of each,
+ * but each read waits on memory (a batch's images lie apart in a large file), and the
+ * decode that follows finds them in cache. */
+static inline PyObject *image_sizes(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *images_o, *extents_o = Py_None, *out = NULL;
+    if (!PyArg_ParseTuple(args, "O|O", &images_o, &extents_o)) return NULL;
+    Images im;
+    if (get_images(&im, images_o, extents_o)) goto done;
+    const Py_ssize_t n = im.n;
+    out = n <= PY_SSIZE_T_MAX / (3 * (Py_ssize_t)sizeof(Py_ssize_t))
+              ? PyBytes_FromStringAndSize(NULL, 3 * n * (Py_ssize_t)sizeof(Py_ssize_t))
+              : PyErr_NoMemory();
+    if (out == NULL) goto done;
+    Py_ssize_t *at = (Py_ssize_t *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
+    for (Py_ssize_t i = 0; i < n; i++, at += 3) {
+        at[0] = IMAGE_OTHER, at[1] = at[2] = 0;
+        if (im.p[i] != NULL) at[0] = header_size(im.p[i], im.len[i], &at[1], &at[2]);
+    }
+    FREE_END
+    Py_END_ALLOW_THREADS;
+done:
+    release_images(&im);
+    return out;
+}
+
+#define IMAGE_SIZES_METHOD                                                                \
+    {"image_sizes", image_sizes, METH_VARARGS,                                            \
+     "image_sizes(images[, extents]) -> bytes: per image (as decode_rows takes them) "     \
+     "three native Py_ssize_t, (format, height, width) from its header: format 1 a JPEG " \
+     "(its first frame header's size), 2 a PNG (its IHDR's), 0 neither or none; 0 x 0 "   \
+     "where the size cannot be read."}
 
 #endif

@@ -202,14 +202,16 @@ def check_geometry_out(geometry: object, n: int) -> None:
 
 
 def draw_geometry(
-    height: int,
-    width: int,
+    height: int | npt.NDArray[np.intp],
+    width: int | npt.NDArray[np.intp],
     crop: int,
     mirror: bool,
     train: bool,
     words: npt.ArrayLike,
 ) -> Geometry:
-    """The crop offsets and flips of records of ``height × width`` with random ``words``.
+    """The crop offsets and flips of records of ``height × width`` with random ``words``;
+    ``height`` and ``width`` may be arrays, one per word (each row its own size: row
+    ``i``'s draw is then the one a record of its size alone gets).
 
     TRAIN: ``h_off = ((word >> 1) & 0x7FFFFFFF) % (H - crop + 1)``,
     ``w_off = (word >> 32) % (W - crop + 1)``; TEST: the centre
@@ -219,16 +221,26 @@ def draw_geometry(
     w64 = np.asarray(words, dtype=_U64).reshape(-1)
     n = len(w64)
     if crop and train:
-        h_off = ((w64 >> _U64(1)) & _U64(0x7FFFFFFF)) % _U64(height - crop + 1)
-        w_off = (w64 >> _U64(32)) % _U64(width - crop + 1)
+        h_off = ((w64 >> _U64(1)) & _U64(0x7FFFFFFF)) % _u64(height, 1 - crop)
+        w_off = (w64 >> _U64(32)) % _u64(width, 1 - crop)
         hs, ws = h_off.astype(np.intp), w_off.astype(np.intp)
-    elif crop:
+    elif crop and isinstance(height, int) and isinstance(width, int):
         hs = np.full(n, (height - crop) // 2, np.intp)
         ws = np.full(n, (width - crop) // 2, np.intp)
+    elif crop:
+        hs = np.broadcast_to((np.asarray(height, np.intp) - crop) // 2, n).astype(np.intp)
+        ws = np.broadcast_to((np.asarray(width, np.intp) - crop) // 2, n).astype(np.intp)
     else:
         hs = ws = np.zeros(n, np.intp)
     flips = (w64 & _U64(1)).astype(np.bool_) if mirror else np.zeros(n, np.bool_)
     return Geometry(hs, ws, flips)
+
+
+def _u64(side: int | npt.NDArray[np.intp], plus: int) -> Any:
+    """``side + plus`` as uint64 (a side the crop fits: positive): a scalar, or an array."""
+    if isinstance(side, int):
+        return _U64(side + plus)
+    return (np.asarray(side, np.intp) + plus).astype(_U64)
 
 
 @dataclass(frozen=True)

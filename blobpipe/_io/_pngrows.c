@@ -1,22 +1,23 @@
 /* A batch's PNGs decoded by libpng and transformed in one call, without the GIL.
  *
- * decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc)
- *     -> bytes
+ * decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc
+ *             [, sizes[, extents]]) -> bytes
  *
  * The arguments are those of _jpegwindow.c's decode_rows: row i's image (a
- * buffer, or None to leave the row alone) of the batch's shape (3, H, W) is
- * decoded whole into the call's one H*W*3 scratch as BGR rows and transformed
- * into its output row by the shared kernel (_kernel.h), crop corner (h_off[i],
- * w_off[i]), flip mirror[i]. Returns one byte per row: 1 where the row was
- * written, 0 where it was left to the caller.
+ * buffer, or None to leave the row alone; or its extent of one buffer) of the
+ * batch's shape (3, H, W), or of its own size sizes[i], is decoded whole into the
+ * call's one scratch (the largest row's H_i*W_i*3 bytes) as BGR rows and
+ * transformed into its output row by the shared kernel (_kernel.h), crop corner
+ * (h_off[i], w_off[i]), flip mirror[i]. Returns one byte per row: 1 where the row
+ * was written, 0 where it was left to the caller.
  *
  * Only what OpenCV's cv2.imdecode (libpng underneath) gives the same pixels for
  * is decoded here: an 8-bit RGB PNG (colour type 2), not interlaced, of exactly
- * H × W, with no tRNS chunk (OpenCV may add an alpha channel from it) and no
+ * its row's H × W, with no tRNS chunk (OpenCV may add an alpha channel from it) and no
  * eXIf chunk (OpenCV may turn the image by its orientation). Every libpng error
  * or warning (a CRC that does not match, data after the image, a chunk cut short)
  * leaves the row to the caller, which decodes it with OpenCV and reports what
- * OpenCV says. The size is read from the IHDR chunk and checked against (H, W)
+ * OpenCV says. The size is read from the IHDR chunk and checked against its row's (H, W)
  * before any pixel is decoded; an ancillary chunk may not ask libpng for more
  * than CHUNK_MAX bytes.
  *
@@ -99,9 +100,9 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     (void)self;
     Rows r;
     if (rows_from_args(&r, args) < 0) return NULL;
-    const Py_ssize_t H = r.sp.H, W = r.sp.W;
-    png_bytep *lines = (size_t)H <= PY_SSIZE_T_MAX / sizeof(png_bytep)
-                           ? PyMem_RawMalloc((size_t)H * sizeof(png_bytep))
+    const Py_ssize_t most = r.max_h > 0 ? r.max_h : 1; /* the tallest row's lines */
+    png_bytep *lines = (size_t)most <= PY_SSIZE_T_MAX / sizeof(png_bytep)
+                           ? PyMem_RawMalloc((size_t)most * sizeof(png_bytep))
                            : NULL;
     if (lines == NULL) {
         PyErr_NoMemory();
@@ -111,11 +112,14 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     FREE_BEGIN
     for (Py_ssize_t i = 0; i < r.n; i++) {
-        if (!r.images[i].held) continue;
-        if (decode(r.images[i].view.buf, (size_t)r.images[i].view.len, r.scratch, (long)H, (long)W,
+        if (r.im.p[i] == NULL) continue;
+        Py_ssize_t H, W; /* checked by open_rows: the scratch and the lines hold it */
+        row_size(&r, i, &H, &W);
+        if (decode(r.im.p[i], (size_t)r.im.len[i], r.scratch, (long)H, (long)W,
                    lines))
             row_done(&r, i);
     }
+    free_scratch(&r);
     FREE_END
     Py_END_ALLOW_THREADS;
     PyMem_RawFree(lines);
@@ -124,9 +128,12 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_rows", decode_rows, METH_VARARGS,
-     "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc) -> bytes: "
-     "a batch's 8-bit RGB PNGs decoded and transformed into their output rows in one call "
-     "without the GIL; 1 per row done, 0 per row left to the caller."},
+     "decode_rows(images, shape, h_off, w_off, mirror, mean, scale, out, crop, nhwc[, sizes"
+     "[, extents]]) -> bytes: a batch's 8-bit RGB PNGs decoded and transformed into their "
+     "output rows in one call without the GIL; 1 per row done, 0 per row left to the "
+     "caller. sizes: (n, 2) intp, each row's own (height, width), else every row's is the "
+     "shape's; extents: as _jpegwindow.decode_rows's."},
+    IMAGE_SIZES_METHOD,
     FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };

@@ -369,6 +369,36 @@ class Transform:
                 self._fixed[key] = fixed
         return fixed
 
+    def geometry_of(
+        self,
+        heights: npt.NDArray[np.intp],
+        widths: npt.NDArray[np.intp],
+        phase: Phase,
+        words: npt.ArrayLike,
+    ) -> Geometry:
+        """:meth:`geometry` for records each of its own height and width (one per word),
+        drawn for them all at once: row ``i``'s crop and flip are those of
+        :meth:`geometry` of a record of ``heights[i] × widths[i]`` with ``words[i]``.
+
+        Raises:
+            ShapeError: the crop is larger than one of the records (the first named).
+        """
+        heights = np.asarray(heights, np.intp)
+        widths = np.asarray(widths, np.intp)
+        small = (heights < self._crop) | (widths < self._crop)
+        if small.any():
+            i = int(np.flatnonzero(small)[0])
+            self._check_crop(int(heights[i]), int(widths[i]))
+        return draw_geometry(heights, widths, self._crop, self._mirror, phase == "train", words)
+
+    @property
+    def crops_any_size(self) -> bool:
+        """Whether records of one channel count and of any height and width the crop
+        fits make rows of one shape through one :meth:`kernel_spec`: there is a crop,
+        and no mean file (its shape is the records') unless the output is uint8 (which
+        takes no mean)."""
+        return bool(self._crop) and (self._mean_blob is None or self._dtype == "uint8")
+
     def crop_fits(self, h: int, w: int) -> bool:
         """Whether the crop fits a record ``h`` high and ``w`` wide (the one place
         this is decided; True without a crop)."""
