@@ -166,15 +166,21 @@ def test_the_window_follows_the_memory_available() -> None:
 def test_missing_tells_cached_pages(cold_file: Path) -> None:
     size = cold_file.stat().st_size
     with open(cold_file, "rb") as f:
-        os.pread(f.fileno(), 64 << 10, 1 << 20)  # cache [1 MiB, 1 MiB + 64 KiB) (and around)
+        os.pread(f.fileno(), 64 << 10, 1 << 20)  # cache [1 MiB, 1 MiB + 64 KiB)
     with mapped(cold_file) as array:
         at = np.array([1 << 20, (1 << 20) + 4096, 3 << 20, size - 10, size + PAGE], np.int64)
         length = np.array([4096, 8192, 4096, 10, 100], np.int64)
         assert missing(array, at, length).tolist() == [False, False, True, True, True]
-        # one call per range where the ranges spread wider than the one-call span
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_readahead, "_RESIDENT_PAGES", 2)
-            assert missing(array, at, length).tolist() == [False, False, True, True, True]
+        # a range counts as cached when its first and last pages are
+        assert missing(array, np.array([1 << 20], np.int64), np.array([2 << 20], np.int64))[0]
+        # many ranges: all cached, all missing, or some of each (then each is looked at)
+        cached_ones = (1 << 20) + PAGE * np.arange(16, dtype=np.int64)
+        cold_ones = (3 << 20) + PAGE * np.arange(40, dtype=np.int64)
+        one = np.full(100, PAGE, np.int64)
+        assert not missing(array, np.repeat(cached_ones, 4)[:60], one[:60]).any()
+        assert missing(array, cold_ones, one[:40]).all()
+        mixed = np.concatenate([cold_ones, cached_ones])
+        assert missing(array, mixed, one[:56]).tolist() == [True] * 40 + [False] * 16
 
 
 # -- the Advisor -------------------------------------------------------------------------------
