@@ -391,6 +391,39 @@ def test_will_need_with_an_advisor_requests_the_rest_in_the_background(cold_db: 
     assert wait_until(lambda: not advisor.busy())
 
 
+def test_values_go_out_in_the_batches_order_and_small_ones_in_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large values are requested in the order given (here each its own stretch); small
+    ones, which join into long runs anyway, sorted by place: one sweep."""
+    from blobpipe._io import _lmdb
+
+    monkeypatch.setattr(_lmdb, "AHEAD_GROUP_BYTES", 1)
+    big = raw_db(tmp_path / "big", 160, shape=(3, 150, 150))  # 67.5 KB values, 11 MB
+    small = raw_db(tmp_path / "small", 3000, shape=(3, 32, 32))  # 3 KB values, 12 MB
+    for db, dense in ((big, False), (small, True)):
+        evict(db / "data.mdb")
+        if cached(db / "data.mdb") > 0.5:
+            pytest.skip("this file system's page cache cannot be evicted (tmpfs?)")
+        got: list[np.ndarray] = []
+
+        class Recorder(Advisor):
+            def request(self, at: np.ndarray, length: np.ndarray, out: list = got) -> None:
+                out.append(at.copy())
+
+        with LmdbReader(db) as r:
+            order = np.random.default_rng(1).permutation(len(r)).astype(np.int64)
+            r.will_need(order, 1 << 30, now=0, advisor=Recorder(lambda: None))
+            offsets = r._shared.tree.offsets  # type: ignore[union-attr]
+            if dense:
+                assert len(got[0]) >= 1 and (np.diff(got[0]) > 0).all()
+            else:  # (the records that opening the reader read are cached: not asked for)
+                want = (offsets[order] // PAGE * PAGE).tolist()
+                assert len(got[0]) >= 80
+                assert got[0].tolist() == [x for x in want if x in set(got[0].tolist())]
+                assert got[0].tolist() != sorted(got[0].tolist())
+
+
 def test_closing_a_loader_stops_its_read_ahead(cold_db: Path) -> None:
     loader = blobpipe.Loader(cold_db, 4, device="cpu", shuffle=True, mode="epoch", prefetch=2)
     with loader:

@@ -366,9 +366,11 @@ class LmdbReader:
         in memory. With an ``advisor`` (:meth:`advisor`), only the first ``now`` records
         are requested before this returns and the rest by the advisor's thread, in
         about the order given (sorted by place within 16 MiB stretches, nearby values
-        joined into one request); without one, all before it returns. Requests are cut
-        to what one call of the OS reads on this device, and only those with a page not
-        cached go out (``mincore``): a warm epoch costs one lookup per call, no thread.
+        joined into one request; values smaller than 64 KiB on average all sorted
+        together: they join into long runs anyway); without one, all before it
+        returns. Requests are cut to what one call of the OS reads on this device, and
+        only those with a page not cached go out (``mincore``): a warm epoch costs a
+        few lookups per call, and no thread.
         Nothing is requested where the file is not mapped.
 
         Raises:
@@ -392,9 +394,13 @@ class LmdbReader:
             at, length = pieces(starts[:first], stops[:first], gap=AHEAD_JOIN_GAP, cap=cap)
             advise_pieces(mapped, *uncached(own, at, length))
         if first < count and advisor is not None:
-            # in about the order given: sorted by place within stretches of 16 MiB
+            # in about the order given: sorted by place within stretches of 16 MiB; small
+            # values (less than the join gap on average) lie so close that their ranges
+            # join: sorted all together instead, one sweep rather than one per stretch
             before = int(total[first - 1]) if first else 0
             group = (total[first:count] - sizes[first:count] - before) // AHEAD_GROUP_BYTES
+            if int(total[count - 1]) - before < (count - first) * AHEAD_JOIN_GAP:
+                group[:] = 0
             at, length = pieces(
                 starts[first:count], stops[first:count], group=group, gap=AHEAD_JOIN_GAP, cap=cap
             )
