@@ -524,3 +524,20 @@ def test_bench_inputs_quick(tmp_path: Path) -> None:
     )
     for row in rows:
         assert f"| {row} |" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_cold_quick(tmp_path: Path) -> None:
+    """Cold against warm first epochs (a tiny W3): every row, the ratios against the 0.90
+    target and the IO floor, the A/A control, the JSON."""
+    out = tmp_path / "cold.json"
+    proc = run_quick("bench_cold.py", tmp_path, "--rounds", "1", "--json", str(out))
+    for row in ("warm", "warm again (A/A control)", "cold", "read the file once, cold (IO floor)"):
+        assert f"\n{row} " in proc.stdout, proc.stdout
+    assert "cold / warm (rate), per round:" in proc.stdout and "target ≥ 0.90×" in proc.stdout
+    assert "cold / max(warm, IO floor)" in proc.stdout and "A/A control:" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_cold" and doc["rounds"] == 1
+    assert all(r[0]["seconds"] > 0 for r in doc["rows"].values())
+    assert doc["rows"]["warm"][0]["images"] == 192

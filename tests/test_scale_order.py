@@ -25,7 +25,6 @@ import pytest
 from hypothesis import given, settings
 
 from blobpipe import Batches, LmdbReader
-from blobpipe._io import _readahead
 from blobpipe._io._order import QUASI_RUNS, node_parts, node_shard, quasi_order
 from blobpipe._io._readahead import ReadAhead
 from tests._helpers import image, raw_db
@@ -188,25 +187,27 @@ class FakeSource:
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
 
-    def will_need(self, indices: np.ndarray, max_bytes: int) -> tuple[int, int]:
+    def will_need(
+        self, indices: np.ndarray, max_bytes: int, *, now: int = 0, advisor: object = None
+    ) -> tuple[int, int]:
         count = max(1, min(len(indices), max_bytes // 10))
         self.calls.append(indices[:count].tolist())
         return count, 10 * count
 
+    def advisor(self) -> None:
+        return None
 
-def test_read_ahead_requests_each_record_once_within_its_budget(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_readahead, "AHEAD_BYTES", 100)  # ten records ahead
+
+def test_read_ahead_requests_each_record_once_within_its_budget() -> None:
     order = np.arange(1000, 1050, dtype=np.int64)
     src = FakeSource()
-    ahead = ReadAhead(src)
+    ahead = ReadAhead(src, window=100)  # ten records ahead
     for stop in range(4, 50, 4):  # batches of 4
         ahead.planned(order, 0, stop - 4, stop)
     requested = [i for call in src.calls for i in call]
     assert requested == list(range(1000, 1050))  # in order, once each, the first batch too
     # never more than the budget (ten records) requested beyond the batches planned
-    ahead = ReadAhead(src)
+    ahead = ReadAhead(src, window=100)
     src.calls.clear()
     for stop in range(4, 50, 4):
         ahead.planned(order, 0, stop - 4, stop)

@@ -27,6 +27,7 @@ Closing
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
@@ -50,7 +51,16 @@ from .._errors import (
 from . import _lmdbenv as envs
 from ._indexcache import IndexPlace
 from ._lmdbfile import Extents, current_txnid, extents_of
-from ._readahead import AHEAD_JOIN_GAP, advise_ranges, evict_file
+from ._readahead import (
+    AHEAD_GROUP_BYTES,
+    AHEAD_JOIN_GAP,
+    Advisor,
+    advice_cap,
+    advise_pieces,
+    evict_file,
+    pieces,
+    uncached,
+)
 from ._wire import ParsedDatum, parse_datum
 
 __all__ = ["LmdbReader", "ReadTransaction"]
@@ -109,6 +119,8 @@ class LmdbReader:
         self._users = 0
         self._keys: Sequence[bytes] | None = None
         self._local = threading.local()
+        self._cap: int | None = None  # the bytes one WILLNEED call reads (_advice_cap)
+        self._advisors: weakref.WeakSet[Advisor] = weakref.WeakSet()
         shared = envs.acquire(self._path, self._readahead, index)
         self._shared = shared
         self._generation = shared.generation
@@ -224,6 +236,8 @@ class LmdbReader:
         and its descriptor close now, not when this reader is collected."""
         self._local = threading.local()
         self._keys = None
+        for made in list(self._advisors):
+            made.close()
         self._finalizer()
 
     def close(self) -> None:
@@ -337,12 +351,27 @@ class LmdbReader:
         extents = extents_of(tree, keys)
         return None if extents is None else (file, extents)
 
-    def will_need(self, indices: npt.NDArray[np.int64], max_bytes: int) -> tuple[int, int]:
+    def will_need(
+        self,
+        indices: npt.NDArray[np.int64],
+        max_bytes: int,
+        *,
+        now: int = 0,
+        advisor: Advisor | None = None,
+    ) -> tuple[int, int]:
         """Ask the OS to start reading the values of records ``indices`` (positions in
         :meth:`keys`), in that order, while their sizes add up to at most ``max_bytes``
         (at least one); returns how many records and bytes were requested. The reads
-        run in the background (``madvise(MADV_WILLNEED)``), so later reads of these
-        records find them in memory. Nothing is requested where the file is not mapped.
+        run in the background (``WILLNEED``), so later reads of these records find them
+        in memory. With an ``advisor`` (:meth:`advisor`), only the first ``now`` records
+        are requested before this returns and the rest by the advisor's thread, in
+        about the order given (sorted by place within 16 MiB stretches, nearby values
+        joined into one request; values smaller than 64 KiB on average all sorted
+        together: they join into long runs anyway); without one, all before it
+        returns. Requests are cut to what one call of the OS reads on this device, and
+        only those with a page not cached go out (``mincore``): a warm epoch costs a
+        few lookups per call, and no thread.
+        Nothing is requested where the file is not mapped.
 
         Raises:
             StateError: the reader is closed.
@@ -357,8 +386,51 @@ class LmdbReader:
         sizes = tree.lengths[idx].astype(np.int64)
         total = np.cumsum(sizes)
         count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
-        advise_ranges(mapped, starts[:count], starts[:count] + sizes[:count], AHEAD_JOIN_GAP)
+        stops = starts + sizes
+        cap = self._advice_cap()
+        own = shared.mapped
+        first = count if advisor is None else min(max(0, now), count)
+        if first:
+            at, length = pieces(starts[:first], stops[:first], gap=AHEAD_JOIN_GAP, cap=cap)
+            advise_pieces(mapped, *uncached(own, at, length))
+        if first < count and advisor is not None:
+            # in about the order given: sorted by place within stretches of 16 MiB; small
+            # values (less than the join gap on average) lie so close that their ranges
+            # join: sorted all together instead, one sweep rather than one per stretch
+            before = int(total[first - 1]) if first else 0
+            group = (total[first:count] - sizes[first:count] - before) // AHEAD_GROUP_BYTES
+            if int(total[count - 1]) - before < (count - first) * AHEAD_JOIN_GAP:
+                group[:] = 0
+            at, length = pieces(
+                starts[first:count], stops[first:count], group=group, gap=AHEAD_JOIN_GAP, cap=cap
+            )
+            advisor.request(*uncached(own, at, length))
         return count, int(total[count - 1])
+
+    def _advice_cap(self) -> int:
+        cap = self._cap
+        if cap is None:
+            cap = self._cap = advice_cap(self._shared.file_id[0])
+        return cap
+
+    def advisor(self) -> Advisor | None:
+        """A new :class:`~._readahead.Advisor` of this database's data file, for
+        :meth:`will_need`: its thread requests values in the background (with a
+        descriptor of its own, opened only while the path still names the file this
+        reader opened) and ends when it has nothing left to request. Closed with the
+        reader. None where the file is not mapped.
+
+        Raises:
+            StateError: the reader is closed.
+        """
+        self._check_open()
+        shared = self._shared
+        if shared.map is None:
+            return None
+        opener = functools.partial(_open_same, shared.data_file, shared.file_id)
+        made = Advisor(opener, len(shared.map))
+        self._advisors.add(made)
+        return made
 
     def evict(self) -> None:
         """Drop the database's pages from memory: from this process's map of the data
@@ -566,6 +638,24 @@ class LmdbReader:
             if txn is not None and generation == envs.REGISTRY.generation:
                 txn.abort()
             self._exit(generation)
+
+
+def _open_same(path: str, file_id: tuple[int, int]) -> int | None:
+    """A descriptor of ``path`` when it is still the file ``file_id`` (device, inode),
+    else None: never blocks (a FIFO put in its place is opened non-blocking, then
+    refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or (st.st_dev, st.st_ino) != file_id:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _open_reader(path: str, readahead: bool, index: IndexPlace = "cache") -> LmdbReader:
