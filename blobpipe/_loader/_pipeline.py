@@ -266,7 +266,9 @@ class Pipeline:
             slot.event.synchronize()  # device work still reading the slot's buffers
             with self._plan_lock:
                 number, planned = self._plan_next()
-            if planned is None:
+            if planned is None or self.lifecycle.state is State.CLOSED:
+                # (closed while it planned: nobody takes the batch, and the close waits
+                # for this thread, so it is not filled)
                 item: Item | None = None
             elif isinstance(planned, BatchPlan):
                 item = self._fill_and_issue(slot, number, planned)
