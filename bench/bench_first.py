@@ -34,10 +34,12 @@ waiting until two threads hash at least 1.7× as fast as one (up to 20 s):
 * **Loader again**: the same as Loader, an A/A control: the ratio of the two first
   epochs is how far two measurements of the same code differ at that point.
 
-The table gives medians over rounds (milliseconds, memory in MiB), ``fixed``: the
-first epoch less the later one (what the first epoch pays once), and the first-epoch
-ratio plain / Loader (median over rounds of the ratio within the round, with its
-range) against the A/A control's.
+Each process imports the ``blobpipe`` of the working directory (``python -c`` puts it
+first on the path): run from another checkout's root to measure that one (the header
+names the one used). The table gives medians over rounds (milliseconds, memory in MiB),
+``fixed``: the first epoch less the later one (what the first epoch pays once), and the
+first-epoch ratio plain / Loader (median over rounds of the ratio within the round, with
+its range) against the A/A control's.
 """
 
 from __future__ import annotations
@@ -161,11 +163,12 @@ else:
         del batch
     out.update(reopen=t1 - t0, later=t2 - t1)
 out["images"] = images
+out["blobpipe"] = blobpipe.__file__
 print(json.dumps(out))
 """
 
 
-def _run(kind: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
+def _run(kind: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps({**spec, "kind": kind}), str(HERE)],
         capture_output=True,
@@ -175,7 +178,7 @@ def _run(kind: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, floa
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} at {spec['name']}: exit {proc.returncode}\n{proc.stderr}")
-    got: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    got: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     if got["images"] != spec["count"]:
         raise RuntimeError(f"{kind} at {spec['name']}: {got['images']} images of {spec['count']}")
     return got
@@ -336,11 +339,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     cache = "empty (walked, written)" if args.cold_index else "as earlier opens left it"
+    used = sorted(
+        {str(Path(r["blobpipe"]).parent.parent) for s in results.values() for r in s["loader"]}
+    )
     print(
         f"blobpipe first epochs: {len(results)} points, {args.rounds} interleaved rounds, "
         f"medians (ms; fresh memory in MiB); index cache {cache}; "
         f"machine: {os.cpu_count()} CPU cores, load average {load0:.2f} at start; "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"{time.perf_counter() - t0:.0f} s; blobpipe from {', '.join(used)}"
     )
     print(bw.render(HEADER, table(results), args.markdown, set(range(1, len(HEADER)))))
     if args.json is not None:

@@ -59,3 +59,32 @@ def test_a_batch_planned_while_the_loader_closes_is_not_filled(
         anyio.run(wait_until, lambda: len(plans) == 3, "the third plan")
     assert len(plans) == 3
     assert fills == [0, 4]  # the batches planned before the close, not the third
+
+
+def test_the_fillers_start_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No filler plans a batch before every filler thread was started: one that ran at
+    once would hold the GIL while the opening thread waits to start the next (up to the
+    switch interval each), the others not yet filling."""
+    db = raw_db(tmp_path / "db", 40)
+    started: list[str] = []
+    at_first_plan: list[list[str]] = []
+    real_start, real_plan = threading.Thread.start, Batches.next_plan
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("blobpipe-filler"):
+            if started:  # a slow start of every filler but the first
+                threading.Event().wait(0.05)
+            started.append(self.name)
+        real_start(self)
+
+    def next_plan(self: Batches) -> Any:
+        if threading.current_thread().name.startswith("blobpipe-filler") and not at_first_plan:
+            at_first_plan.append(list(started))
+        return real_plan(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(Batches, "next_plan", next_plan)
+    with Loader(db, 4, device="cpu", prefetch=4, workers=3, mode="epoch") as loader:
+        got = [len(batch) for batch in loader]
+    assert got == [4] * 10
+    assert at_first_plan == [["blobpipe-filler-0", "blobpipe-filler-1", "blobpipe-filler-2"]]
