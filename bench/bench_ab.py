@@ -1,10 +1,11 @@
 """Paired A/B of blobpipe's batch work between two checkouts, on the workload databases.
 
 Run: ``python bench/bench_ab.py OTHER_CHECKOUT [--pairs N] [--epochs N] [--workloads W1,W2]
-[--loader [blocking|async]] [--control] [--data-dir DIR] [--quick]``
+[--point NAME ...] [--loader [blocking|async]] [--control] [--data-dir DIR] [--quick]``
 
 For each workload (W1–W5 and W3-test of ``bench_workloads.py``, the same databases and
-recipes; default W1–W4) it starts one fresh process per side, alternating (this checkout,
+recipes; default W1–W4; ``--point`` adds a point of ``bench_sweep.py`` by name, its
+database and recipe) it starts one fresh process per side, alternating (this checkout,
 the other, this, ...), each reading ``--epochs`` epochs: with ``Batches`` driven by hand in
 one thread (the workload benchmark's "Batches, one thread" row), the thread's CPU seconds
 of its best later epoch; with ``--loader``, a ``Loader`` (2 workers, device "cpu") in its
@@ -130,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--control", action="store_true", help="an A/A control: this checkout run twice a pair"
     )
+    ap.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a point of bench_sweep.py by name, its database and recipe ('raw 3x48x48 TEST, "
+        "scale'; repeatable; with only --point, no workloads)",
+    )
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--quick", action="store_true", help="tiny databases: a smoke test")
     args = ap.parse_args(argv)
@@ -140,9 +149,22 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(HERE))
     from _workloads_data import prepare
-    from bench_workloads import workloads
+    from bench_sweep import db_spec, point_from_name
+    from bench_workloads import Workload, workloads
 
-    wanted = {w.strip() for w in args.workloads.split(",")}
+    try:
+        points = [point_from_name(name) for name in args.point]
+    except ValueError as exc:
+        ap.error(str(exc))
+    explicit = any(a == "--workloads" or a.startswith("--workloads=") for a in argv or sys.argv)
+    wanted = {w.strip() for w in args.workloads.split(",")} if explicit or not points else set()
+    # each with whether it reads its database's mean file (a workload's database has one
+    # only when its recipe wants it; a point's raw database always has one)
+    chosen = [(w, True) for w in workloads(args.quick) if w.name in wanted]
+    chosen += [
+        (Workload(p.name, p.name, db_spec(p, args.quick), p.recipe), p.recipe.mean_file is not None)
+        for p in points
+    ]
     figure = (
         f"Loader ({args.loader} form): process CPU s and wall s of the best later epoch, "
         "wall s of the first (open to close)"
@@ -158,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         rule += " ---: |"
     print(head)
     print(rule)
-    for w in workloads(args.quick):
-        if w.name not in wanted:
-            continue
+    for w, mean in chosen:
         pre = prepare(w.db, args.data_dir)
         r = w.recipe
         spec = {
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "scale": r.scale,
                 "mirror": r.mirror,
                 "crop_size": r.crop,
-                "mean_file": None if pre.mean_file is None else str(pre.mean_file),
+                "mean_file": None if pre.mean_file is None or not mean else str(pre.mean_file),
                 "mean_value": list(r.mean_value),
                 "dtype": r.dtype,
                 "layout": r.layout,

@@ -1,7 +1,7 @@
 """The Loader against the plain loop over a grid of record shapes, kinds and recipes.
 
 Run: ``python bench/bench_sweep.py [--quick] [--rounds N] [--points SUBSTR,...]
-[--json OUT] [--plot OUT.png] [--data-dir DIR] [--markdown] [--check]``
+[--point NAME ...] [--json OUT] [--plot OUT.png] [--data-dir DIR] [--markdown] [--check]``
 
 The workload benchmark (``bench_workloads.py``) measures five workloads; this one
 measures the space around them, with the same harness (its contenders, its
@@ -11,7 +11,9 @@ records, TEST and TRAIN recipes (scale only; crop; crop + mirror + mean file; me
 values), NCHW and NHWC, uint8 pass-through. Each point is one database and one
 recipe; the databases (``bench/_data/sweep_*``, git-ignored) hold about 24 MB of
 pixels each (at least 6 batches), so an epoch takes tens of milliseconds and the
-whole sweep about ten minutes on a 2-core machine.
+whole sweep about ten minutes on a 2-core machine. ``--point NAME`` (repeatable) measures
+a point the grid does not hold, named as the table names points (``x`` for ``×``):
+``--point 'raw 3x48x48 TEST, scale'`` checks a change on held-out shapes as well.
 
 Contenders per point: the plain one-thread loop (the baseline), the Loader with 2
 workers in its ``async for`` and blocking forms, the blocking form with 1 worker,
@@ -53,6 +55,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -153,11 +156,7 @@ def grid(quick: bool) -> list[Point]:
             shape = (c, min(h, 64), min(w, 64))
             if kw.get("crop"):
                 kw = {**kw, "crop": min(kw["crop"], shape[1] - 8)}
-        kw = {"mean_file": None, **kw}
-        wants_mean = bool(kw["mean_file"])
-        recipe = cs.Recipe(batch=_batch(shape), encoded=kind != "raw", **{**kw, "mean_file": None})
-        name = _name(kind, shape, recipe, wants_mean)
-        points.append(Point(name, kind, shape, recipe if not wants_mean else _mark(recipe)))
+        points.append(_point(kind, shape, kw))
     return points
 
 
@@ -186,6 +185,52 @@ def _name(kind: str, shape: tuple[int, int, int], r: cs.Recipe, mean_file: bool)
     if r.layout == "NHWC":
         steps.append("NHWC")
     return f"{kind} {'×'.join(map(str, shape))} " + ", ".join(steps)
+
+
+_STEP = re.compile(r"crop (\d+)|mirror|mean file|mean values|scale|uint8|NHWC")
+
+
+def point_from_name(name: str) -> Point:
+    """The point a name spells, as :func:`grid` names its points (``x`` for ``×``):
+    ``"raw 3x48x48 TEST, scale"``, ``"raw 3x80x80 TRAIN, crop 64, mirror, mean file"``:
+    a point of the same kinds of records and recipes, of a shape the grid does not
+    hold (the held-out shapes a change is checked on besides the grid's)."""
+    head, _, rest = name.replace("×", "x").partition(",")
+    try:
+        kind, dims, phase = head.split()
+        c, h, w = (int(v) for v in dims.split("x"))
+    except ValueError:
+        raise ValueError(
+            f"{name!r}: expected 'KIND CxHxW PHASE[, step, ...]', e.g. 'raw 3x48x48 TEST, scale'"
+        ) from None
+    if kind not in ("raw", "jpeg", "png") or phase not in ("TEST", "TRAIN"):
+        raise ValueError(f"{name!r}: KIND is raw, jpeg or png; PHASE is TEST or TRAIN")
+    kw: dict[str, Any] = {"phase": phase.lower()}
+    for step in (s.strip() for s in rest.split(",") if s.strip()):
+        m = _STEP.fullmatch(step)
+        if m is None:
+            raise ValueError(f"{name!r}: unknown step {step!r}")
+        if m.group(1):
+            kw["crop"] = int(m.group(1))
+        elif step == "mean file":
+            kw["mean_file"] = True
+        elif step == "mean values":
+            kw["mean_value"] = (104.0, 117.0, 123.0)[:c] if c == 3 else (33.0,) * c
+        elif step == "scale":
+            kw["scale"] = 0.00390625
+        elif step == "uint8":
+            kw["dtype"] = "uint8"
+        else:
+            kw[step.lower() if step != "NHWC" else "layout"] = True if step == "mirror" else step
+    return _point(kind, (c, h, w), kw)
+
+
+def _point(kind: str, shape: tuple[int, int, int], kw: dict[str, Any]) -> Point:
+    kw = {"mean_file": None, **kw}
+    wants_mean = bool(kw["mean_file"])
+    recipe = cs.Recipe(batch=_batch(shape), encoded=kind != "raw", **{**kw, "mean_file": None})
+    name = _name(kind, shape, recipe, wants_mean)
+    return Point(name, kind, shape, recipe if not wants_mean else _mark(recipe))
 
 
 def db_spec(point: Point, quick: bool) -> DbSpec:
@@ -440,6 +485,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two small points, one round")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per point (default 2, quick 1)")
     ap.add_argument("--points", metavar="SUBSTR,...", help="only points whose name contains one")
+    ap.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also measure this point, named as the table names points (repeatable; "
+        "'raw 3x48x48 TEST, scale'); with only --point, only these",
+    )
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every sample to OUT")
     ap.add_argument("--plot", type=Path, metavar="OUT", help="the PNG plot (default under data)")
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
@@ -454,6 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.points:
         wanted = [t.strip() for t in args.points.split(",")]
         points = [p for p in points if any(t in p.name for t in wanted)]
+    elif args.point:
+        points = []
+    try:
+        points += [point_from_name(name) for name in args.point]
+    except ValueError as exc:
+        ap.error(str(exc))
     root = DATA_DIR if args.data_dir is None else args.data_dir
 
     t0 = time.perf_counter()

@@ -66,8 +66,9 @@ mean serves every image and mostly stays in cache, so it is listed apart and not
 counted. The ceiling is the moved bandwidth over the bytes moved per image. For first
 epochs it measures, each round in a fresh process, what a Loader pays before its batches:
 opening (``Batches`` lists the keys, indexes the data file, reads the first record) and the
-first touch of its ring's fresh memory (4 batch buffers), against the time the first epoch
-may take to be 1.3× the plain loop's.
+first touch of its ring's fresh memory (5 batch buffers, host Blobs as the ring's),
+against the time the first epoch may take to be 1.3× the plain loop's
+(``bench_first.py`` takes a first epoch apart stage by stage).
 """
 
 from __future__ import annotations
@@ -484,24 +485,25 @@ with blobpipe.Batches(spec["db"], spec["batch"], transform=t, phase=spec["phase"
     slot = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
 slots = []
 t2 = time.perf_counter()
-for _ in range(spec["prefetch"]):
-    a = np.empty(slot, np.uint8)
-    a[::4096] = 0
-    slots.append(a)
+for _ in range(spec["slots"]):  # as the ring's slots: host Blobs, filled without a zero fill
+    blob = blobpipe.Blob(plan.data_shape, plan.dtype, backend="cpu")
+    blob.overwrite_cpu_data().reshape(-1).view(np.uint8)[::4096] = 0
+    slots.append(blob)
 t3 = time.perf_counter()
-print(json.dumps({"open_ms": 1e3 * (t1 - t0), "ring_mb": spec["prefetch"] * slot / 2**20,
+print(json.dumps({"open_ms": 1e3 * (t1 - t0), "ring_mb": spec["slots"] * slot / 2**20,
                   "touch_ms": 1e3 * (t3 - t2)}))
 """
 
-#: the Loader's default ring: this many batch slots, allocated in its first epoch
-PREFETCH = 4
+#: the Loader's default ring: this many batch slots (prefetch 4, and one for the previous
+#: batch), allocated in its first epoch (batches of a few hundred KiB: more, see _chunk.py)
+RING_SLOTS = 5
 
 
 def fixed_costs(run: Run) -> dict[str, float]:
     """What a Loader's first epoch pays before the batches themselves, measured in a fresh
     process on the first-epoch database (public API only): opening (``Batches`` lists the
     keys, indexes the data file, reads the first record, plans one batch) and the first
-    touch of its ring's fresh memory (``PREFETCH`` batch-sized buffers; the plain loop
+    touch of its ring's fresh memory (``RING_SLOTS`` batch-sized buffers; the plain loop
     touches one). Every first epoch of the Loader pays both; they are why a first epoch of
     small records, or of large batches on a machine where fresh memory is slow, falls short
     of its target."""
@@ -511,7 +513,7 @@ def fixed_costs(run: Run) -> dict[str, float]:
         "batch": r.batch,
         "phase": r.phase,
         "order": "shuffle" if r.shuffle else "key",
-        "prefetch": PREFETCH,
+        "slots": RING_SLOTS,
         "transform": {
             "scale": r.scale,
             "mirror": r.mirror,
@@ -1137,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nfirst-epoch fixed costs, each round in a fresh process (medians): opening "
         "(keys, index, first record) and the first touch of the Loader's ring "
-        f"({PREFETCH} batch buffers), against the time a first epoch may take to be 1.3× the "
+        f"({RING_SLOTS} batch buffers), against the time a first epoch may take to be 1.3× the "
         "plain loop:\n"
     )
     print(render(FIXED_HEADER, fixed_table(runs), args.markdown, {1, 2, 3, 4, 5}))

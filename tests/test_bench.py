@@ -261,6 +261,53 @@ def test_bench_sweep_quick(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(60)
+def test_bench_sweep_points_by_name() -> None:
+    """A point is named as the sweep's table names it: every grid point's name gives the
+    point back, and a shape the grid does not hold is a point too."""
+    code = (
+        "import bench_sweep as bs\n"
+        "for p in bs.grid(False):\n"
+        "    assert bs.point_from_name(p.name) == p, p.name\n"
+        "p = bs.point_from_name('raw 3x80x80 TRAIN, crop 64, mirror, mean file')\n"
+        "assert p.name == 'raw 3×80×80 TRAIN, crop 64, mirror, mean file', p.name\n"
+        "assert (p.shape, p.recipe.crop, p.recipe.mirror) == ((3, 80, 80), 64, True)\n"
+        "assert p.recipe.mean_file is not None\n"
+        "for bad in ('raw 3x48 TEST', 'raw 3x48x48 TEST, sharpen', 'tiff 3x8x8 TEST'):\n"
+        "    try:\n"
+        "        bs.point_from_name(bad)\n"
+        "    except ValueError:\n"
+        "        continue\n"
+        "    raise AssertionError(bad)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCH, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_first_quick(tmp_path: Path) -> None:
+    """The first-epoch breakdown of the held-out points (tiny databases, one round): a
+    row each, both sides' stages, the ring's fresh memory, the ratio and the A/A
+    control; the JSON holds every sample."""
+    out = tmp_path / "first.json"
+    proc = run_quick("bench_first.py", tmp_path, "--json", str(out), "--markdown")
+    assert "| point | records | plain open | 1st batch | first | close |" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_first" and doc["quick"] and doc["rounds"] == 1
+    names = ["raw 3×48×48 TEST, scale", "raw 3×80×80 TRAIN, crop 64, mirror, mean file"]
+    assert list(doc["points"]) == names
+    for name, samples in doc["points"].items():
+        assert f"| {name} |" in proc.stdout
+        (loader,) = samples["loader"]
+        for stage in ("open", "start", "first_batch", "epoch", "close", "reopen", "later"):
+            assert loader[stage] > 0, stage
+        assert loader["fresh"] > 0 and loader["images"] == samples["records"][0]["count"]
+        assert samples["plain"][0]["later"] > 0 and len(samples["again"]) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
@@ -282,6 +329,14 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     for row in rows:  # this / other, then the A/A control's median and range
         assert re.search(r"\| [\d.]+× \| [\d.]+× \([\d.]+–[\d.]+\) \|$", row), row
     assert "Loader (async form)" in proc.stdout
+    proc = run_quick(
+        "bench_ab.py", tmp_path, str(root), "--pairs", "1", "--loader",
+        "--point", "raw 3x48x48 TEST, scale",
+    )  # fmt: skip
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| raw")]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" raw 3×48×48 TEST, scale ", f" {figure} s "] for figure in ("cpu", "wall", "first")
+    ]
     bad = [sys.executable, str(BENCH / "bench_ab.py"), str(tmp_path)]
     proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "holds no blobpipe/ package" in proc.stderr

@@ -47,6 +47,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._errors import BackendUnavailableError
+from . import _hostmem
 
 __all__ = [
     "COMPLETED",
@@ -64,7 +65,6 @@ __all__ = [
     "wait_event",
 ]
 
-HOST_ALIGN = 64  # bytes: host buffers start at a multiple of this
 
 # set once a CUDA backend was made in this process; a child forked after it
 # cannot use CUDA (see _backends.__init__)
@@ -79,17 +79,6 @@ def note_cuda_initialised() -> None:
 def cuda_initialised() -> bool:
     """Whether a CUDA backend was made in this process."""
     return _cuda_initialised.is_set()
-
-
-def aligned(
-    raw: np.ndarray[Any, np.dtype[np.uint8]], nbytes: int
-) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """The ``nbytes`` of ``raw`` (``HOST_ALIGN - 1`` longer) from its first
-    ``HOST_ALIGN``-aligned byte. JAX (XLA) imports 64-byte aligned DLPack buffers
-    without a copy and copies the others: aligned, a batch never depends on where
-    the allocator put it (and SIMD loops like it too)."""
-    skip = -raw.ctypes.data % HOST_ALIGN
-    return raw[skip : skip + nbytes]
 
 
 def hold_array(
@@ -337,7 +326,8 @@ class Backend:
         buffers.clear()
 
     def _alloc_host(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return aligned(np.empty(nbytes + HOST_ALIGN - 1, dtype=np.uint8), nbytes)
+        # fresh memory in transparent huge pages where it is large enough (_hostmem)
+        return _hostmem.alloc(nbytes)
 
     def _alloc_device(self, nbytes: int) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -100,6 +100,7 @@ class Pipeline:
         self._turns = threading.Condition(threading.Lock())
         self._slotless: list[int] = []
         self._threads: list[threading.Thread] = []
+        self._go = threading.Event()  # set once every filler thread was started
         self._fillers_running = 0
         self._fillers_done = threading.Event()  # set when the last filler returned
         self._released = False  # the ring went back to the pool (once)
@@ -134,8 +135,14 @@ class Pipeline:
             )
             for k in range(self._n_fillers)
         ]
-        for thread in self._threads:
-            thread.start()
+        # The fillers start together: a filler that ran at once would hold the GIL while
+        # this thread waits to start the next (Thread.start waits for the thread to run),
+        # up to the switch interval (5 ms) per filler, the others not yet filling.
+        try:
+            for thread in self._threads:
+                thread.start()
+        finally:
+            self._go.set()
         _close_at_exit(self)
 
     def close(self) -> None:
@@ -235,6 +242,7 @@ class Pipeline:
     # -- producer --------------------------------------------------------------------
     def _thread_filler(self, k: int) -> None:
         try:
+            self._go.wait()  # every filler started (see start)
             self._filler(k)
         finally:
             with self._lock:
@@ -274,7 +282,9 @@ class Pipeline:
             slot.event.synchronize()  # device work still reading the slot's buffers
             with self._plan_lock:
                 number, planned = self._plan_next()
-            if planned is None:
+            if planned is None or self.lifecycle.state is State.CLOSED:
+                # (closed while it planned: nobody takes the batch, and the close waits
+                # for this thread, so it is not filled)
                 item: Item | None = None
             elif isinstance(planned, BatchPlan):
                 item = self._fill_and_issue(slot, number, planned)
