@@ -57,6 +57,7 @@ __all__ = [
     "missing",
     "pieces",
     "uncached",
+    "whole_limit",
     "will_need",
 ]
 
@@ -66,8 +67,9 @@ _PAGE = mmap.PAGESIZE
 # How far ahead of the planned batches values are requested: a window of at least
 # AHEAD_BYTES and at most AHEAD_BYTES_MAX, 1/AHEAD_MEMORY_SHARE of the memory available
 # (what is requested must stay cached until its batch reads it), and at most
-# AHEAD_RECORDS records; AHEAD_RECORDS_SMALL for a data file no larger than the window,
-# whose epoch is thus requested at its first batch.
+# AHEAD_RECORDS records. A data file no larger than 1/AHEAD_MEMORY_SHARE of the memory
+# available (whole_limit) has its epoch requested at its first batch instead,
+# AHEAD_RECORDS_SMALL records at a time.
 AHEAD_BYTES = 64 << 20
 AHEAD_BYTES_MAX = 1 << 30
 AHEAD_MEMORY_SHARE = 8
@@ -163,13 +165,26 @@ def ahead_window(available: int | None = None) -> int:
     """How many bytes of values :class:`ReadAhead` keeps requested ahead of the batches
     planned: 1/:data:`AHEAD_MEMORY_SHARE` of the memory available
     (:func:`available_memory` unless given), at least :data:`AHEAD_BYTES` and at most
-    :data:`AHEAD_BYTES_MAX`. A database no larger than the window is requested whole at
-    its epoch's first batch (in the order the batches read it)."""
+    :data:`AHEAD_BYTES_MAX`."""
     if available is None:
         available = available_memory()
     if available is None:
         return AHEAD_BYTES
     return max(AHEAD_BYTES, min(AHEAD_BYTES_MAX, available // AHEAD_MEMORY_SHARE))
+
+
+def whole_limit(available: int | None = None) -> int:
+    """The largest data file :class:`ReadAhead` requests whole at an epoch's first batch:
+    1/:data:`AHEAD_MEMORY_SHARE` of the memory available (:func:`available_memory`
+    unless given; :data:`AHEAD_BYTES` where that is unknown). What is requested stays
+    cached until its batch reads it: an epoch reads it all anyway, and the page cache
+    keeps it with room to spare; a file that could be pushed out before it is read is
+    requested a window at a time."""
+    if available is None:
+        available = available_memory()
+    if available is None:
+        return AHEAD_BYTES
+    return max(AHEAD_BYTES, available // AHEAD_MEMORY_SHARE)
 
 
 def pieces(
@@ -294,8 +309,8 @@ def will_need(mapped: mmap.mmap) -> Callable[[npt.NDArray[np.int64], int], None]
     return advise
 
 
-# How many ranges :func:`missing` looks at first, spread over them: when all of these
-# are cached (a warm epoch) or none (a cold one), so are taken to be the others.
+# How many ranges :func:`missing` looks at, spread over them: when all of these are
+# cached (a warm epoch), so are taken to be the others.
 _SAMPLE = 32
 _mincore: Callable[[int, int, int], int] | None = None
 _mincore_tried = False
@@ -329,8 +344,9 @@ def missing(
     (``mincore``, which looks pages up and faults nothing in: a file cut short meanwhile
     is no hazard). A range past the file's end, or where ``mincore`` is missing, counts
     as missing. The kernel's cost is per page looked up (~0.2 µs: a 400 MB span would
-    take 20 ms), so two pages a range, and where :data:`_SAMPLE` ranges spread over
-    the rest are all cached or all missing, the rest are taken to be alike."""
+    take 20 ms), so two pages a range, and of more than :data:`_SAMPLE` ranges only
+    that many, spread over them: all cached (a warm epoch), all are taken to be; else
+    none is (a hint too many costs a lookup in the thread, a hint too few a wait)."""
     n = len(offsets)
     out = np.ones(n, np.bool_)
     call = _mincore_call()
@@ -352,15 +368,11 @@ def missing(
                 return True
         return False
 
-    if n > _SAMPLE:
-        seen = [absent(i) for i in np.linspace(0, n - 1, _SAMPLE).astype(np.int64).tolist()]
-        if not any(seen):
-            out[:] = False
-            return out
-        if all(seen):
-            return out
-    for i in range(n):
-        out[i] = absent(i)
+    if n <= _SAMPLE:
+        for i in range(n):
+            out[i] = absent(i)
+    elif not any(absent(i) for i in np.linspace(0, n - 1, _SAMPLE).astype(np.int64).tolist()):
+        out[:] = False
     return out
 
 
@@ -494,8 +506,9 @@ class ReadAhead:
     given; counting what is requested and not yet planned) and :data:`AHEAD_RECORDS`
     records ahead, each record once: the planned batch's own records before it returns
     (its fillers read them next), the rest through an :class:`Advisor` of its own, in
-    the background, in the order the batches read them. A data file no larger than the
-    window has its epoch requested at the epoch's first batch (up to
+    the background, in the order the batches read them. A data file that the page
+    cache holds with room to spare (:func:`whole_limit`; with a ``window`` given: no
+    larger than it) has its epoch requested at the epoch's first batch instead (up to
     :data:`AHEAD_RECORDS_SMALL` records at a time): a cold epoch's reads then keep the
     disk busy from its first batch on. Dropping or closing the ReadAhead stops its
     requests. Single consumer (the planner).
@@ -503,7 +516,9 @@ class ReadAhead:
 
     def __init__(self, source: Requester, window: int | None = None) -> None:
         self._source = source
-        self._window = window  # read at the first batch (the memory available then)
+        # read at the first batch (the memory available then)
+        self._window = window
+        self._whole = window  # the largest file requested whole
         self._advisor: Advisor | None = None
         self._records = 0  # records requested ahead at most (set at the first batch)
         self._epoch = -1
@@ -512,9 +527,12 @@ class ReadAhead:
 
     @property
     def window(self) -> int:
-        """The bytes kept requested ahead (:func:`ahead_window`)."""
+        """The bytes kept requested ahead (:func:`ahead_window`; a file requested whole:
+        its size, if larger)."""
         if self._window is None:
-            self._window = ahead_window()
+            available = available_memory()
+            self._window = ahead_window(available)
+            self._whole = whole_limit(available)
         return self._window
 
     def close(self) -> None:
@@ -524,12 +542,15 @@ class ReadAhead:
 
     def _start(self) -> int:
         """The advisor, and how many records to request ahead at most."""
+        window = self.window
         self._advisor = advisor = self._source.advisor()
-        small = False
-        if advisor is not None:
-            weakref.finalize(self, advisor.close)
-            small = 0 < advisor.size <= self.window
-        return AHEAD_RECORDS_SMALL if small else AHEAD_RECORDS
+        if advisor is None:
+            return AHEAD_RECORDS
+        weakref.finalize(self, advisor.close)
+        if not 0 < advisor.size <= (self._whole or 0):
+            return AHEAD_RECORDS
+        self._window = max(window, advisor.size)  # the whole file fits the budget
+        return AHEAD_RECORDS_SMALL
 
     def planned(self, order: npt.NDArray[np.int64], epoch: int, first: int, stop: int) -> None:
         """A batch was planned over positions ``[first, stop)`` of ``order`` (epoch
