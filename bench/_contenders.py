@@ -203,8 +203,12 @@ class Sample:
     images: int
     seconds: float
     first_batch: np.ndarray | None = None
-    #: the timed pass's CPU time, GIL-free and not (passes timed in this process)
+    #: the pass's CPU time, GIL-free and not (passes timed in this process), and the
+    #: epochs it covers: the timed ones, and for a pipeline the untimed one before them
+    #: (what its ring prefetched before the clock started is filled in that one, so
+    #: the budget leaves out only what was prefetched before it)
     budget: Budget | None = None
+    budget_epochs: int = 0
 
 
 def timed(
@@ -216,7 +220,7 @@ def timed(
         images, first = epoch(keep)
         for _ in range(epochs - 1):
             images += epoch(False)[0]
-    return Sample(images, budget.wall, first, budget)
+    return Sample(images, budget.wall, first, budget, epochs)
 
 
 class Contender:
@@ -751,12 +755,14 @@ class LoaderAsync(Contender):
 
     async def _later(self, keep: bool, epochs: int) -> Sample:
         assert self.loader is not None
-        await _consume_async(self.loader, False)
         with measure() as budget:
+            await _consume_async(self.loader, False)
+            t0 = time.perf_counter()
             images, batch = await _consume_async(self.loader, keep)
             for _ in range(epochs - 1):
                 images += (await _consume_async(self.loader, False))[0]
-        return Sample(images, budget.wall, batch, budget)
+            seconds = time.perf_counter() - t0
+        return Sample(images, seconds, batch, budget, epochs + 1)
 
     def first_here(self, keep: bool = False) -> Sample:
         sample: Sample = self.host.portal.call(self._first, keep)
@@ -812,8 +818,10 @@ class LoaderBlocking(Contender):
     def later(self, keep: bool = False, epochs: int = 1) -> Sample:
         loader = self.loader
         assert loader is not None
-        _consume(loader, False)
-        return timed(lambda k: _consume(loader, k), keep, epochs)
+        with measure() as budget:
+            _consume(loader, False)
+            sample = timed(lambda k: _consume(loader, k), keep, epochs)
+        return dataclasses.replace(sample, budget=budget, budget_epochs=epochs + 1)
 
     def close(self) -> None:
         if self.loader is not None:

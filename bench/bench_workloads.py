@@ -465,7 +465,7 @@ def run_pass(run: Run, row: Row, kind: str, keep: bool) -> None:
     row.rates[kind].append(sample.images / sample.seconds)
     if kind == "later" and sample.budget is not None and c.key in BUDGETED:
         per_epoch = -(-run.prepared.count // run.recipe.batch)
-        row.budgets.append((sample.budget, epochs * per_epoch))
+        row.budgets.append((sample.budget, sample.budget_epochs * per_epoch))
     if sample.first_batch is not None:
         run.firsts[(c.key, kind)] = sample.first_batch
     settle()
@@ -765,7 +765,9 @@ GIL_HEADER = (
 
 
 def gil_table(runs: list[Run]) -> list[tuple[str, ...]]:
-    """The later epochs' GIL budget per batch (medians over rounds): wall time, CPU time
+    """The later epochs' GIL budget per batch (medians over rounds; a pipeline's over the
+    untimed epoch before its timed ones too, so that what its ring filled before the
+    clock counts in it, not only the batches' hand-off): wall time, CPU time
     counted as holding the GIL and CPU time of the compiled modules without it, the GIL
     share s of the CPU time (Amdahl's serial fraction), the share of the wall time the
     GIL was held (busy), and the speed-up over one thread that 2 and 32 workers can reach
