@@ -1651,3 +1651,46 @@ async def test_a_ready_batch_is_a_checkpoint_once_yield_every_passed(
         assert seen == 2
     else:
         assert seen >= 4  # the ready batches, each without a checkpoint
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("held", [False, True])
+async def test_aclose_waits_for_the_fillers_in_the_loop_thread_only_briefly(
+    db30: Path, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aclose`` waits for fillers that return at once in the loop's thread (no worker
+    thread started); a filler still busy after YIELD_EVERY is waited for in a worker
+    thread, other tasks running meanwhile."""
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 0)  # a fill a batch
+    probe = FillProbe(monkeypatch)
+    threads: list[object] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(fn)
+        return await run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.001)
+            ticks += 1
+
+    loader = Loader(db30, 4, device="cpu", prefetch=2, workers=1, mode="wrap")
+    async with anyio.create_task_group() as tg:
+        async with loader:
+            await anext(loader)
+            await wait_until(lambda: probe.in_flight == 0 and probe.calls >= 2, "fills")
+            if held:
+                probe.gate.clear()
+                await anext(loader)  # a slot freed: its refill waits at the gate
+                await wait_until(lambda: probe.in_flight == 1, "a fill held")
+                tg.start_soon(heartbeat)
+                threading.Timer(0.2, probe.gate.set).start()
+        tg.cancel_scope.cancel()
+    assert len(threads) == (1 if held else 0)
+    if held:
+        assert ticks >= 20  # the loop ran other tasks while the fill finished

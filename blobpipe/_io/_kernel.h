@@ -376,7 +376,9 @@ static int make_spec(Spec *sp, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssiz
             return -1;
         }
         sp->mean = (const float *)mb->view.buf;
-        sp->mstep = mb->view.len == bytes;
+        /* C values: one a channel, whatever the rows' sizes (also where H*W is 1, and a
+         * mean file of C*1*1 values reads the same) */
+        sp->mstep = mb->view.len != C * 4;
     }
     sp->scale = (float)scale;
     return 0;

@@ -107,13 +107,16 @@ class AsyncForm:
 
     async def aclose(self) -> None:
         """Stop the pipeline: no thread left running, every block back in the pool.
-        The fillers are awaited in a worker thread, shielded from cancellation.
-        Idempotent; callable from any task, also inside ``async with``."""
+        The fillers are awaited shielded from cancellation: in the loop's thread for up
+        to YIELD_EVERY (each finishes the batch it fills, mostly sooner: a worker
+        thread's start would cost more), then in a worker thread. Idempotent; callable
+        from any task, also inside ``async with``."""
         pipe = self._pipe
         if not pipe.begin_close():
             return
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(pipe.wait_fillers)
+            if not pipe.wait_fillers(YIELD_EVERY):
+                await anyio.to_thread.run_sync(pipe.wait_fillers)
             await pipe.settle()
             pipe.release()
 

@@ -184,9 +184,10 @@ class Pipeline:
             self._turns.notify_all()
         return True
 
-    def wait_fillers(self) -> None:
-        """Block the calling thread until the last filler returned."""
-        self._fillers_done.wait()
+    def wait_fillers(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the last filler returned (True), or for at
+        most ``timeout`` seconds (False when it passed)."""
+        return self._fillers_done.wait(timeout)
 
     async def settle(self) -> None:
         """Await the device work (the slots' and the consumer's) still using any
