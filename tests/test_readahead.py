@@ -36,6 +36,7 @@ from blobpipe._io._readahead import (
     advice_cap,
     ahead_window,
     available_memory,
+    evict_file,
     missing,
     pieces,
     whole_limit,
@@ -56,15 +57,6 @@ def wait_until(done: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def readahead_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "blobpipe-readahead"]
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -91,7 +83,7 @@ def cold_file(tmp_path: Path) -> Path:
     """A 4 MiB file out of the page cache (skips where it cannot be evicted)."""
     path = tmp_path / "cold.bin"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 4 << 20, np.uint8).tobytes())
-    evict(path)
+    evict_file(path)
     if cached(path) > 0.5:
         pytest.skip("this file system's page cache cannot be evicted (tmpfs?)")
     return path
@@ -348,7 +340,7 @@ def epoch(db: Path | LmdbReader) -> list[tuple[np.ndarray, np.ndarray]]:
 @pytest.fixture
 def cold_db(tmp_path: Path) -> Path:
     db = raw_db(tmp_path / "db", 120, shape=(3, 40, 40))  # one overflow value each
-    evict(db / "data.mdb")
+    evict_file(db / "data.mdb")
     if cached(db / "data.mdb") > 0.5:
         pytest.skip("this file system's page cache cannot be evicted (tmpfs?)")
     return db
@@ -372,7 +364,7 @@ def test_a_cold_epoch_reads_ahead_and_gives_the_same_batches(
     calls.clear()
     warm = epoch(cold_db)
     assert sum(calls) == 0  # all cached: no call goes out, no thread starts
-    evict(data)
+    evict_file(data)
     monkeypatch.setattr(ReadAhead, "planned", lambda *a: None)  # no read-ahead at all
     plain = epoch(cold_db)
     for a, b, c in zip(cold, warm, plain, strict=True):
@@ -384,7 +376,7 @@ def test_a_cold_epoch_reads_ahead_and_gives_the_same_batches(
 def test_will_need_with_an_advisor_requests_the_rest_in_the_background(cold_db: Path) -> None:
     with LmdbReader(cold_db) as r:
         size = len(r.get(r.keys()[0]))
-        evict(cold_db / "data.mdb")
+        evict_file(cold_db / "data.mdb")
         advisor = r.advisor()
         assert advisor is not None and advisor.size == (cold_db / "data.mdb").stat().st_size
         order = np.random.default_rng(0).permutation(len(r)).astype(np.int64)
@@ -405,7 +397,7 @@ def test_values_go_out_in_the_batches_order_and_small_ones_in_the_files(
     big = raw_db(tmp_path / "big", 160, shape=(3, 150, 150))  # 67.5 KB values, 11 MB
     small = raw_db(tmp_path / "small", 3000, shape=(3, 32, 32))  # 3 KB values, 12 MB
     for db, dense in ((big, False), (small, True)):
-        evict(db / "data.mdb")
+        evict_file(db / "data.mdb")
         if cached(db / "data.mdb") > 0.5:
             pytest.skip("this file system's page cache cannot be evicted (tmpfs?)")
         got: list[np.ndarray] = []
@@ -478,7 +470,7 @@ def test_a_file_replaced_while_it_is_read_gives_the_same_batches(tmp_path: Path)
     db = raw_db(tmp_path / "db", 60, shape=(3, 40, 40))
     want = epoch(db)
     other = raw_db(tmp_path / "other", 60, shape=(3, 20, 20))
-    evict(db / "data.mdb")
+    evict_file(db / "data.mdb")
     with Batches(db, 7, order="shuffle", mode="epoch", seed=3) as b:
         it = iter(b)
         got = [next(it)]

@@ -285,15 +285,17 @@ def random_access(mapped: mmap.mmap) -> Iterator[None]:
             mapped.madvise(normal)
 
 
-def evict_file(path: str) -> None:
+def evict_file(path: str | os.PathLike[str]) -> None:
     """Ask the OS to drop the cached pages of the file ``path`` that no process maps
-    (``posix_fadvise(POSIX_FADV_DONTNEED)``); nothing where that is missing."""
+    (``posix_fadvise(POSIX_FADV_DONTNEED)``, after ``fsync``: pages not yet written
+    back are not dropped); nothing where that is missing."""
     advice = getattr(os, "POSIX_FADV_DONTNEED", None)
     if advice is None:
         return
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, advice)
         finally:
             os.close(fd)
