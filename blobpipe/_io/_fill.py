@@ -54,7 +54,7 @@ from ._image import (
 from ._index import Located, RecordIndex
 from ._kernels import Geometry, apply, apply_one, apply_raw, kernel_args, prefers_block
 from ._lmdb import LmdbReader
-from ._plan import BatchPlan
+from ._plan import BatchPlan, span
 from ._records import (
     BLOBPROTO,
     DATUM,
@@ -361,7 +361,7 @@ class Filler:
                 if values_at is not None
                 else self._values(plan.keys[start:stop])
             )
-            rows = np.arange(n, dtype=np.intp)
+            rows = span(0, n).astype(np.intp, copy=False)
         c, h, w = plan.record_shape  # a Datum's
         shape = (c, h, w)
         loc = index.locate(rows, shape)

@@ -87,6 +87,10 @@ class RecordIndex:
         self._offset = np.zeros(n, np.int64)
         self._length = np.zeros(n, np.int64)
         self._shape = np.zeros((n, 3), np.int32)
+        # the same memory a row of 12 bytes each: gathered by a 1-D index, which keeps
+        # the GIL (NumPy releases it to gather rows of a 2-D array: a hand-off to a
+        # waiting thread, once a batch)
+        self._shape_rows = self._shape.view(np.dtype((np.void, 12))).reshape(n)
         self._label = np.zeros(n, np.int32)  # Caffe's int32 labels, exactly
         # one classify at a time (module docstring); a fork's child gets its own lock
         # (another thread of the parent may have held it at the fork)
@@ -151,7 +155,7 @@ class RecordIndex:
             self._kind[rows],
             self._offset[rows],
             self._length[rows],
-            self._shape[rows],
+            self._shape_rows[rows].view(np.int32).reshape(len(rows), 3),
             self._label[rows],
         )
 

@@ -66,6 +66,7 @@ class SharedEnv:
         "data_file",
         "entries",
         "env",
+        "fd",
         "file_id",
         "generation",
         "inherited",
@@ -97,6 +98,13 @@ class SharedEnv:
         self.tree = mapped[1] if mapped is not None else None
         self.refs = 0
         self.inherited = False
+        # the data file, open while it is mapped: shrunk()'s fstat without the GIL
+        # released (None: mmap.size(), which releases it)
+        self.fd = (
+            _open_same(data_file, file_id)
+            if self.map is not None and _file_size is not None
+            else None
+        )
 
     def adopted(self, generation: int) -> SharedEnv:
         """The entry a fork child keeps for this environment: the same files and map,
@@ -105,6 +113,7 @@ class SharedEnv:
             self.env, self.file_id, self.path, generation, self.entries, self.data_file, None
         )
         child.map, child.mapped, child.tree = self.map, self.mapped, self.tree
+        child.fd = self.fd  # inherited across the fork, as the map
         child.inherited = True
         return child
 
@@ -113,23 +122,57 @@ class SharedEnv:
         open (truncated or copied over in place): a page past its new end would
         raise SIGBUS when touched. None while the file is whole (one ``fstat``), or
         when it is not mapped by us."""
-        mapped = self.map
+        mapped, fd = self.map, self.fd
         if mapped is None:
             return None
         try:
-            now = mapped.size()  # fstat of the mapped file: its current length
+            # fstat of the mapped file: its current length (once a batch: without
+            # releasing the GIL where the compiled module is built)
+            now = mapped.size() if fd is None or _file_size is None else _file_size(fd)
+            length = len(mapped)
         except (OSError, ValueError):
             return None
-        length = len(mapped)
         return (length, now) if now < length else None
 
     def unmap(self) -> None:
         """Release our map of the file and its descriptor now, unless arrays made from
         it still live (then when the last of them goes)."""
         self.mapped, self.tree, mapped, self.map = None, None, self.map, None
+        fd, self.fd = self.fd, None
+        if fd is not None and not self.inherited:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         if mapped is not None:
             with contextlib.suppress(BufferError):
                 mapped.close()
+
+
+def _open_same(path: str, file_id: _FileId) -> int | None:
+    """A descriptor of ``path`` while it is still the file ``file_id`` (the one mapped),
+    else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or (st.st_dev, st.st_ino) != file_id:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _compiled_file_size() -> Any:
+    try:
+        from . import _rowkernel as module  # type: ignore[attr-defined]
+    except ImportError:  # not built: mmap.size()
+        return None
+    return module.file_size
+
+
+_file_size = _compiled_file_size()
 
 
 def _map_file(path: str, file_id: _FileId) -> tuple[mmap.mmap, os.stat_result] | None:

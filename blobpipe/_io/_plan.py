@@ -23,6 +23,7 @@ __all__ = [
     "merged",
     "read_only",
     "row_arrays",
+    "span",
 ]
 
 Run = tuple[int, int, int]  # (epoch, first position, stop position) in an epoch's order
@@ -35,6 +36,21 @@ def read_only(array: _A) -> _A:
     """``array``, made read-only (``flags.writeable = False``) in place."""
     array.setflags(write=False)
     return array
+
+
+#: 0, 1, 2... : :func:`span` adds its start to a slice of it
+_SPAN = np.arange(512, dtype=np.int64)
+_SPAN.setflags(write=False)
+
+
+def span(a: int, b: int) -> npt.NDArray[np.int64]:
+    """``np.arange(a, b)`` as int64, made without releasing the GIL for spans of up
+    to 512 (NumPy's ``arange`` releases it to fill any array: a GIL hand-off to a
+    waiting thread, per batch; an addition of fewer than 500 elements keeps it)."""
+    n = b - a
+    if n <= len(_SPAN):
+        return _SPAN[:n] + a
+    return np.arange(a, b, dtype=np.int64)
 
 
 def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
@@ -315,7 +331,7 @@ def row_arrays(
     if len(batches) > 1 and consecutive:
         e, a, b = firsts[0][0], firsts[0][1], firsts[-1][2]
         epochs = read_only(np.full(b - a, e, np.int64))
-        positions = read_only(np.arange(a, b, dtype=np.int64))
+        positions = read_only(span(a, b))
         order = orders.order(e)
         words = orders.words(e)[a:b] if random else read_only(np.zeros(b - a, np.uint64))
         spans = [(lo - a, hi - a) for _, lo, hi in firsts]
@@ -331,7 +347,7 @@ def row_arrays(
                 (
                     read_only(orders.order(e)[a:b]),
                     read_only(np.full(b - a, e, np.int64)),
-                    read_only(np.arange(a, b, dtype=np.int64)),
+                    read_only(span(a, b)),
                     read_only(orders.words(e)[a:b])
                     if random
                     else read_only(np.zeros(b - a, np.uint64)),
@@ -343,7 +359,7 @@ def row_arrays(
             (
                 indices,
                 joined([np.full(b - a, e, np.int64) for e, a, b in runs]),
-                joined([np.arange(a, b, dtype=np.int64) for _, a, b in runs]),
+                joined([span(a, b) for _, a, b in runs]),
                 joined([orders.words(e)[a:b] for e, a, b in runs])
                 if random
                 else read_only(np.zeros(len(indices), np.uint64)),
