@@ -768,3 +768,65 @@ def test_encoded_rows_of_the_batch_shape_and_others_crop_as_each_record_alone(
                     crop = crop[:, :, ::-1]
                 want = (crop.astype(np.float32) - mean) * np.float32(0.5)
                 assert np.array_equal(data[row], want), row
+
+
+def _index_over(tmp_path: Path, values: list[bytes]) -> Any:
+    import blobpipe._io._index as index_module
+
+    items = [(key(i), v) for i, v in enumerate(values)]
+    db = write_lmdb(tmp_path / "db", items)
+    file = np.fromfile(Path(db) / "data.mdb", np.uint8)
+    extents = value_extents(file, [k for k, _ in items])
+    assert extents is not None
+    return index_module.RecordIndex(file, extents.offsets, extents.lengths)
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [None, "other shape", "bad", "encoded", "float"],
+)
+def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
+    tmp_path: Path, odd: str | None
+) -> None:
+    """Once every record is classified and all are raw of one shape, ``locate``
+    gathers only offsets and labels and says the shape (``raw_shape``), with the same
+    rows it gave before; one record of another kind or shape anywhere (here the
+    last, classified last) keeps the per-row path."""
+    shape = (3, 10, 12)
+    values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
+    if odd == "other shape":
+        values[-1] = blobpipe.encode_raw_datum(image(199, (3, 10, 11)), 199)
+    elif odd == "bad":
+        values[-1] = b"\xff\xff not a Datum"
+    elif odd == "encoded":
+        ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
+        assert ok
+        values[-1] = blobpipe.encode_encoded_datum(buf.tobytes(), 199)
+    elif odd == "float":
+        values[-1] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), 199)
+    index = _index_over(tmp_path, values)
+    rows = np.array([5, 150, 5, 199, 0], np.intp)
+    before = index.locate(rows)  # classifies these rows only
+    assert before.raw_shape is None
+    for first in range(0, 200, 50):  # every record, in ranges
+        index.locate(np.arange(first, first + 50, dtype=np.intp), shape)
+    after = index.locate(rows)
+    assert after.raw_shape == (None if odd else shape)
+    for got, want in zip(after[:6], before[:6], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert after.shape.shape == (len(rows), 3) and after.kind.dtype == np.int8
+    empty = index.locate(np.array([], np.intp))
+    assert len(empty.offset) == len(empty.kind) == 0 and empty.shape.shape == (0, 3)
+
+
+def test_batches_over_a_classified_database_fill_the_same_rows(tmp_path: Path) -> None:
+    """The epoch after the one that classified every record fills the same bytes."""
+    db = raw_db(tmp_path / "db", 96, (3, 8, 9))
+    t = Transform(scale=0.5, mean_value=[1, 2, 3])
+    with Batches(db, 32, transform=t, mode="epoch") as b:
+        first = [np.array(x.data) for x in b]
+        assert b._filler._index._raw_shape == (3, 8, 9)
+        again = [np.array(x.data) for x in b]
+    assert len(first) == len(again) == 3
+    for x, y in zip(first, again, strict=True):
+        np.testing.assert_array_equal(x, y)

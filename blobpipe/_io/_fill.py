@@ -371,7 +371,7 @@ class Filler:
         t = self._transform
         spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = plan.words[start:stop]
-        if (loc.kind == RAW).all() and (loc.shape == shape).all():
+        if loc.raw_shape == shape or ((loc.kind == RAW).all() and (loc.shape == shape).all()):
             geometry = t.geometry(shape, self._phase, words)
             outs = [part.data for _, part in spans]
             kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec)

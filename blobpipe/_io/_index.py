@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._lmdbfile import picked_meta
-from ._records import BAD, UNKNOWN, classify
+from ._records import BAD, RAW, UNKNOWN, classify
 
 __all__ = ["Located", "RecordIndex"]
 
@@ -45,6 +45,7 @@ __all__ = ["Located", "RecordIndex"]
 # and no more than this many bytes of values (whose headers and tails are read).
 _AHEAD = 8192
 _AHEAD_BYTES = 8 << 20
+_RAW_KIND = np.int8(RAW)
 
 
 class Located(NamedTuple):
@@ -56,6 +57,9 @@ class Located(NamedTuple):
     length: npt.NDArray[np.int64]
     shape: npt.NDArray[np.int32]  # (n, 3): C, H, W; zeros where not known
     label: npt.NDArray[np.int32]
+    #: the shape of every row when the index holds only raw records of one shape (then
+    #: kind, length and shape are read-only broadcasts, nothing gathered); else None
+    raw_shape: tuple[int, int, int] | None = None
 
 
 class RecordIndex:
@@ -92,6 +96,12 @@ class RecordIndex:
         # waiting thread, once a batch)
         self._shape_rows = self._shape.view(np.dtype((np.void, 12))).reshape(n)
         self._label = np.zeros(n, np.int32)  # Caffe's int32 labels, exactly
+        # records not classified yet, counted down by each pass (under _classifying):
+        # at 0 the whole index is checked once for _raw_shape
+        self._left = n
+        # set once every record is known to be a raw one of this (C, H, W) (then never
+        # unset: a record's kind and a raw one's fields do not change)
+        self._raw_shape: tuple[int, int, int] | None = None
         # one classify at a time (module docstring); a fork's child gets its own lock
         # (another thread of the parent may have held it at the fork)
         self._classifying = threading.Lock()
@@ -144,7 +154,22 @@ class RecordIndex:
         ``hint``: the shape raw records of this range probably have (the batch's
         first record's); records of that shape in convert_imageset's layout are
         recognised in one pass.
+
+        Once every record is a raw one of one shape (a convert_imageset database,
+        classified), only the offsets and labels of ``rows`` are gathered.
         """
+        raw = self._raw_shape
+        if raw is not None:
+            n = len(rows)
+            return Located(
+                self.buffer,
+                np.broadcast_to(_RAW_KIND, n),
+                self._offset[rows],
+                np.broadcast_to(np.int64(raw[0] * raw[1] * raw[2]), n),
+                np.broadcast_to(np.array(raw, np.int32), (n, 3)),
+                self._label[rows],
+                raw,
+            )
         if (self._kind[rows] == UNKNOWN).any():
             if self._pid != os.getpid():
                 self._classifying, self._pid = threading.Lock(), os.getpid()
@@ -177,6 +202,20 @@ class RecordIndex:
         self._shape[unknown] = got.shape
         self._label[unknown] = got.label
         self._kind[unknown] = got.kind  # last: a thread that sees a kind sees its fields
+        self._left -= len(unknown)  # each once (sorted, distinct), each unknown until now
+        if self._left <= 0:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Every record was classified (under ``_classifying``): count again (exactly,
+        once), and note the shape when all of them are raw records of one."""
+        self._left = int(np.count_nonzero(self._kind == UNKNOWN))
+        if self._left or not len(self._kind) or not (self._kind == RAW).all():
+            return
+        first = self._shape[0]
+        if (self._shape == first).all():
+            c, h, w = first.tolist()
+            self._raw_shape = (c, h, w)
 
     def _with_next(
         self, rows: npt.NDArray[np.intp], unknown: npt.NDArray[np.intp]
