@@ -286,6 +286,35 @@ def test_bench_sweep_points_by_name() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def test_gil_releases_counts_each_sample_s_caller_within_the_window() -> None:
+    """``bench/gil_releases.py`` reads ``perf script -F time,ip,sym``: per sample, the
+    frame under the probed function, only for samples inside the counted epochs."""
+    script = (
+        "100.000001: \n\t  24fcf0 PyEval_SaveThread\n\t  2d0325 posix_do_stat.constprop.0\n\n"
+        "100.500000: \n\t  24fcf0 PyEval_SaveThread\n\t  1a2b transform_rows\n"
+        "\t  99 cfunction_call\n\n"
+        "100.600000: \n\t  24fcf0 PyEval_SaveThread\n\t  1a2b transform_rows\n\n"
+        "100.700000: \n\t  24fcf0 PyEval_SaveThread\n\t  77 acquire_timed\n\n"
+        "101.500000: \n\t  24fcf0 PyEval_SaveThread\n\t  2d0325 _Py_fstat\n"
+    )
+    code = (
+        "import json, sys\n"
+        "import gil_releases\n"
+        "got = gil_releases.callers_of(sys.stdin.read(), 100.4, 101.0)\n"
+        "print(json.dumps(dict(got)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=BENCH,
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout) == {"transform_rows": 2, "acquire_timed": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_first_quick(tmp_path: Path) -> None:
