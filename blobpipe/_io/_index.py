@@ -46,6 +46,7 @@ __all__ = ["Located", "RecordIndex"]
 _AHEAD = 8192
 _AHEAD_BYTES = 8 << 20
 _RAW_KIND = np.int8(RAW)
+_SAME_SIZES = 16  # row counts whose broadcasts an index keeps
 
 
 class Located(NamedTuple):
@@ -102,6 +103,8 @@ class RecordIndex:
         # set once every record is known to be a raw one of this (C, H, W) (then never
         # unset: a record's kind and a raw one's fields do not change)
         self._raw_shape: tuple[int, int, int] | None = None
+        # then: kind, length and shape of n such rows, by n (read-only broadcasts)
+        self._same: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # one classify at a time (module docstring); a fork's child gets its own lock
         # (another thread of the parent may have held it at the fork)
         self._classifying = threading.Lock()
@@ -161,14 +164,19 @@ class RecordIndex:
         raw = self._raw_shape
         if raw is not None:
             n = len(rows)
+            same = self._same.get(n)
+            if same is None:  # (a few sizes: the batch's, a chunk's, the last batch's)
+                size = raw[0] * raw[1] * raw[2]
+                same = (
+                    np.broadcast_to(_RAW_KIND, n),
+                    np.broadcast_to(np.int64(size), n),
+                    np.broadcast_to(np.array(raw, np.int32), (n, 3)),
+                )
+                if len(self._same) < _SAME_SIZES:
+                    self._same[n] = same
+            kind, length, shape = same
             return Located(
-                self.buffer,
-                np.broadcast_to(_RAW_KIND, n),
-                self._offset[rows],
-                np.broadcast_to(np.int64(raw[0] * raw[1] * raw[2]), n),
-                np.broadcast_to(np.array(raw, np.int32), (n, 3)),
-                self._label[rows],
-                raw,
+                self.buffer, kind, self._offset[rows], length, shape, self._label[rows], raw
             )
         if (self._kind[rows] == UNKNOWN).any():
             if self._pid != os.getpid():
