@@ -20,17 +20,20 @@ from blobpipe._io._plan import read_only, span
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 1 << 40), st.integers(0, 1100))
+@given(st.integers(0, 1 << 40), st.integers(-3, 1100))
 def test_span_is_arange(a: int, n: int) -> None:
-    """Both sides of the 512 that a slice of the cached range covers."""
+    """Both sides of the 500 that a slice of the cached range covers (and an empty
+    span, whichever way round)."""
     got = span(a, a + n)
     want = np.arange(a, a + n, dtype=np.int64)
     assert got.dtype == np.int64 and got.shape == want.shape
+    for edge in (499, 500, 501):
+        np.testing.assert_array_equal(span(a, a + edge), np.arange(a, a + edge))
     np.testing.assert_array_equal(got, want)
     read_only(got)  # a new array each time: made read-only, nothing else is
     again = span(a, a + n)
     assert again.flags.writeable and again is not got
-    if n:
+    if n > 0:
         again[0] = -1  # writing one leaves the next span whole
         assert span(a, a + n)[0] == a
 

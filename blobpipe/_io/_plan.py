@@ -38,17 +38,18 @@ def read_only(array: _A) -> _A:
     return array
 
 
-#: 0, 1, 2... : :func:`span` adds its start to a slice of it
-_SPAN = np.arange(512, dtype=np.int64)
+#: 0, 1, 2... : :func:`span` adds its start to a slice of it (NumPy keeps the GIL in an
+#: addition of up to 500 elements)
+_SPAN = np.arange(500, dtype=np.int64)
 _SPAN.setflags(write=False)
 
 
 def span(a: int, b: int) -> npt.NDArray[np.int64]:
-    """``np.arange(a, b)`` as int64, made without releasing the GIL for spans of up
-    to 512 (NumPy's ``arange`` releases it to fill any array: a GIL hand-off to a
-    waiting thread, per batch; an addition of fewer than 500 elements keeps it)."""
+    """``np.arange(a, b)`` as int64, made without releasing the GIL for spans of up to
+    500 (NumPy's ``arange`` releases it to fill any array: a GIL hand-off to a waiting
+    thread, once a batch)."""
     n = b - a
-    if n <= len(_SPAN):
+    if 0 <= n <= len(_SPAN):
         return _SPAN[:n] + a
     return np.arange(a, b, dtype=np.int64)
 
