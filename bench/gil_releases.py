@@ -8,7 +8,8 @@ and when the other thread wins it the releasing one sleeps until the other lets 
 of µs on a VM; ``docs/design.md``, "Per-batch Python keeps the GIL"). So a filler should
 release it once a batch (a chunk of small batches), in the kernel or decoder call, and
 the consumer when it waits for a batch. This counts every ``PyEval_SaveThread`` call
-(every ``Py_BEGIN_ALLOW_THREADS``) with a ``perf`` uprobe on libpython, in later epochs
+(every ``Py_BEGIN_ALLOW_THREADS``) with a ``perf`` uprobe on libpython (added for the run,
+removed after unless it was there before), in later epochs
 of a Loader (device "cpu", blocking form unless ``--async``) on the sweep's databases,
 and prints them per batch by the C function that released it: the kernel
 (``transform_rows``, ``decode_*``), lock waits (``acquire_timed``: the consumer waiting
@@ -90,12 +91,21 @@ def libpython() -> str:
     raise SystemExit("this Python links libpython statically: nothing to probe")
 
 
-def add_probe(lib: str) -> None:
+def add_probe(lib: str) -> bool:
+    """The uprobe on ``lib``'s ``PyEval_SaveThread``; True when this call added it (then
+    :func:`remove_probe` takes it away again), False when it was there."""
     done = subprocess.run(
         ["perf", "probe", "-x", lib, "-a", "PyEval_SaveThread"], capture_output=True, text=True
     )
-    if done.returncode and "already exists" not in done.stderr:
+    if done.returncode and "already exists" in done.stderr:
+        return False
+    if done.returncode:
         raise SystemExit(f"perf probe failed (needs root and uprobes): {done.stderr.strip()}")
+    return True
+
+
+def remove_probe() -> None:
+    subprocess.run(["perf", "probe", "-d", EVENT], capture_output=True, text=True)
 
 
 def count(
@@ -160,7 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     parser.add_argument("--top", type=int, default=8, help="callers shown per point (0: all)")
     args = parser.parse_args(argv)
-    add_probe(libpython())
+    added = add_probe(libpython())
+    try:
+        report(args)
+    finally:
+        if added:
+            remove_probe()
+    return 0
+
+
+def report(args: argparse.Namespace) -> None:
     form = "async for" if args.use_async else "for"
     print(
         f"GIL releases per batch by caller: Loader ({args.workers} workers, {form}), "
@@ -174,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{point.name}: {total / n:.2f} a batch ({got['batches']} batches)")
         for caller, k in got["callers"].most_common(args.top or None):
             print(f"  {k / n:6.2f}  {caller}")
-    return 0
 
 
 if __name__ == "__main__":
