@@ -1,5 +1,5 @@
-"""Per-batch Python keeps the GIL outside the kernel (``docs/design.md``, "The GIL
-budget"): the helpers that replace the NumPy and OS calls that release it for a few
+"""Per-batch Python keeps the GIL outside the kernel (``docs/design.md``, "Per-batch
+Python keeps the GIL"): the helpers that replace the NumPy and OS calls that release it for a few
 microseconds (``np.arange``, a gather of rows of a 2-D array, ``mmap.size``/``os.fstat``)
 give the same results as those calls, in every case a batch can hand them."""
 
