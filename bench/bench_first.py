@@ -45,7 +45,6 @@ its range) against the A/A control's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -208,9 +207,7 @@ def measure(
 ) -> dict[str, list[dict[str, float]]]:
     prepared = prepare(bs.db_spec(point, quick), root)
     warm_page_cache(prepared)
-    recipe = point.recipe
-    if recipe.mean_file is not None:
-        recipe = dataclasses.replace(recipe, mean_file=prepared.mean_file)
+    recipe = bs.recipe_for(point, prepared)
     spec = {
         "name": point.name,
         "db": str(prepared.first),

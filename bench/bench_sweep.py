@@ -259,10 +259,16 @@ def db_spec(point: Point, quick: bool) -> DbSpec:
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def build(point: Point, prepared: Any, host: cs.AsyncHost) -> bw.Run:
+def recipe_for(point: Point, prepared: Any) -> cs.Recipe:
+    """``point``'s recipe over its prepared database (the mean file made with it)."""
     recipe = point.recipe
     if recipe.mean_file is not None:
         recipe = dataclasses.replace(recipe, mean_file=prepared.mean_file)
+    return recipe
+
+
+def build(point: Point, prepared: Any, host: cs.AsyncHost) -> bw.Run:
+    recipe = recipe_for(point, prepared)
     files = cs.Files(loader=prepared.path, first=prepared.first, plain=prepared.copy)
     out = recipe.out_shape(*point.shape)
     rows = [bw.Row(make(key, files, recipe, out, host)) for key in KEYS]

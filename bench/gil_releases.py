@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -113,9 +112,7 @@ def count(
 ) -> dict[str, Any]:
     prepared = prepare(bs.db_spec(point, False), root)
     warm_page_cache(prepared)
-    recipe = point.recipe
-    if recipe.mean_file is not None:
-        recipe = dataclasses.replace(recipe, mean_file=prepared.mean_file)
+    recipe = bs.recipe_for(point, prepared)
     spec = {
         "db": str(prepared.path),
         "recipe": recipe.to_doc(),

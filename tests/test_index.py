@@ -781,29 +781,27 @@ def _index_over(tmp_path: Path, values: list[bytes]) -> Any:
     return index_module.RecordIndex(file, extents.offsets, extents.lengths)
 
 
-@pytest.mark.parametrize(
-    "odd",
-    [None, "other shape", "bad", "encoded", "float"],
-)
+@pytest.mark.parametrize("at", [0, 77, 199])
+@pytest.mark.parametrize("odd", [None, "other shape", "bad", "encoded", "float"])
 def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
-    tmp_path: Path, odd: str | None
+    tmp_path: Path, odd: str | None, at: int
 ) -> None:
     """Once every record is classified and all are raw of one shape, ``locate``
     gathers only offsets and labels and says the shape (``raw_shape``), with the same
-    rows it gave before; one record of another kind or shape anywhere (here the
-    last, classified last) keeps the per-row path."""
+    rows it gave before; one record of another kind or shape anywhere (the first, one
+    in the middle, the last: classified first, among, last) keeps the per-row path."""
     shape = (3, 10, 12)
     values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
     if odd == "other shape":
-        values[-1] = blobpipe.encode_raw_datum(image(199, (3, 10, 11)), 199)
+        values[at] = blobpipe.encode_raw_datum(image(at, (3, 10, 11)), at)
     elif odd == "bad":
-        values[-1] = b"\xff\xff not a Datum"
+        values[at] = b"\xff\xff not a Datum"
     elif odd == "encoded":
         ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
         assert ok
-        values[-1] = blobpipe.encode_encoded_datum(buf.tobytes(), 199)
+        values[at] = blobpipe.encode_encoded_datum(buf.tobytes(), at)
     elif odd == "float":
-        values[-1] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), 199)
+        values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
     index = _index_over(tmp_path, values)
     rows = np.array([5, 150, 5, 199, 0], np.intp)
     before = index.locate(rows)  # classifies these rows only

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 import blobpipe
 from blobpipe import Batches, LmdbReader
 from blobpipe._io import _readahead
-from blobpipe._io._lmdb import _open_same
+from blobpipe._io._lmdbenv import open_same
 from blobpipe._io._readahead import (
     AHEAD_BYTES,
     AHEAD_BYTES_MAX,
@@ -259,20 +259,20 @@ def test_opening_the_file_again_refuses_another_file_and_never_blocks(tmp_path: 
     path = tmp_path / "data.mdb"
     path.write_bytes(b"x" * 10)
     st = os.stat(path)
-    fd = _open_same(str(path), (st.st_dev, st.st_ino))
+    fd = open_same(str(path), (st.st_dev, st.st_ino))
     assert fd is not None
     os.close(fd)
     held = os.open(path, os.O_RDONLY)  # as a reader's map holds it: its inode stays taken
     try:
         path.unlink()
         path.write_bytes(b"y" * 10)  # replaced: another inode
-        assert _open_same(str(path), (st.st_dev, st.st_ino)) is None
+        assert open_same(str(path), (st.st_dev, st.st_ino)) is None
         path.unlink()
         os.mkfifo(path)  # a FIFO in its place: opened without waiting for a writer, refused
         t0 = time.monotonic()
-        assert _open_same(str(path), (st.st_dev, st.st_ino)) is None
+        assert open_same(str(path), (st.st_dev, st.st_ino)) is None
         assert time.monotonic() - t0 < 1
-        assert _open_same(str(tmp_path / "gone"), (st.st_dev, st.st_ino)) is None
+        assert open_same(str(tmp_path / "gone"), (st.st_dev, st.st_ino)) is None
     finally:
         os.close(held)
 

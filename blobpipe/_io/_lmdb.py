@@ -427,7 +427,7 @@ class LmdbReader:
         shared = self._shared
         if shared.map is None:
             return None
-        opener = functools.partial(_open_same, shared.data_file, shared.file_id)
+        opener = functools.partial(envs.open_same, shared.data_file, shared.file_id)
         made = Advisor(opener, len(shared.map))
         self._advisors.add(made)
         return made
@@ -638,24 +638,6 @@ class LmdbReader:
             if txn is not None and generation == envs.REGISTRY.generation:
                 txn.abort()
             self._exit(generation)
-
-
-def _open_same(path: str, file_id: tuple[int, int]) -> int | None:
-    """A descriptor of ``path`` when it is still the file ``file_id`` (device, inode),
-    else None: never blocks (a FIFO put in its place is opened non-blocking, then
-    refused)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if st is None or (st.st_dev, st.st_ino) != file_id:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _open_reader(path: str, readahead: bool, index: IndexPlace = "cache") -> LmdbReader:

@@ -48,7 +48,7 @@ from ._indexcache import IndexPlace, tree_of
 from ._lmdbfile import Damaged, NamedDatabases, Tree, Unsupported, picked_meta
 from ._readahead import random_access, will_need
 
-__all__ = ["REGISTRY", "SharedEnv", "acquire", "acquire_locked", "release"]
+__all__ = ["REGISTRY", "SharedEnv", "acquire", "acquire_locked", "open_same", "release"]
 
 # With lock=False LMDB keeps no reader table, so this bounds nothing at run time; it
 # is only what LMDB would allocate if the flag were ever dropped.
@@ -101,7 +101,7 @@ class SharedEnv:
         # the data file, open while it is mapped: shrunk()'s fstat without the GIL
         # released (None: mmap.size(), which releases it)
         self.fd = (
-            _open_same(data_file, file_id)
+            open_same(data_file, file_id)
             if self.map is not None and _file_size is not None
             else None
         )
@@ -147,11 +147,12 @@ class SharedEnv:
                 mapped.close()
 
 
-def _open_same(path: str, file_id: _FileId) -> int | None:
-    """A descriptor of ``path`` while it is still the file ``file_id`` (the one mapped),
-    else None."""
+def open_same(path: str, file_id: _FileId) -> int | None:
+    """A descriptor of ``path`` when it is still the file ``file_id`` (device, inode),
+    else None: never blocks (a FIFO put in its place is opened non-blocking, then
+    refused)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
