@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ from blobpipe._io._plan import merged
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
-from tests._helpers import image, raw_db, write_lmdb
+from tests._helpers import encoded_db, image, raw_db, write_lmdb
 from tests.conftest import REF_CASES
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
@@ -715,6 +716,55 @@ def test_bad_record_fails_its_batch_only(tmp_path: Path) -> None:
     assert labels(got) == [[0, 1], [2, 3]]
 
 
+def _same_plans(got: Any, want: Any) -> None:
+    """Every field of two plans (or both None) is equal; per-row arrays read-only."""
+    if want is None or got is None:
+        assert want is got
+        return
+    assert got.keys == want.keys and got.state == want.state
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name in ("key_source", "state_source"):
+            continue
+        if f.name == "extra":
+            assert [n for n, _ in a] == [n for n, _ in b]
+            for (_, x), (_, y) in zip(a, b, strict=True):
+                _same_plans(x, y)
+        elif f.name == "first_decoded":
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert np.array_equal(a[0], b[0]) and a[1] == b[1]
+        elif isinstance(b, np.ndarray):
+            assert np.array_equal(a, b) and not a.flags.writeable, f.name
+        else:
+            assert a == b, f.name
+
+
+def _mixed_db(tmp_path: Path) -> Path:
+    """10 raw records; 3, 4 and 8 of another shape: chunks whose batches differ."""
+    return write_lmdb(
+        tmp_path / "mixed",
+        (
+            (
+                f"{i:08d}".encode(),
+                raw_datum(image(i, (3, 4, 5) if i in (3, 4, 8) else (3, 6, 8)), i),
+            )
+            for i in range(10)
+        ),
+    )
+
+
+def _encoded_db(tmp_path: Path) -> Path:
+    return encoded_db(tmp_path / "png", 10, ".png", shape=(3, 6, 8))
+
+
+def _two_sources(tmp_path: Path) -> dict[str, Path]:
+    return {
+        "data": raw_db(tmp_path / "a", 10, (3, 6, 8)),
+        "label": raw_db(tmp_path / "b", 10, (1, 2, 2)),
+    }
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
 @pytest.mark.parametrize(
     "options",
@@ -727,11 +777,24 @@ def test_bad_record_fails_its_batch_only(tmp_path: Path) -> None:
         {"mode": "wrap", "order": "shuffle", "seed": 3, "transform": Transform(mirror=True)},
     ],
 )
-def test_next_plans_are_next_plan_in_steps(db10: Path, count: int, options: dict[str, Any]) -> None:
-    """``next_plans(k)`` makes the plans ``k`` calls of ``next_plan`` make, stopping
-    after an epoch's end, across epochs, padding and dropped tails."""
-    with Batches(db10, 3, phase="train", **options) as one, Batches(
-        db10, 3, phase="train", **options
+@pytest.mark.parametrize("source", ["raw", "mixed shapes", "encoded", "two sources"])
+def test_next_plans_are_next_plan_in_steps(
+    db10: Path, tmp_path: Path, count: int, options: dict[str, Any], source: str
+) -> None:
+    """``next_plans(k)`` makes the plans ``k`` calls of ``next_plan`` make, every field,
+    stopping after an epoch's end, across epochs, padding and dropped tails; over
+    records of one shape, of two shapes (the batches of a call differ), encoded ones
+    (each batch decodes its first record) and two sources read in lockstep."""
+    src: Any = {
+        "raw": lambda: db10,
+        "mixed shapes": lambda: _mixed_db(tmp_path),
+        "encoded": lambda: _encoded_db(tmp_path),
+        "two sources": lambda: _two_sources(tmp_path),
+    }[source]()
+    if source == "two sources" and "transform" in options:
+        options = {**options, "transform": {"data": options["transform"]}}
+    with Batches(src, 3, phase="train", **options) as one, Batches(
+        src, 3, phase="train", **options
     ) as many:  # fmt: skip
         want = [one.next_plan() for _ in range(12)]
         got: list[Any] = []
@@ -741,18 +804,7 @@ def test_next_plans_are_next_plan_in_steps(db10: Path, count: int, options: dict
             assert all(p is not None for p in step[:-1])  # None only last
             got += step
         for w, g in zip(want, got, strict=False):
-            if w is None or g is None:
-                assert w is g
-                continue
-            assert g.keys == w.keys and g.valid == w.valid and g.state == w.state
-            for field in ("indices", "epochs", "positions", "words"):
-                a, b = getattr(g, field), getattr(w, field)
-                assert np.array_equal(a, b) and not a.flags.writeable, field
-            assert (g.record_shape, g.data_shape, g.dtype) == (
-                w.record_shape,
-                w.data_shape,
-                w.dtype,
-            )
+            _same_plans(g, w)
         assert many.state_dict() == one.state_dict() or len(got) > 12
 
 
@@ -1601,3 +1653,55 @@ def test_scattered_raw_rows_equal_rows_one_at_a_time(
     assert np.array_equal(
         np.concatenate([x.data for x in many]), np.concatenate([x.data for x in one])
     )
+
+
+def test_with_rows_is_replace(db10: Path) -> None:
+    """``BatchPlan.with_rows`` (no ``__init__``) makes the plan ``dataclasses.replace``
+    makes, with neither the other plan's cached keys and state nor its decoded first
+    record."""
+    with Batches(_encoded_db_at(db10.parent), 3) as b:
+        first, second = b.next_plans(2)
+    assert first is not None and second is not None and first.first_decoded is not None
+    first.keys, first.state  # noqa: B018 - cached in the plan
+    made = first.with_rows(
+        second.key_source, second.indices, second.epochs, second.positions, second.words,
+        second.valid, second.state_source,
+    )  # fmt: skip
+    want = dataclasses.replace(
+        first, key_source=second.key_source, indices=second.indices, epochs=second.epochs,
+        positions=second.positions, words=second.words, valid=second.valid,
+        state_source=second.state_source, first_decoded=None,
+    )  # fmt: skip
+    assert "_keys" not in made.__dict__ and "_state" not in made.__dict__
+    _same_plans(made, want)
+    assert made.keys == second.keys != first.keys and made.state == second.state
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.valid = 1  # type: ignore[misc]
+
+
+def _encoded_db_at(where: Path) -> Path:
+    return encoded_db(where / "png_at", 10, ".png", shape=(3, 6, 8))
+
+
+@pytest.mark.parametrize(
+    ("options", "calls"),
+    [
+        ({"mode": "epoch", "last": "keep"}, [(0, 0, 9), (0, 9, 10)]),
+        ({"mode": "epoch", "last": "pad"}, [(0, 0, 9), (0, 9, 10), (0, 0, 2)]),
+        ({"mode": "wrap"}, [(0, 0, 9), (0, 9, 10), (1, 0, 8)]),
+    ],
+)
+def test_next_plans_tells_the_read_ahead_once_a_stretch(
+    db10: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], calls: list[Any]
+) -> None:
+    """A call planning consecutive batches tells the read-ahead once for their positions
+    together (not once a batch), and again only where positions jump: a padded tail
+    back to the epoch's start, a batch running into the next epoch."""
+    from blobpipe._io._readahead import ReadAhead
+
+    seen: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(ReadAhead, "planned", lambda self, order, e, a, b: seen.append((e, a, b)))
+    with Batches(db10, 3, **options) as b:
+        b.next_plans(3)  # rows 0-8
+        b.next_plans(3 if options["mode"] == "wrap" else 2)  # the tail (wrap: and 3 more)
+    assert seen == calls

@@ -388,17 +388,21 @@ class Batches:
             if step is None:
                 break
             steps.append((*step, (self._epoch, self._pos, self._end_pending)))
+        self._request_ahead([runs for runs, _, _ in steps])
         plans: list[BatchPlan | None] = []
         rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
+        like: BatchPlan | None = None
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
             try:
-                plans.append(self._plan(valid, after, *arrays))
+                plan = self._plan(valid, after, arrays, like)
             except Exception as exc:
                 self._epoch, self._pos, self._end_pending = after  # past the failing batch
                 if k == 0:
                     raise
                 self._deferred = exc
                 return plans
+            plans.append(plan)
+            like = like or plan
         if len(steps) < count:
             plans.append(None)
         return plans
@@ -415,30 +419,65 @@ class Batches:
         self._epoch, self._pos, self._end_pending = step.epoch, step.pos, step.end
         if not step.runs:  # a tail shorter than a batch, dropped
             return None
-        e, a, b = step.runs[-1]
-        for ahead in self._ahead:
-            ahead.planned(self._epochs.order(e), e, a, b)
         return step.runs, step.valid
+
+    def _request_ahead(self, batches: list[list[Run]]) -> None:
+        """Tell the read-ahead that ``batches`` (their runs, in plan order) were planned:
+        once for each stretch of consecutive positions of one epoch (a chunk of
+        batches is one request, not one a batch)."""
+        if not self._ahead or not batches:
+            return
+        stretches: list[list[int]] = []
+        for runs in batches:
+            for e, a, b in runs:
+                last = stretches[-1] if stretches else None
+                if last is not None and last[0] == e and last[2] == a:
+                    last[2] = b
+                else:
+                    stretches.append([e, a, b])
+        for e, a, b in stretches:
+            order = self._epochs.order(e)
+            for ahead in self._ahead:
+                ahead.planned(order, e, a, b)
 
     def _plan(
         self,
         valid: int,
         after: tuple[int, int, bool],
-        indices: np.ndarray,
-        epochs: np.ndarray,
-        positions: np.ndarray,
-        words: np.ndarray,
+        rows: tuple[np.ndarray, ...],
+        like: BatchPlan | None = None,
     ) -> BatchPlan:
-        """The plan of one batch: its rows, ``valid`` real ones, and the cursor
-        ``after`` it (the resume state); reads its first record to learn its shape."""
+        """The plan of one batch: its ``rows`` (indices, epochs, positions and words,
+        as :func:`row_arrays` makes them), ``valid`` real ones, and the cursor ``after``
+        it (the resume state); reads its first record to learn its shape.
+
+        ``like``: the plan of an earlier batch of the same call; a batch of one source
+        whose first record has that plan's shape, with as many rows, is made from it
+        (:meth:`BatchPlan.with_rows`: its shapes and checks hold for this one)."""
+        indices, epochs, positions, words = rows
         state = self._state_at(after[0], after[1])
         keys = key_source(self._keys, indices)
         first = int(indices[0])
-        plans = []
         random = self._random
-        for k, src in enumerate(self._sources):
+        sources = self._sources
+        head = sources[0]
+        record_shape, decoded = head.filler.first(first)
+        if (
+            like is not None
+            and decoded is None
+            and len(sources) == 1
+            and record_shape == like.record_shape
+            and len(indices) == len(like)
+        ):
+            return like.with_rows(
+                keys, indices, epochs, positions, head.words(words) if random else words,
+                valid, state,
+            )  # fmt: skip
+        plans = []
+        for k, src in enumerate(sources):
             filler = src.filler
-            record_shape, decoded = filler.first(first)
+            if k:
+                record_shape, decoded = filler.first(first)
             cache_key = (k, record_shape)
             out = self._out_shapes.get(cache_key)
             if out is None:  # checks it against the transform

@@ -140,6 +140,8 @@ class RecordIndex:
 
     def shape_of(self, i: int) -> tuple[int, int, int] | None:
         """The ``(C, H, W)`` record ``i`` yields, if known."""
+        if self._raw_shape is not None:  # every record's (no lookup: once a batch)
+            return self._raw_shape
         if self._shape[i, 0]:
             c, h, w = self._shape[i].tolist()
             return (c, h, w)

@@ -54,10 +54,12 @@ from ._lmdbfile import Extents, current_txnid, extents_of
 from ._readahead import (
     AHEAD_GROUP_BYTES,
     AHEAD_JOIN_GAP,
+    SAMPLE,
     Advisor,
     advice_cap,
     advise_pieces,
     evict_file,
+    missing,
     pieces,
     uncached,
 )
@@ -386,9 +388,17 @@ class LmdbReader:
         sizes = tree.lengths[idx].astype(np.int64)
         total = np.cumsum(sizes)
         count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
+        own = shared.mapped
+        if (
+            own is not None
+            and count > SAMPLE
+            and not missing(own, starts[:count], sizes[:count]).any()
+        ):
+            # a warm epoch (the sample of the records is cached): nothing to request, and
+            # no ranges to sort and join (a file's epoch: a millisecond per 20,000 records)
+            return count, int(total[count - 1])
         stops = starts + sizes
         cap = self._advice_cap()
-        own = shared.mapped
         first = count if advisor is None else min(max(0, now), count)
         if first:
             at, length = pieces(starts[:first], stops[:first], gap=AHEAD_JOIN_GAP, cap=cap)

@@ -160,6 +160,38 @@ class BatchPlan:
         """The epoch of the first row."""
         return int(self.epochs[0])
 
+    def with_rows(
+        self,
+        key_source: Callable[[], tuple[bytes, ...]],
+        indices: npt.NDArray[np.int64],
+        epochs: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        words: npt.NDArray[np.uint64],
+        valid: int,
+        state_source: Callable[[], dict[str, Any]],
+    ) -> BatchPlan:
+        """The plan of another batch of as many rows, whose first record has this
+        plan's shape, of the same single source: these per-row fields, ``valid`` and
+        ``state_source`` replaced, everything else (shapes, dtypes, source) this
+        plan's, and no decoded first record.
+
+        Made without the dataclass's ``__init__`` (a frozen one's costs about 2 µs,
+        once a batch, in the planner's thread); ``dataclasses.replace`` makes the
+        same plan.
+        """
+        if len(indices) != len(self.indices) or self.extra:  # pragma: no cover - guarded
+            raise ValueError("with_rows: a plan of one source and as many rows")
+        fields = self.__dict__.copy()
+        fields.pop("_keys", None)  # the caches of this plan's keys and state
+        fields.pop("_state", None)
+        fields.update(
+            key_source=key_source, indices=indices, epochs=epochs, positions=positions,
+            words=words, valid=valid, state_source=state_source, first_decoded=None,
+        )  # fmt: skip
+        plan = object.__new__(BatchPlan)
+        object.__setattr__(plan, "__dict__", fields)
+        return plan
+
 
 @dataclass(frozen=True, eq=False)
 class ArrayBatch:

@@ -45,6 +45,7 @@ __all__ = [
     "AHEAD_MEMORY_SHARE",
     "AHEAD_RECORDS",
     "AHEAD_RECORDS_SMALL",
+    "SAMPLE",
     "Advisor",
     "ReadAhead",
     "Requester",
@@ -313,7 +314,7 @@ def will_need(mapped: mmap.mmap) -> Callable[[npt.NDArray[np.int64], int], None]
 
 # How many ranges :func:`missing` looks at, spread over them: when all of these are
 # cached (a warm epoch), so are taken to be the others.
-_SAMPLE = 32
+SAMPLE = 32
 _mincore: Callable[[int, int, int], int] | None = None
 _mincore_tried = False
 
@@ -346,7 +347,7 @@ def missing(
     (``mincore``, which looks pages up and faults nothing in: a file cut short meanwhile
     is no hazard). A range past the file's end, or where ``mincore`` is missing, counts
     as missing. The kernel's cost is per page looked up (~0.2 µs: a 400 MB span would
-    take 20 ms), so two pages a range, and of more than :data:`_SAMPLE` ranges only
+    take 20 ms), so two pages a range, and of more than :data:`SAMPLE` ranges only
     that many, spread over them: all cached (a warm epoch), all are taken to be; else
     none is (a hint too many costs a lookup in the thread, a hint too few a wait)."""
     n = len(offsets)
@@ -358,22 +359,25 @@ def missing(
     base = int(mapped.ctypes.data)
     vec = np.zeros(1, np.uint8)
     address = int(vec.ctypes.data)
-    head = np.asarray(offsets, np.int64) // _PAGE
-    tail = (np.minimum(np.asarray(offsets, np.int64) + lengths, size) - 1) // _PAGE
+    # the ranges looked at: all, or SAMPLE spread over them (only their pages computed)
+    picks = np.arange(n) if n <= SAMPLE else np.linspace(0, n - 1, SAMPLE).astype(np.int64)
+    at = np.asarray(offsets, np.int64)[picks]
+    head = at // _PAGE
+    tail = (np.minimum(at + np.asarray(lengths, np.int64)[picks], size) - 1) // _PAGE
     end = (size - 1) // _PAGE
 
-    def absent(i: int) -> bool:
-        for page in {int(head[i]), int(tail[i])}:
+    def absent(k: int) -> bool:
+        for page in {int(head[k]), int(tail[k])}:
             if page > end or page < 0 or call(base + page * _PAGE, _PAGE, address):
                 return True
             if not vec[0] & 1:
                 return True
         return False
 
-    if n <= _SAMPLE:
+    if n <= SAMPLE:
         for i in range(n):
             out[i] = absent(i)
-    elif not any(absent(i) for i in np.linspace(0, n - 1, _SAMPLE).astype(np.int64).tolist()):
+    elif not any(absent(k) for k in range(SAMPLE)):
         out[:] = False
     return out
 
