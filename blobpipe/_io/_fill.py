@@ -376,6 +376,8 @@ class Filler:
             outs = [part.data for _, part in spans]
             kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec)
             for a, part in spans:  # one kernel call for every part, or each part here
+                if kernel and part.geometry is None:
+                    continue  # written, and no crops to keep (a slice costs a microsecond)
                 m = len(part.label)
                 g = geometry if m == n else geometry.take(slice(a, a + m))
                 if not kernel:
