@@ -20,14 +20,14 @@ from blobpipe._io._plan import read_only, span
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 1 << 40), st.integers(-3, 1100))
+@given(st.integers(0, 1 << 40), st.integers(-3, 4100))
 def test_span_is_arange(a: int, n: int) -> None:
-    """Both sides of the 500 that a slice of the cached range covers (and an empty
-    span, whichever way round)."""
+    """Both sides of the 500 that a slice of the cached range covers, of the 4,000
+    made in additions of 500 (and an empty span, whichever way round)."""
     got = span(a, a + n)
     want = np.arange(a, a + n, dtype=np.int64)
     assert got.dtype == np.int64 and got.shape == want.shape
-    for edge in (499, 500, 501):
+    for edge in (499, 500, 501, 999, 1000, 1001, 3999, 4000, 4001):
         np.testing.assert_array_equal(span(a, a + edge), np.arange(a, a + edge))
     np.testing.assert_array_equal(got, want)
     read_only(got)  # a new array each time: made read-only, nothing else is
@@ -102,3 +102,96 @@ def test_an_open_reader_holds_its_data_file_open_until_the_last_one_closes(
     # closed: the number is free, or another file's now
     link = Path(f"/proc/self/fd/{fd}")
     assert not link.exists() or os.stat(link).st_ino != data.st_ino
+
+
+@pytest.mark.skipif(row_kernel() is None, reason="the compiled row kernel is not built here")
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(-(2**64), 2**70),
+    epoch=st.integers(0, 2**40),
+    indices=st.lists(st.integers(0, 2**62), min_size=0, max_size=1200),
+)
+def test_an_epochs_words_from_the_kernel_are_numpys(
+    seed: int, epoch: int, indices: list[int]
+) -> None:
+    """An epoch's words drawn in C (the GIL kept) equal NumPy's and the scalar
+    ``draw_word``, on both sides of the 500 records where NumPy releases the GIL."""
+    from blobpipe._io import _kernels
+
+    at = np.array(indices, np.int64)
+    got = _kernels.draw_words(seed, epoch, at)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_kernels, "_rowkernel", None)  # NumPy's arithmetic
+        want = _kernels.draw_words(seed, epoch, at)
+    assert got.dtype == np.uint64 and np.array_equal(got, want)
+    assert got.tolist()[:3] == [_kernels.draw_word(seed, epoch, i) for i in indices[:3]]
+
+
+@pytest.mark.skipif(row_kernel() is None, reason="the compiled row kernel is not built here")
+def test_draw_words_in_c_checks_its_arrays() -> None:
+    kernel = row_kernel()
+    at = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="int64"):
+        kernel.draw_words(0, 0, at.astype(np.int32), np.empty(4, np.uint64))
+    with pytest.raises(ValueError, match="uint64"):
+        kernel.draw_words(0, 0, at, np.empty(4, np.int64))
+    with pytest.raises(ValueError, match="one item per index"):
+        kernel.draw_words(0, 0, at, np.empty(3, np.uint64))
+    with pytest.raises(TypeError, match="writable"):
+        kernel.draw_words(0, 0, at, read_only(np.empty(4, np.uint64)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernel.draw_words(0, 0, np.arange(8, dtype=np.int64)[::2], np.empty(4, np.uint64))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([np.int64, np.int32, np.uint64, np.float32]),
+    st.integers(1, 3000),
+    st.lists(st.integers(0, 2999), min_size=0, max_size=1500),
+)
+def test_gather_is_numpys_take(dtype: type, n: int, rows: list[int]) -> None:
+    """The index's gather (the row kernel's ``take`` beyond 500 rows) gives
+    ``src[rows]``: every item size it takes, both sides of 500 rows."""
+    from blobpipe._io._index import gather
+
+    src = np.arange(n).astype(dtype) * 3
+    at = np.array([r % n for r in rows], np.intp)
+    got = gather(src, at)
+    assert got.dtype == src.dtype and np.array_equal(got, src[at])
+
+
+def test_take_in_c_checks_its_arrays() -> None:
+    kernel = _kernel_or_skip()
+    src = np.arange(10, dtype=np.int64)
+    with pytest.raises(IndexError, match="row 1 is 10"):
+        kernel.take(src, np.array([0, 10], np.intp), np.empty(2, np.int64))  # type: ignore[attr-defined]
+    with pytest.raises(IndexError, match="row 0 is -1"):
+        kernel.take(src, np.array([-1], np.intp), np.empty(1, np.int64))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="4 or 8 bytes"):
+        kernel.take(src.astype(np.int16), np.array([0], np.intp), np.empty(1, np.int16))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="the same in both"):
+        kernel.take(src, np.array([0], np.intp), np.empty(1, np.int32))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="one item per row"):
+        kernel.take(src, np.array([0, 1], np.intp), np.empty(3, np.int64))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="intp"):
+        kernel.take(src, np.array([0], np.int32), np.empty(1, np.int64))  # type: ignore[attr-defined]
+
+
+@given(st.integers(0, 5000), st.integers(-(2**62), 2**62))
+def test_column_and_zero_words_are_full_and_zeros(n: int, value: int) -> None:
+    """A plan's epochs column and zero words equal ``np.full`` and ``np.zeros``, are
+    read-only, and a later longer request leaves earlier zero words intact."""
+    from blobpipe._io._kernels import shared_zeros
+    from blobpipe._io._plan import column
+
+    def zero_words(k: int) -> np.ndarray:
+        return shared_zeros(k, np.uint64)
+
+    col = column(n, value)
+    assert col.dtype == np.int64 and np.array_equal(col, np.full(n, value, np.int64))
+    assert not col.flags.writeable
+    zeros = zero_words(n)
+    assert zeros.dtype == np.uint64 and zeros.flags.c_contiguous and not zeros.flags.writeable
+    assert np.array_equal(zeros, np.zeros(n, np.uint64))
+    longer = zero_words(2 * n + 7)
+    assert len(longer) == 2 * n + 7 and not longer.any() and not zeros.any()

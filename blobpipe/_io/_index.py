@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from ._kernels import row_kernel
 from ._lmdbfile import picked_meta
 from ._records import BAD, RAW, UNKNOWN, classify
 
@@ -47,6 +48,20 @@ _AHEAD = 8192
 _AHEAD_BYTES = 8 << 20
 _RAW_KIND = np.int8(RAW)
 _SAME_SIZES = 16  # row counts whose broadcasts an index keeps
+# NumPy releases the GIL to gather more items than this (a hand-off to a waiting thread)
+_GATHER_KEEPS_GIL = 500
+
+
+def gather(src: np.ndarray, rows: npt.NDArray[np.intp]) -> np.ndarray:
+    """``src[rows]`` for a 1-D array of 4- or 8-byte items, gathered without releasing
+    the GIL: by the compiled row kernel for more rows than NumPy gathers holding it
+    (a chunk's offsets and labels), where it is built."""
+    kernel = row_kernel()
+    if kernel is None or len(rows) <= _GATHER_KEEPS_GIL:
+        return src[rows]
+    out = np.empty(len(rows), src.dtype)
+    kernel.take(src, np.ascontiguousarray(rows, np.intp), out)
+    return out
 
 
 class Located(NamedTuple):
@@ -178,8 +193,9 @@ class RecordIndex:
                     self._same[n] = same
             kind, length, shape = same
             return Located(
-                self.buffer, kind, self._offset[rows], length, shape, self._label[rows], raw
-            )
+                self.buffer, kind, gather(self._offset, rows), length, shape,
+                gather(self._label, rows), raw,
+            )  # fmt: skip
         if (self._kind[rows] == UNKNOWN).any():
             if self._pid != os.getpid():
                 self._classifying, self._pid = threading.Lock(), os.getpid()

@@ -59,6 +59,7 @@ __all__ = [
     "draw_words",
     "mix_words",
     "prefers_block",
+    "shared_zeros",
 ]
 
 Layout = Literal["NCHW", "NHWC"]
@@ -105,7 +106,18 @@ def draw_word(seed: int, epoch: int, index: int) -> int:
 
 
 def draw_words(seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike) -> npt.NDArray[np.uint64]:
-    """:func:`draw_word` for many records at once (equal word for word)."""
+    """:func:`draw_word` for many records at once (equal word for word).
+
+    An epoch's words (one epoch, a 1-D array of indices) come from the compiled row
+    kernel where it is built, holding the GIL (NumPy releases it in each of the thirty
+    steps over more than 500 records: a hand-off to a waiting filler each)."""
+    kernel = row_kernel()
+    if kernel is not None and isinstance(epochs, (int, np.integer)):
+        at = np.ascontiguousarray(indices, dtype=np.int64)
+        if at.ndim == 1:
+            out = np.empty(len(at), _U64)
+            kernel.draw_words(seed & _M64, int(epochs) & _M64, at, out)
+            return out
     e = np.asarray(epochs, dtype=np.int64).astype(_U64)
     i = np.asarray(indices, dtype=np.int64).astype(_U64)
     s = np.full(np.broadcast(e, i).shape, seed & _M64, dtype=_U64)
@@ -201,6 +213,23 @@ def check_geometry_out(geometry: object, n: int) -> None:
             raise ArgumentError(f"geometry_out.{name} is read-only; fill writes into it")
 
 
+_ZEROS: dict[np.dtype[Any], np.ndarray] = {}
+
+
+def shared_zeros(n: int, dtype: npt.DTypeLike) -> np.ndarray:
+    """``n`` zeros of ``dtype``, read-only and contiguous: a slice of one array per
+    dtype, kept for the largest ``n`` asked (a fresh zeroed array of a chunk's rows
+    comes from ``calloc`` with the GIL released: a hand-off to a waiting thread, once
+    a chunk). For arrays that are only read: a plan's words, no crop's offsets."""
+    kind = np.dtype(dtype)
+    zeros = _ZEROS.get(kind)
+    if zeros is None or n > len(zeros):
+        zeros = np.zeros(max(n, 2 * (0 if zeros is None else len(zeros))), kind)
+        zeros.setflags(write=False)
+        _ZEROS[kind] = zeros
+    return zeros[:n]
+
+
 def draw_geometry(
     height: int | npt.NDArray[np.intp],
     width: int | npt.NDArray[np.intp],
@@ -231,8 +260,8 @@ def draw_geometry(
         hs = np.broadcast_to((np.asarray(height, np.intp) - crop) // 2, n).astype(np.intp)
         ws = np.broadcast_to((np.asarray(width, np.intp) - crop) // 2, n).astype(np.intp)
     else:
-        hs = ws = np.zeros(n, np.intp)
-    flips = (w64 & _U64(1)).astype(np.bool_) if mirror else np.zeros(n, np.bool_)
+        hs = ws = shared_zeros(n, np.intp)
+    flips = (w64 & _U64(1)).astype(np.bool_) if mirror else shared_zeros(n, np.bool_)
     return Geometry(hs, ws, flips)
 
 

@@ -12,12 +12,15 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ._kernels import shared_zeros
+
 __all__ = [
     "ArrayBatch",
     "BatchPlan",
     "Run",
     "Step",
     "advance",
+    "column",
     "joined",
     "key_source",
     "merged",
@@ -44,14 +47,32 @@ _SPAN = np.arange(500, dtype=np.int64)
 _SPAN.setflags(write=False)
 
 
+#: spans up to this long are made in additions of 500 (a chunk's positions); longer
+#: ones by ``np.arange`` (one release of the GIL costs less than their additions)
+_SPAN_BLOCKS = 8 * len(_SPAN)
+
+
 def span(a: int, b: int) -> npt.NDArray[np.int64]:
     """``np.arange(a, b)`` as int64, made without releasing the GIL for spans of up to
-    500 (NumPy's ``arange`` releases it to fill any array: a GIL hand-off to a waiting
-    thread, once a batch)."""
+    :data:`_SPAN_BLOCKS` (NumPy's ``arange`` releases it to fill any array, its
+    additions beyond 500 elements: a GIL hand-off to a waiting thread, once a batch)."""
     n = b - a
-    if 0 <= n <= len(_SPAN):
+    step = len(_SPAN)
+    if 0 <= n <= step:
         return _SPAN[:n] + a
+    if step < n <= _SPAN_BLOCKS:
+        out = np.empty(n, np.int64)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            np.add(_SPAN[: hi - lo], a + lo, out=out[lo:hi])
+        return out
     return np.arange(a, b, dtype=np.int64)
+
+
+def column(n: int, value: int) -> npt.NDArray[np.int64]:
+    """``n`` times ``value`` as a read-only int64 array: a broadcast of one item (no
+    fill: NumPy releases the GIL to fill more than 500)."""
+    return np.broadcast_to(np.int64(value), (n,))
 
 
 def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
@@ -363,10 +384,10 @@ def row_arrays(
     )
     if len(batches) > 1 and consecutive:
         e, a, b = firsts[0][0], firsts[0][1], firsts[-1][2]
-        epochs = read_only(np.full(b - a, e, np.int64))
+        epochs = column(b - a, e)
         positions = read_only(span(a, b))
         order = orders.order(e)
-        words = orders.words(e)[a:b] if random else read_only(np.zeros(b - a, np.uint64))
+        words = orders.words(e)[a:b] if random else shared_zeros(b - a, np.uint64)
         spans = [(lo - a, hi - a) for _, lo, hi in firsts]
         views: list[tuple[np.ndarray, ...]] = [
             (order[a + i : a + j], epochs[i:j], positions[i:j], words[i:j]) for i, j in spans
@@ -379,11 +400,9 @@ def row_arrays(
             out.append(
                 (
                     read_only(orders.order(e)[a:b]),
-                    read_only(np.full(b - a, e, np.int64)),
+                    column(b - a, e),
                     read_only(span(a, b)),
-                    read_only(orders.words(e)[a:b])
-                    if random
-                    else read_only(np.zeros(b - a, np.uint64)),
+                    read_only(orders.words(e)[a:b]) if random else shared_zeros(b - a, np.uint64),
                 )
             )
             continue
@@ -391,11 +410,11 @@ def row_arrays(
         out.append(
             (
                 indices,
-                joined([np.full(b - a, e, np.int64) for e, a, b in runs]),
+                joined([column(b - a, e) for e, a, b in runs]),
                 joined([span(a, b) for _, a, b in runs]),
                 joined([orders.words(e)[a:b] for e, a, b in runs])
                 if random
-                else read_only(np.zeros(len(indices), np.uint64)),
+                else shared_zeros(len(indices), np.uint64),
             )
         )
     return out

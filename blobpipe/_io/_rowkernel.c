@@ -31,6 +31,17 @@
  * batch, and a GIL released around the call (as os.fstat and mmap.size do) hands
  * the GIL to a waiting thread and waits to get it back, twice a batch.
  *
+ * draw_words(seed, epoch, indices, out): out[k] = the random word of record
+ * indices[k] in epoch for seed (_kernels.draw_word: three splitmix64 steps), for an
+ * epoch's int64 indices into a uint64 array of as many items, the GIL held: NumPy
+ * releases it in each of the thirty element-wise steps of a longer array (a hand-off
+ * to a waiting thread each, once an epoch: tens of µs apiece on a VM).
+ *
+ * take(src, rows, out): out[k] = src[rows[k]] for items of 4 or 8 bytes (src and out
+ * of one item size, rows intp, each checked against src), the GIL held: NumPy
+ * releases it to gather more than 500 items (an index's offsets and labels for a
+ * chunk of rows: a hand-off to a waiting thread, twice a chunk).
+ *
  * The arithmetic is Caffe's, in float32, each step rounded:
  * (float)x - mean at the pixel's uncropped position, then * scale; without a
  * mean (float)x * scale; with scale 1 the product is skipped (x * 1 == x).
@@ -167,11 +178,97 @@ static PyObject *file_size(PyObject *self, PyObject *arg) {
     return PyLong_FromLongLong((long long)st.st_size);
 }
 
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static PyObject *draw_words(PyObject *self, PyObject *args) {
+    unsigned long long seed, epoch;
+    PyObject *idx_o, *out_o;
+    if (!PyArg_ParseTuple(args, "KKOO", &seed, &epoch, &idx_o, &out_o)) return NULL;
+    Buf idx = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_buf(idx_o, &idx, 0, "indices") || get_buf(out_o, &out, PyBUF_WRITABLE, "out"))
+        goto done;
+    if (!items_are(&idx, "i", 8, "indices", "int64") ||
+        !items_are(&out, "u", 8, "out", "uint64"))
+        goto done;
+    const Py_ssize_t n = idx.view.len / 8;
+    if (out.view.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "draw_words: out must have one item per index");
+        goto done;
+    }
+    const uint64_t base = splitmix64(splitmix64((uint64_t)seed) ^ (uint64_t)epoch);
+    const int64_t *in = (const int64_t *)idx.view.buf;
+    uint64_t *o = (uint64_t *)out.view.buf;
+    for (Py_ssize_t k = 0; k < n; k++) o[k] = splitmix64(base ^ (uint64_t)in[k]);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&idx);
+    release(&out);
+    return result;
+}
+
+static PyObject *take(PyObject *self, PyObject *args) {
+    PyObject *src_o, *rows_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OOO", &src_o, &rows_o, &out_o)) return NULL;
+    Buf src = {0}, rows = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_buf(src_o, &src, 0, "src") || get_buf(rows_o, &rows, 0, "rows") ||
+        get_buf(out_o, &out, PyBUF_WRITABLE, "out"))
+        goto done;
+    if (!items_are(&rows, "i", (Py_ssize_t)sizeof(Py_ssize_t), "rows", "intp")) goto done;
+    const Py_ssize_t size = src.view.itemsize;
+    if ((size != 4 && size != 8) || out.view.itemsize != size) {
+        PyErr_SetString(PyExc_ValueError, "take: src and out must have items of 4 or 8 bytes, "
+                                          "the same in both");
+        goto done;
+    }
+    const Py_ssize_t n = rows.view.len / rows.view.itemsize, m = src.view.len / size;
+    if (out.view.len / size != n) {
+        PyErr_SetString(PyExc_ValueError, "take: out must have one item per row");
+        goto done;
+    }
+    const Py_ssize_t *at = (const Py_ssize_t *)rows.view.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (at[k] < 0 || at[k] >= m) {
+            PyErr_Format(PyExc_IndexError, "take: row %zd is %zd, outside src's %zd items", k,
+                         at[k], m);
+            goto done;
+        }
+    }
+    if (size == 8) {
+        const uint64_t *in = (const uint64_t *)src.view.buf;
+        uint64_t *o = (uint64_t *)out.view.buf;
+        for (Py_ssize_t k = 0; k < n; k++) o[k] = in[at[k]];
+    } else {
+        const uint32_t *in = (const uint32_t *)src.view.buf;
+        uint32_t *o = (uint32_t *)out.view.buf;
+        for (Py_ssize_t k = 0; k < n; k++) o[k] = in[at[k]];
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&src);
+    release(&rows);
+    release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"transform_rows", transform_rows, METH_VARARGS,
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
     {"transform_image", transform_image, METH_VARARGS,
      "Caffe's transform of one uint8 image, (C, H, W) or (H, W, C) (see the module source)."},
+    {"draw_words", draw_words, METH_VARARGS,
+     "An epoch's random words of int64 record indices into a uint64 array (see the module "
+     "source), without releasing the GIL."},
+    {"take", take, METH_VARARGS,
+     "src[rows] into out, for items of 4 or 8 bytes, without releasing the GIL."},
     {"file_size", file_size, METH_O,
      "The length of the open file descriptor's file (fstat), without releasing the GIL."},
     FREE_CPU_METHOD,
