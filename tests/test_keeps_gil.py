@@ -104,45 +104,6 @@ def test_an_open_reader_holds_its_data_file_open_until_the_last_one_closes(
     assert not link.exists() or os.stat(link).st_ino != data.st_ino
 
 
-@pytest.mark.skipif(row_kernel() is None, reason="the compiled row kernel is not built here")
-@settings(max_examples=200, deadline=None)
-@given(
-    seed=st.integers(-(2**64), 2**70),
-    epoch=st.integers(0, 2**40),
-    indices=st.lists(st.integers(0, 2**62), min_size=0, max_size=1200),
-)
-def test_an_epochs_words_from_the_kernel_are_numpys(
-    seed: int, epoch: int, indices: list[int]
-) -> None:
-    """An epoch's words drawn in C (the GIL kept) equal NumPy's and the scalar
-    ``draw_word``, on both sides of the 500 records where NumPy releases the GIL."""
-    from blobpipe._io import _kernels
-
-    at = np.array(indices, np.int64)
-    got = _kernels.draw_words(seed, epoch, at)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_kernels, "_rowkernel", None)  # NumPy's arithmetic
-        want = _kernels.draw_words(seed, epoch, at)
-    assert got.dtype == np.uint64 and np.array_equal(got, want)
-    assert got.tolist()[:3] == [_kernels.draw_word(seed, epoch, i) for i in indices[:3]]
-
-
-@pytest.mark.skipif(row_kernel() is None, reason="the compiled row kernel is not built here")
-def test_draw_words_in_c_checks_its_arrays() -> None:
-    kernel = row_kernel()
-    at = np.arange(4, dtype=np.int64)
-    with pytest.raises(ValueError, match="int64"):
-        kernel.draw_words(0, 0, at.astype(np.int32), np.empty(4, np.uint64))
-    with pytest.raises(ValueError, match="uint64"):
-        kernel.draw_words(0, 0, at, np.empty(4, np.int64))
-    with pytest.raises(ValueError, match="one item per index"):
-        kernel.draw_words(0, 0, at, np.empty(3, np.uint64))
-    with pytest.raises(TypeError, match="writable"):
-        kernel.draw_words(0, 0, at, read_only(np.empty(4, np.uint64)))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        kernel.draw_words(0, 0, np.arange(8, dtype=np.int64)[::2], np.empty(4, np.uint64))
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.sampled_from([np.int64, np.int32, np.uint64, np.float32]),

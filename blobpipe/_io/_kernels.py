@@ -106,18 +106,7 @@ def draw_word(seed: int, epoch: int, index: int) -> int:
 
 
 def draw_words(seed: int, epochs: npt.ArrayLike, indices: npt.ArrayLike) -> npt.NDArray[np.uint64]:
-    """:func:`draw_word` for many records at once (equal word for word).
-
-    An epoch's words (one epoch, a 1-D array of indices) come from the compiled row
-    kernel where it is built, holding the GIL (NumPy releases it in each of the thirty
-    steps over more than 500 records: a hand-off to a waiting filler each)."""
-    kernel = row_kernel()
-    if kernel is not None and isinstance(epochs, (int, np.integer)):
-        at = np.ascontiguousarray(indices, dtype=np.int64)
-        if at.ndim == 1:
-            out = np.empty(len(at), _U64)
-            kernel.draw_words(seed & _M64, int(epochs) & _M64, at, out)
-            return out
+    """:func:`draw_word` for many records at once (equal word for word)."""
     e = np.asarray(epochs, dtype=np.int64).astype(_U64)
     i = np.asarray(indices, dtype=np.int64).astype(_U64)
     s = np.full(np.broadcast(e, i).shape, seed & _M64, dtype=_U64)

@@ -31,12 +31,6 @@
  * batch, and a GIL released around the call (as os.fstat and mmap.size do) hands
  * the GIL to a waiting thread and waits to get it back, twice a batch.
  *
- * draw_words(seed, epoch, indices, out): out[k] = the random word of record
- * indices[k] in epoch for seed (_kernels.draw_word: three splitmix64 steps), for an
- * epoch's int64 indices into a uint64 array of as many items, the GIL held: NumPy
- * releases it in each of the thirty element-wise steps of a longer array (a hand-off
- * to a waiting thread each, once an epoch: tens of µs apiece on a VM).
- *
  * take(src, rows, out): out[k] = src[rows[k]] for items of 4 or 8 bytes (src and out
  * of one item size, rows intp, each checked against src), the GIL held: NumPy
  * releases it to gather more than 500 items (an index's offsets and labels for a
@@ -178,41 +172,6 @@ static PyObject *file_size(PyObject *self, PyObject *arg) {
     return PyLong_FromLongLong((long long)st.st_size);
 }
 
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
-
-static PyObject *draw_words(PyObject *self, PyObject *args) {
-    unsigned long long seed, epoch;
-    PyObject *idx_o, *out_o;
-    if (!PyArg_ParseTuple(args, "KKOO", &seed, &epoch, &idx_o, &out_o)) return NULL;
-    Buf idx = {0}, out = {0};
-    PyObject *result = NULL;
-    if (get_buf(idx_o, &idx, 0, "indices") || get_buf(out_o, &out, PyBUF_WRITABLE, "out"))
-        goto done;
-    if (!items_are(&idx, "i", 8, "indices", "int64") ||
-        !items_are(&out, "u", 8, "out", "uint64"))
-        goto done;
-    const Py_ssize_t n = idx.view.len / 8;
-    if (out.view.len / 8 != n) {
-        PyErr_SetString(PyExc_ValueError, "draw_words: out must have one item per index");
-        goto done;
-    }
-    const uint64_t base = splitmix64(splitmix64((uint64_t)seed) ^ (uint64_t)epoch);
-    const int64_t *in = (const int64_t *)idx.view.buf;
-    uint64_t *o = (uint64_t *)out.view.buf;
-    for (Py_ssize_t k = 0; k < n; k++) o[k] = splitmix64(base ^ (uint64_t)in[k]);
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    release(&idx);
-    release(&out);
-    return result;
-}
-
 static PyObject *take(PyObject *self, PyObject *args) {
     PyObject *src_o, *rows_o, *out_o;
     if (!PyArg_ParseTuple(args, "OOO", &src_o, &rows_o, &out_o)) return NULL;
@@ -264,9 +223,6 @@ static PyMethodDef methods[] = {
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
     {"transform_image", transform_image, METH_VARARGS,
      "Caffe's transform of one uint8 image, (C, H, W) or (H, W, C) (see the module source)."},
-    {"draw_words", draw_words, METH_VARARGS,
-     "An epoch's random words of int64 record indices into a uint64 array (see the module "
-     "source), without releasing the GIL."},
     {"take", take, METH_VARARGS,
      "src[rows] into out, for items of 4 or 8 bytes, without releasing the GIL."},
     {"file_size", file_size, METH_O,
