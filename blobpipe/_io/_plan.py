@@ -70,8 +70,10 @@ def span(a: int, b: int) -> npt.NDArray[np.int64]:
 
 
 def column(n: int, value: int) -> npt.NDArray[np.int64]:
-    """``n`` times ``value`` as a read-only int64 array: a broadcast of one item (no
-    fill: NumPy releases the GIL to fill more than 500)."""
+    """``n`` times ``value`` as a read-only int64 array: filled up to 500 (NumPy keeps the
+    GIL), else a broadcast of one item (a fill releases it; a broadcast costs a few µs)."""
+    if n <= len(_SPAN):
+        return read_only(np.full(n, value, np.int64))
     return np.broadcast_to(np.int64(value), (n,))
 
 
