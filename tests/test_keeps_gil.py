@@ -145,14 +145,11 @@ def test_column_and_zero_words_are_full_and_zeros(n: int, value: int) -> None:
     from blobpipe._io._kernels import shared_zeros
     from blobpipe._io._plan import column
 
-    def zero_words(k: int) -> np.ndarray:
-        return shared_zeros(k, np.uint64)
-
     col = column(n, value)
     assert col.dtype == np.int64 and np.array_equal(col, np.full(n, value, np.int64))
     assert not col.flags.writeable
-    zeros = zero_words(n)
+    zeros = shared_zeros(n, np.uint64)
     assert zeros.dtype == np.uint64 and zeros.flags.c_contiguous and not zeros.flags.writeable
     assert np.array_equal(zeros, np.zeros(n, np.uint64))
-    longer = zero_words(2 * n + 7)
+    longer = shared_zeros(2 * n + 7, np.uint64)
     assert len(longer) == 2 * n + 7 and not longer.any() and not zeros.any()

@@ -402,7 +402,8 @@ class Batches:
                 self._deferred = exc
                 return plans
             plans.append(plan)
-            like = like or plan
+            if like is None:
+                like = plan
         if len(steps) < count:
             plans.append(None)
         return plans
