@@ -486,6 +486,7 @@ class RawKernel:
 """
 
 _RUN_FAKE = """
+import faulthandler
 import sys
 import bench_gpu
 import blobpipe
@@ -506,6 +507,8 @@ def make_loader(db, crop, workers, device_transform):
 
 bench_gpu.make_loader = make_loader
 bench_gpu.make_backend = lambda: BACKEND
+# a hang shows every thread's stack in the test's failure, not only a timeout
+faulthandler.dump_traceback_later(70, exit=True)
 sys.exit(bench_gpu.main(sys.argv[1:]))
 """
 
@@ -549,6 +552,7 @@ def test_bench_gpu_flow_on_fake_cupy(tmp_path: Path) -> None:
         check=False,
         env=env,
     )
+    assert out.exists(), f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     doc = json.loads(out.read_text())
     # exit 1 exactly when a target is missed (a fake device's timing decides which)
     assert proc.returncode == (0 if doc["passed"] else 1), proc.stderr[-4000:]
