@@ -28,7 +28,6 @@ kind without the lock sees its fields.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -38,6 +37,7 @@ import numpy.typing as npt
 
 from ._kernels import row_kernel
 from ._lmdbfile import picked_meta
+from ._pid import pid
 from ._records import BAD, RAW, UNKNOWN, classify
 
 __all__ = ["Located", "RecordIndex"]
@@ -123,7 +123,7 @@ class RecordIndex:
         # one classify at a time (module docstring); a fork's child gets its own lock
         # (another thread of the parent may have held it at the fork)
         self._classifying = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = pid()
 
     @classmethod
     def joined(cls, values: Sequence[bytes | memoryview | None]) -> RecordIndex:
@@ -197,8 +197,8 @@ class RecordIndex:
                 gather(self._label, rows), raw,
             )  # fmt: skip
         if (self._kind[rows] == UNKNOWN).any():
-            if self._pid != os.getpid():
-                self._classifying, self._pid = threading.Lock(), os.getpid()
+            if self._pid != pid():
+                self._classifying, self._pid = threading.Lock(), pid()
             with self._classifying:
                 self._classify(rows, hint)
         return Located(

@@ -37,6 +37,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ._pid import pid
+
 __all__ = [
     "AHEAD_BYTES",
     "AHEAD_BYTES_MAX",
@@ -419,7 +421,7 @@ class Advisor:
         self._queue: deque[tuple[list[int], list[int]]] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._pid = os.getpid()
+        self._pid = pid()
 
     @property
     def closed(self) -> bool:
@@ -433,11 +435,11 @@ class Advisor:
         """Queue ``WILLNEED`` calls over ``[offsets[i], offsets[i] + lengths[i])``."""
         if _FADV_WILLNEED is None or not len(offsets) or self._closed:
             return
-        if self._pid != os.getpid():  # a fork child: the parent's thread and lock are not ours
+        if self._pid != pid():  # a fork child: the parent's thread and lock are not ours
             self._lock = threading.Lock()
             self._queue = deque()
             self._thread = None
-            self._pid = os.getpid()
+            self._pid = pid()
         with self._lock:
             if self._closed:
                 return
@@ -455,7 +457,7 @@ class Advisor:
     def close(self) -> None:
         """Drop what is queued and stop the thread after its current call; never waits."""
         self._closed = True
-        if self._pid != os.getpid():
+        if self._pid != pid():
             return
         with self._lock:
             self._queue.clear()

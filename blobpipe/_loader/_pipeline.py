@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
 import weakref
@@ -32,6 +31,7 @@ from typing import Any
 from .._backends import Backend, Stream, finished
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
+from .._io._pid import pid
 from . import _chunk
 from ._batch import Batch
 from ._chunk import chunk_batches
@@ -105,7 +105,7 @@ class Pipeline:
         self._fillers_done = threading.Event()  # set when the last filler returned
         self._released = False  # the ring went back to the pool (once)
         self._release_on_return = False  # closed from a filler: the last one releases
-        self._pid = os.getpid()  # the process that opened the pipeline
+        self._pid = pid()  # the process that opened the pipeline
 
     # -- opening and closing ---------------------------------------------------------
     def open_here(self) -> None:
@@ -126,7 +126,7 @@ class Pipeline:
             StateError: the pipeline was opened before (or closed).
         """
         self.lifecycle.open()
-        self._pid = os.getpid()
+        self._pid = pid()
         self._ring.open()
         self._fillers_running = self._n_fillers
         self._threads = [
@@ -175,7 +175,7 @@ class Pipeline:
         if left is State.UNOPENED:
             self.batches.close()
             return False
-        if left is None or os.getpid() != self._pid:
+        if left is None or pid() != self._pid:
             return False
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
@@ -511,9 +511,9 @@ class Pipeline:
 
     # -- consumer --------------------------------------------------------------------
     def _check_process(self) -> None:
-        pid = os.getpid()
-        if pid != self._pid and self.lifecycle.state is not State.UNOPENED:
-            raise StateError(_FORKED_ERROR.format(parent=self._pid, child=pid))
+        here = pid()
+        if here != self._pid and self.lifecycle.state is not State.UNOPENED:
+            raise StateError(_FORKED_ERROR.format(parent=self._pid, child=here))
 
     def begin_next(self) -> float:
         """The consumer asks for the next batch; returns when it started waiting (for

@@ -36,7 +36,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections import deque
@@ -50,6 +49,7 @@ from .._blob import Blob
 from .._errors import PoolMemoryError
 from .._io._batches import BatchPlan
 from .._io._kernels import Geometry
+from .._io._pid import pid
 
 __all__ = ["Lease", "Ring", "Slot"]
 
@@ -201,7 +201,7 @@ class Lease:
         # At the interpreter's end nothing reuses the slot; in a forked child the
         # ring's locks may be held by threads of the parent (the memory is this
         # process's copy and goes with it).
-        if ring is not None and not sys.is_finalizing() and os.getpid() == ring.pid:
+        if ring is not None and not sys.is_finalizing() and pid() == ring.pid:
             ring.give_back(self)
 
 
@@ -237,7 +237,7 @@ class Ring:
         self._needs: list[int] = []  # how many free slots each waiting filler needs
         self._stopped = False
         self._closed = False
-        self.pid = os.getpid()  # the process whose leases give slots back
+        self.pid = pid()  # the process whose leases give slots back
 
     @property
     def size(self) -> int:
@@ -259,7 +259,7 @@ class Ring:
 
     def open(self) -> None:
         """Create the slots (and their streams), all free."""
-        self.pid = os.getpid()
+        self.pid = pid()
         self.grow(self._size)
 
     def grow(self, size: int) -> None:
