@@ -1705,3 +1705,60 @@ def test_next_plans_tells_the_read_ahead_once_a_stretch(
         b.next_plans(3)  # rows 0-8
         b.next_plans(3 if options["mode"] == "wrap" else 2)  # the tail (wrap: and 3 more)
     assert seen == calls
+
+
+@pytest.fixture(scope="module")
+def db23(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """23 raw 3x6x8 records (a prime count: no batch size divides it)."""
+    return raw_db(tmp_path_factory.mktemp("db23") / "db", 23, (3, 6, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 7),
+    counts=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    options=st.sampled_from(
+        [
+            {"mode": "epoch", "last": "keep"},
+            {"mode": "epoch", "last": "pad"},
+            {"mode": "epoch", "last": "drop"},
+            {"mode": "wrap"},
+            {"mode": "epoch", "order": "shuffle", "seed": 5},
+            {"mode": "wrap", "order": "shuffle", "seed": 5, "transform": Transform(mirror=True)},
+            {"mode": "epoch", "last": "drop", "shard": (1, 3)},
+            {"mode": "wrap", "shard": (2, 3), "pad_shards": False},
+        ]
+    ),
+    warm=st.booleans(),
+)
+def test_next_plans_are_next_plan_in_steps_swept(
+    db23: Path, batch: int, counts: list[int], options: dict[str, Any], warm: bool
+) -> None:
+    """Any sequence of ``next_plans`` calls makes the plans ``next_plan`` makes, every
+    field and resume state, over batch sizes, epoch ends, padding, dropped tails and
+    shards; cold (the index knows no shape) and warm (every record filled once: later
+    plans of a call made from the first without reading a record)."""
+    with Batches(db23, batch, phase="train", **options) as one, Batches(
+        db23, batch, phase="train", **options
+    ) as many:  # fmt: skip
+        if warm:
+            for b in (one, many):
+                for _ in range(-(-23 // batch) + 1):  # past an epoch's end
+                    plan = b.next_plan()
+                    if plan is not None:
+                        b.fill(
+                            plan,
+                            np.empty(plan.data_shape, plan.dtype),
+                            np.empty(len(plan), np.float32),
+                        )
+            if "shard" not in options:  # a shard's reader sees a third of the records
+                assert many._sources[0].filler.uniform_shape() == (3, 6, 8)
+        got: list[Any] = []
+        for count in counts:
+            step = many.next_plans(count)
+            assert 1 <= len(step) <= count and all(p is not None for p in step[:-1])
+            got += step
+        want = [one.next_plan() for _ in range(len(got))]
+        for w, g in zip(want, got, strict=True):
+            _same_plans(g, w)
+        assert many.state_dict() == one.state_dict()

@@ -288,17 +288,28 @@ class Batches:
         key = self._keys[int(self.epoch_order(epoch)[pos])]
         return make_state(epoch, pos, key, self._settings, (self._rank, self._world))
 
-    def _state_at(self, epoch: int, pos: int) -> Callable[[], dict[str, Any]]:
-        """What makes the state at ``pos`` of ``epoch`` later, also once this Batches is
-        closed (a kept batch's ``state``): the record's index is looked up now, its
-        key when asked."""
-        index = int(self.epoch_order(epoch)[pos])  # pos < the shard's length: advance()
+    def _states_at(self, places: list[tuple[int, int]]) -> list[Callable[[], dict[str, Any]]]:
+        """What makes the state at each ``(epoch, pos)`` of ``places`` later, also once
+        this Batches is closed (a kept batch's ``state``): the records' indices are
+        looked up now (one gather for each run of places in one epoch), their keys
+        when asked. Each ``pos`` is below the shard's length (:func:`advance`)."""
         keys, settings, shard = self._keys, self._settings, (self._rank, self._world)
 
-        def state() -> dict[str, Any]:
-            return make_state(epoch, pos, keys[index], settings, shard)
+        def at(epoch: int, pos: int, index: int) -> Callable[[], dict[str, Any]]:
+            return lambda: make_state(epoch, pos, keys[index], settings, shard)
 
-        return state
+        out: list[Callable[[], dict[str, Any]]] = []
+        i = 0
+        while i < len(places):
+            epoch, j = places[i][0], i + 1
+            while j < len(places) and places[j][0] == epoch:
+                j += 1
+            positions = [pos for _, pos in places[i:j]]
+            order = self.epoch_order(epoch)
+            indices = [int(order[positions[0]])] if j == i + 1 else order[positions].tolist()
+            out.extend(at(epoch, p, x) for p, x in zip(positions, indices, strict=True))
+            i = j
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: the next record to plan, and how the order is made.
@@ -382,7 +393,7 @@ class Batches:
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
-        steps: list[tuple[list[Run], int, tuple[int, int, bool]]] = []
+        steps = self._inner_steps(count)
         while len(steps) < count:
             step = self._advance()
             if step is None:
@@ -391,10 +402,23 @@ class Batches:
         self._request_ahead([runs for runs, _, _ in steps])
         plans: list[BatchPlan | None] = []
         rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
+        states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
+        # every record's shape, known without a read (raw records of one shape, once
+        # the index has seen them all): later plans of the call need no first record
+        head = self._sources[0]
+        same = head.filler.uniform_shape() if len(self._sources) == 1 else None
         like: BatchPlan | None = None
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
+            indices, epochs, positions, words = arrays
+            if like is not None and same == like.record_shape and len(indices) == len(like):
+                keys = key_source(self._keys, indices)
+                if self._random:
+                    words = head.words(words)
+                plan = like.with_rows(keys, indices, epochs, positions, words, valid, states[k])
+                plans.append(plan)
+                continue
             try:
-                plan = self._plan(valid, after, arrays, like)
+                plan = self._plan(valid, states[k], arrays, like)
             except Exception as exc:
                 self._epoch, self._pos, self._end_pending = after  # past the failing batch
                 if k == 0:
@@ -407,6 +431,22 @@ class Batches:
         if len(steps) < count:
             plans.append(None)
         return plans
+
+    def _inner_steps(self, count: int) -> list[tuple[list[Run], int, tuple[int, int, bool]]]:
+        """Up to ``count`` of the next batches that lie inside the current epoch, each
+        ending before its last batch: one run of whole rows each, what :func:`advance`
+        gives them, by arithmetic; the cursor moved past them. Others: :meth:`_advance`."""
+        if self._end_pending or count < 2:
+            return []
+        e, p, bs, size = self._epoch, self._pos, self._batch_size, self._shard_len
+        # a batch ends the epoch where it reaches its end, or (dropping the tail) where
+        # less than a batch is left after it
+        room = size - p - (bs if self._mode == "epoch" and self._last == "drop" else 1)
+        n = min(count, max(0, room // bs))
+        if not n:
+            return []
+        self._pos = p + n * bs
+        return [([(e, a, a + bs)], bs, (e, a + bs, False)) for a in range(p, p + n * bs, bs)]
 
     def _advance(self) -> tuple[list[Run], int] | None:
         """Move the cursor past the next batch: its runs and its number of real rows
@@ -444,19 +484,19 @@ class Batches:
     def _plan(
         self,
         valid: int,
-        after: tuple[int, int, bool],
+        state: Callable[[], dict[str, Any]],
         rows: tuple[np.ndarray, ...],
         like: BatchPlan | None = None,
     ) -> BatchPlan:
         """The plan of one batch: its ``rows`` (indices, epochs, positions and words,
-        as :func:`row_arrays` makes them), ``valid`` real ones, and the cursor ``after``
-        it (the resume state); reads its first record to learn its shape.
+        as :func:`row_arrays` makes them), ``valid`` real ones, and what makes the
+        resume state after it (:meth:`_states_at`); reads its first record to learn
+        its shape.
 
         ``like``: the plan of an earlier batch of the same call; a batch of one source
         whose first record has that plan's shape, with as many rows, is made from it
         (:meth:`BatchPlan.with_rows`: its shapes and checks hold for this one)."""
         indices, epochs, positions, words = rows
-        state = self._state_at(after[0], after[1])
         keys = key_source(self._keys, indices)
         first = int(indices[0])
         random = self._random

@@ -48,6 +48,11 @@ class ConcatFiller:
     def output(self, record_shape: tuple[int, ...], key: bytes) -> tuple[tuple[int, ...], Any]:
         return self._parts[0].output(record_shape, key)
 
+    def uniform_shape(self) -> tuple[int, ...] | None:
+        """Every part's, when they are one."""
+        shapes = {part.uniform_shape() for part in self._parts}
+        return shapes.pop() if len(shapes) == 1 else None
+
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         k, local = self._where(index)
         return self._parts[k].first(local)

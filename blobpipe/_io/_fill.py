@@ -185,6 +185,11 @@ class RowFiller(Protocol):
         """The row shape and element type of records of ``record_shape``."""
         ...
 
+    def uniform_shape(self) -> tuple[int, ...] | None:
+        """The shape :meth:`first` gives every record with nothing decoded, where that
+        is known without a read; else None."""
+        ...
+
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index``, and its pixels and label if decoded."""
         ...
@@ -289,6 +294,12 @@ class Filler:
             return (*record_shape[:-3], *t.output_shape(chw)), self.blob_dtype
         except ShapeError as exc:
             raise DataError(str(exc), path=self._path, key=key) from exc
+
+    def uniform_shape(self) -> tuple[int, ...] | None:
+        """The shape :meth:`first` gives every record, where the index knows it without
+        a read (raw records of one shape, all seen); else None."""
+        known = self._index if self._index_tried and self.kind != BLOBPROTO else None
+        return None if known is None else known.uniform_shape
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index`` (the batch's shape: ``(C, H, W)`` for a

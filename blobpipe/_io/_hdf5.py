@@ -272,6 +272,10 @@ class _RowFiller:
     def output(self, record_shape: tuple[int, ...], key: bytes) -> tuple[tuple[int, ...], Any]:
         return record_shape, self.blob_dtype
 
+    def uniform_shape(self) -> None:
+        """None: :meth:`first` reads a row's values, which the plan keeps."""
+        return None
+
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         values = self._top.row(index, self.blob_dtype)
         return tuple(values.shape), (values, 0)

@@ -153,6 +153,12 @@ class RecordIndex:
         start = int(self._value_offset[i])
         return self.buffer[start : start + int(self._value_length[i])].data
 
+    @property
+    def uniform_shape(self) -> tuple[int, int, int] | None:
+        """The ``(C, H, W)`` of every record, once all are known to be raw records of
+        one shape (then never None again); else None."""
+        return self._raw_shape
+
     def shape_of(self, i: int) -> tuple[int, int, int] | None:
         """The ``(C, H, W)`` record ``i`` yields, if known."""
         if self._raw_shape is not None:  # every record's (no lookup: once a batch)
