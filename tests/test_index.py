@@ -809,7 +809,9 @@ def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
     for first in range(0, 200, 50):  # every record, in ranges
         index.locate(np.arange(first, first + 50, dtype=np.intp), shape)
     after = index.locate(rows)
-    assert after.raw_shape == (None if odd else shape)
+    # these rows are raw of the shape: located so, whatever other records hold
+    assert after.raw_shape == (None if odd and at in rows else shape)
+    assert index.uniform_shape == (None if odd else shape)
     for got, want in zip(after[:6], before[:6], strict=True):
         np.testing.assert_array_equal(got, want)
     assert after.shape.shape == (len(rows), 3) and after.kind.dtype == np.int8
@@ -825,6 +827,85 @@ def test_batches_over_a_classified_database_fill_the_same_rows(tmp_path: Path) -
         first = [np.array(x.data) for x in b]
         assert b._filler._index._raw_shape == (3, 8, 9)
         again = [np.array(x.data) for x in b]
+    assert len(first) == len(again) == 3
+    for x, y in zip(first, again, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _odd_values(odd: dict[int, str]) -> list[bytes]:
+    """200 raw 3x10x12 records, those of ``odd`` another shape, bad, encoded or float."""
+    shape = (3, 10, 12)
+    values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
+    for at, what in odd.items():
+        if what == "other shape":
+            values[at] = blobpipe.encode_raw_datum(image(at, (3, 10, 11)), at)
+        elif what == "bad":
+            values[at] = b"\xff\xff not a Datum"
+        elif what == "encoded":
+            ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
+            assert ok
+            values[at] = blobpipe.encode_encoded_datum(buf.tobytes(), at)
+        else:
+            values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
+    return values
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    odd=st.dictionaries(
+        st.integers(0, 199), st.sampled_from(["other shape", "bad", "encoded", "float"]), max_size=4
+    ),
+    batches=st.lists(
+        st.lists(st.integers(0, 199), min_size=1, max_size=600), min_size=1, max_size=6
+    ),
+)
+def test_rows_known_raw_of_one_shape_locate_without_gathers(
+    tmp_path_factory: pytest.TempPathFactory, odd: dict[int, str], batches: list[list[int]]
+) -> None:
+    """A batch whose rows are all known raw records of the shape of the first raw record
+    classified is located as when every record is (a shard's reader: the other records
+    are never classified): ``raw_shape`` said, kind, length and shape broadcast; any
+    other row (of another kind or shape, or not classified yet) keeps the per-row path.
+    Either way each row's fields are the ones classification found (batches of up to
+    600 rows: the gather in C beyond 500)."""
+    index = _index_over(tmp_path_factory.mktemp("odd"), _odd_values(odd))
+    for picked in batches:
+        rows = np.array(picked, np.intp)
+        known = index._of_common[rows].copy()  # before this call classifies any
+        common = index._common
+        got = index.locate(rows)
+        fast = bool(known.all()) and common is not None
+        assert got.raw_shape == (common if fast else None)
+        np.testing.assert_array_equal(got.kind, index._kind[rows])
+        np.testing.assert_array_equal(got.offset, index._offset[rows])
+        np.testing.assert_array_equal(got.length, index._length[rows])
+        np.testing.assert_array_equal(got.shape, index._shape[rows])
+        np.testing.assert_array_equal(got.label, index._label[rows])
+        if got.raw_shape is not None:  # every row a raw record of that shape
+            assert (index._kind[rows] == RAW).all()
+            assert (index._shape[rows] == got.raw_shape).all()
+        # the flags: 1 exactly for the classified raw records of the common shape
+        done = index._kind != 0
+        want = done & (index._kind == RAW) & (index._shape == index._common).all(axis=1)
+        np.testing.assert_array_equal(index._of_common.astype(bool), want)
+
+
+def test_a_shard_reader_locates_its_records_without_gathers(tmp_path: Path) -> None:
+    """A rank's Batches reads its shard only: after its first epoch its batches are
+    located without per-row gathers, though most records were never classified, and
+    later epochs fill the same bytes."""
+    db = raw_db(tmp_path / "db", 96, (3, 8, 9))
+    with Batches(db, 8, mode="epoch", shard=(1, 4), transform=Transform(scale=0.5)) as b:
+        first = [np.array(x.data) for x in b]
+        index = b._filler._index
+        assert index.uniform_shape is None  # 3 of 4 records never read
+        seen: list[Any] = []
+        real = index.locate
+        b._filler._index.locate = lambda rows, hint=None: seen.append(real(rows, hint)) or seen[-1]
+        again = [np.array(x.data) for x in b]
+    assert seen and all(loc.raw_shape == (3, 8, 9) for loc in seen)
     assert len(first) == len(again) == 3
     for x, y in zip(first, again, strict=True):
         np.testing.assert_array_equal(x, y)

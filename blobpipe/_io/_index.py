@@ -73,7 +73,7 @@ class Located(NamedTuple):
     length: npt.NDArray[np.int64]
     shape: npt.NDArray[np.int32]  # (n, 3): C, H, W; zeros where not known
     label: npt.NDArray[np.int32]
-    #: the shape of every row when the index holds only raw records of one shape (then
+    #: the shape of every row when all of them are known raw records of one shape (then
     #: kind, length and shape are read-only broadcasts, nothing gathered); else None
     raw_shape: tuple[int, int, int] | None = None
 
@@ -118,6 +118,13 @@ class RecordIndex:
         # set once every record is known to be a raw one of this (C, H, W) (then never
         # unset: a record's kind and a raw one's fields do not change)
         self._raw_shape: tuple[int, int, int] | None = None
+        # the shape of a raw record of the first pass, and per record 1 once it is known
+        # to be a raw one of that shape (then never 0 again): a batch whose rows are all
+        # such records is located as when every record is (a shard's reader sees only
+        # its records; int32: gathered holding the GIL)
+        self._common: tuple[int, int, int] | None = None
+        self._of_common = np.zeros(n, np.int32)
+        self._ones = b""  # 1 as int32, repeated: what the flags of such rows read
         # then: kind, length and shape of n such rows, by n (read-only broadcasts)
         self._same: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # one classify at a time (module docstring); a fork's child gets its own lock
@@ -181,10 +188,17 @@ class RecordIndex:
         first record's); records of that shape in convert_imageset's layout are
         recognised in one pass.
 
-        Once every record is a raw one of one shape (a convert_imageset database,
-        classified), only the offsets and labels of ``rows`` are gathered.
+        Where every row is known to be a raw record of one shape (a convert_imageset
+        database, its records of ``rows`` classified), only the offsets and labels of
+        ``rows`` are gathered.
         """
         raw = self._raw_shape
+        if raw is None and self._common is not None:
+            flags = gather(self._of_common, rows).tobytes()
+            if len(self._ones) < len(flags):
+                self._ones = np.ones(max(len(rows), 1024), np.int32).tobytes()
+            if flags == self._ones[: len(flags)]:
+                raw = self._common
         if raw is not None:
             n = len(rows)
             same = self._same.get(n)
@@ -233,7 +247,15 @@ class RecordIndex:
         self._length[unknown] = got.length
         self._shape[unknown] = got.shape
         self._label[unknown] = got.label
-        self._kind[unknown] = got.kind  # last: a thread that sees a kind sees its fields
+        self._kind[unknown] = got.kind  # a thread that sees a kind sees its fields
+        if self._common is None:  # the first pass's middle raw record: not an odd first
+            raws = np.flatnonzero(got.kind == RAW)
+            if len(raws):
+                c, h, w = got.shape[raws[len(raws) // 2]].tolist()
+                self._common = (c, h, w)
+        if self._common is not None:  # last: a thread that sees a flag sees the fields
+            common = (got.kind == RAW) & (got.shape == self._common).all(axis=1)
+            self._of_common[unknown] = common
         self._left -= len(unknown)  # each once (sorted, distinct), each unknown until now
         if self._left <= 0:
             self._settle()
