@@ -298,6 +298,9 @@ class Batches:
         def at(epoch: int, pos: int, index: int) -> Callable[[], dict[str, Any]]:
             return lambda: make_state(epoch, pos, keys[index], settings, shard)
 
+        if len(places) == 1:  # next_plan
+            epoch, pos = places[0]
+            return [at(epoch, pos, int(self.epoch_order(epoch)[pos]))]
         out: list[Callable[[], dict[str, Any]]] = []
         i = 0
         while i < len(places):
@@ -393,7 +396,7 @@ class Batches:
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
-        steps = self._inner_steps(count)
+        steps = self._inner_steps(count) if count > 1 else []
         while len(steps) < count:
             step = self._advance()
             if step is None:
@@ -403,14 +406,12 @@ class Batches:
         plans: list[BatchPlan | None] = []
         rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
         states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
-        # every record's shape, known without a read (raw records of one shape, once
-        # the index has seen them all): later plans of the call need no first record
         head = self._sources[0]
-        same = head.filler.uniform_shape() if len(self._sources) == 1 else None
+        same: tuple[int, ...] | None = None  # (asked once the first plan is made)
         like: BatchPlan | None = None
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
-            indices, epochs, positions, words = arrays
-            if like is not None and same == like.record_shape and len(indices) == len(like):
+            if like is not None and same == like.record_shape and len(arrays[0]) == len(like):
+                indices, epochs, positions, words = arrays
                 keys = key_source(self._keys, indices)
                 if self._random:
                     words = head.words(words)
@@ -426,8 +427,11 @@ class Batches:
                 self._deferred = exc
                 return plans
             plans.append(plan)
-            if like is None:
+            if like is None and len(steps) > 1:
                 like = plan
+                # every record's shape, known without a read (raw records of one shape,
+                # once the index has seen them all): the later plans read no record
+                same = head.filler.uniform_shape() if len(self._sources) == 1 else None
         if len(steps) < count:
             plans.append(None)
         return plans
@@ -436,7 +440,7 @@ class Batches:
         """Up to ``count`` of the next batches that lie inside the current epoch, each
         ending before its last batch: one run of whole rows each, what :func:`advance`
         gives them, by arithmetic; the cursor moved past them. Others: :meth:`_advance`."""
-        if self._end_pending or count < 2:
+        if self._end_pending:
             return []
         e, p, bs, size = self._epoch, self._pos, self._batch_size, self._shard_len
         # a batch ends the epoch where it reaches its end, or (dropping the tail) where
