@@ -22,6 +22,13 @@ each pair), and the last column gives the median and the range over pairs of thi
 / its second run: how far two measurements of the same code differ in this run, the
 spread a this / other ratio is read against.
 
+Each pair's processes first allocate and keep the same random number of bytes (a multiple
+of 16 below 128 KiB; ``--no-heap-pad``: none), so that every later heap address shifts by
+an amount drawn anew each pair. Where a workload's speed depends on where its buffers
+land (W4: an 8 KiB shift of the heap moved its CPU time by 5% with ASLR off, the same in
+every run), a change that only allocates a little more or less would otherwise read as a
+speed change, and the A/A control, which repeats one layout, would not show it.
+
 The other checkout is put first on ``PYTHONPATH``, so its ``blobpipe`` is the one imported
 (e.g. ``git worktree add ../before HEAD~3``). Databases are made on first use and cached
 under ``bench/_data`` (as the workload benchmark's).
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -44,9 +52,10 @@ ROOT = HERE.parent
 # One measurement, run in a fresh process of either side: prints a JSON line.
 _CHILD = r"""
 import json, sys, time
+spec = json.loads(sys.argv[1])
+pad = bytearray(spec["pad"])  # kept: every later heap address shifts by it
 import numpy as np
 import blobpipe
-spec = json.loads(sys.argv[1])
 t = blobpipe.Transform(**spec["transform"])
 kw = dict(transform=t, phase=spec["phase"], order=spec["order"], mode="epoch")
 walls, cpus = [], []
@@ -141,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--quick", action="store_true", help="tiny databases: a smoke test")
+    ap.add_argument(
+        "--no-heap-pad",
+        dest="heap_pad",
+        action="store_false",
+        help="no random shift of the heap per pair (see the module docstring)",
+    )
     args = ap.parse_args(argv)
     if args.pairs < 1 or args.epochs < 2:
         ap.error("--pairs must be >= 1 and --epochs >= 2 (the first epoch is not counted)")
@@ -172,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         else "Batches: thread CPU s of the best later epoch"
     )
     print(f"paired A/B: this checkout ({ROOT}) / {args.other}; {figure}")
-    print(f"{args.pairs} pairs, {args.epochs} epochs a process, load {os.getloadavg()[0]:.2f}")
+    pad = "heap shifted per pair" if args.heap_pad else "no heap shift"
+    print(
+        f"{args.pairs} pairs, {args.epochs} epochs a process, {pad}, load {os.getloadavg()[0]:.2f}"
+    )
     head = "| workload | figure | this: min · median | other: min · median | this / other |"
     rule = "| --- | --- | ---: | ---: | ---: |"
     if args.control:
@@ -204,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.control:
             sides.append(("again", ROOT))
         got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+        pads = random.Random(f"{w.name}/{args.pairs}")
         for k in range(args.pairs):
+            spec["pad"] = 16 * pads.randrange(8192) if args.heap_pad else 0
             for name, checkout in sides[k % len(sides) :] + sides[: k % len(sides)]:
                 got[name].append(_measure(checkout, spec))
                 time.sleep(0.2)

@@ -366,6 +366,10 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     assert [r.split("|")[1:3] for r in rows] == [
         [" raw 3×48×48 TEST, scale ", f" {figure} s "] for figure in ("cpu", "wall", "first")
     ]
+    assert "heap shifted per pair" in proc.stdout
+    proc = run_quick("bench_ab.py", tmp_path, str(root), "--pairs", "1", "--workloads", "W1",
+                     "--no-heap-pad")  # fmt: skip
+    assert "no heap shift" in proc.stdout and "| W1 |" in proc.stdout
     bad = [sys.executable, str(BENCH / "bench_ab.py"), str(tmp_path)]
     proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "holds no blobpipe/ package" in proc.stderr

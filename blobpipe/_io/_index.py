@@ -78,6 +78,9 @@ class Located(NamedTuple):
     raw_shape: tuple[int, int, int] | None = None
 
 
+_NO_FLAGS = np.zeros(0, np.int32)
+
+
 class RecordIndex:
     """Kind, payload extent, shape and label per record of a buffer of Datum values.
 
@@ -123,7 +126,7 @@ class RecordIndex:
         # such records is located as when every record is (a shard's reader sees only
         # its records; int32: gathered holding the GIL)
         self._common: tuple[int, int, int] | None = None
-        self._of_common = np.zeros(n, np.int32)
+        self._of_common = _NO_FLAGS  # (made with _common: an index of others has none)
         self._ones = b""  # 1 as int32, repeated: what the flags of such rows read
         # then: kind, length and shape of n such rows, by n (read-only broadcasts)
         self._same: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -252,7 +255,8 @@ class RecordIndex:
             raws = np.flatnonzero(got.kind == RAW)
             if len(raws):
                 c, h, w = got.shape[raws[len(raws) // 2]].tolist()
-                self._common = (c, h, w)
+                self._of_common = np.zeros(len(self._kind), np.int32)
+                self._common = (c, h, w)  # after the flags: who sees it sees them
         if self._common is not None:  # last: a thread that sees a flag sees the fields
             common = (got.kind == RAW) & (got.shape == self._common).all(axis=1)
             self._of_common[unknown] = common
