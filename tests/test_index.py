@@ -804,8 +804,8 @@ def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
         values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
     index = _index_over(tmp_path, values)
     rows = np.array([5, 150, 5, 199, 0], np.intp)
-    before = index.locate(rows)  # classifies these rows only
-    assert before.raw_shape is None
+    before = index.locate(rows)  # classifies these rows only, then locates them
+    assert before.raw_shape == (None if odd and at in rows else shape)
     for first in range(0, 200, 50):  # every record, in ranges
         index.locate(np.arange(first, first + 50, dtype=np.intp), shape)
     after = index.locate(rows)
@@ -864,19 +864,19 @@ def _odd_values(odd: dict[int, str]) -> list[bytes]:
 def test_rows_known_raw_of_one_shape_locate_without_gathers(
     tmp_path_factory: pytest.TempPathFactory, odd: dict[int, str], batches: list[list[int]]
 ) -> None:
-    """A batch whose rows are all known raw records of the shape of the first raw record
-    classified is located as when every record is (a shard's reader: the other records
-    are never classified): ``raw_shape`` said, kind, length and shape broadcast; any
-    other row (of another kind or shape, or not classified yet) keeps the per-row path.
+    """A batch whose rows are all raw records of the common shape (a raw record's of the
+    first classification pass), known or classified by this call, is located as when
+    every record is (a shard's reader: the other records are never classified):
+    ``raw_shape`` said, kind, length and shape broadcast; a row of another kind or shape
+    keeps the per-row path.
     Either way each row's fields are the ones classification found (batches of up to
     600 rows: the gather in C beyond 500)."""
     index = _index_over(tmp_path_factory.mktemp("odd"), _odd_values(odd))
     for picked in batches:
         rows = np.array(picked, np.intp)
-        common = index._common  # before this call classifies any
-        known = index._of_common[rows].copy() if common is not None else np.zeros(len(rows))
-        got = index.locate(rows)
-        fast = bool(known.all()) and common is not None
+        got = index.locate(rows)  # classifies what it has not seen, then locates
+        common = index._common
+        fast = common is not None and bool(index._of_common[rows].all())
         assert got.raw_shape == (common if fast else None)
         np.testing.assert_array_equal(got.kind, index._kind[rows])
         np.testing.assert_array_equal(got.offset, index._offset[rows])
@@ -895,20 +895,24 @@ def test_rows_known_raw_of_one_shape_locate_without_gathers(
         np.testing.assert_array_equal(index._of_common.astype(bool), want)
 
 
-def test_a_shard_reader_locates_its_records_without_gathers(tmp_path: Path) -> None:
-    """A rank's Batches reads its shard only: after its first epoch its batches are
-    located without per-row gathers, though most records were never classified, and
-    later epochs fill the same bytes."""
+@pytest.mark.parametrize("order", ["key", "shuffle"])
+def test_a_shard_reader_locates_its_records_without_gathers(tmp_path: Path, order: str) -> None:
+    """A rank's Batches reads its shard only (shuffled: other records each epoch): its
+    batches are located without per-row gathers, those of its first epoch included,
+    though most records were never classified, and fill what the checked path fills."""
     db = raw_db(tmp_path / "db", 96, (3, 8, 9))
-    with Batches(db, 8, mode="epoch", shard=(1, 4), transform=Transform(scale=0.5)) as b:
-        first = [np.array(x.data) for x in b]
-        index = b._filler._index
-        assert index.uniform_shape is None  # 3 of 4 records never read
+    kw: dict[str, Any] = dict(mode="epoch", order=order, shard=(1, 4), seed=2)
+    with Batches(db, 8, transform=Transform(scale=0.5), **kw) as b:
+        index = b._filler.index()  # made now (else on the first batch)
+        assert index is not None
         seen: list[Any] = []
         real = index.locate
-        b._filler._index.locate = lambda rows, hint=None: seen.append(real(rows, hint)) or seen[-1]
-        again = [np.array(x.data) for x in b]
+        index.locate = lambda rows, hint=None: seen.append(real(rows, hint)) or seen[-1]
+        got = [np.array(x.data) for epoch in epochs(b, 3) for x in epoch]
+        assert index.uniform_shape is None  # a quarter of the records an epoch
     assert seen and all(loc.raw_shape == (3, 8, 9) for loc in seen)
-    assert len(first) == len(again) == 3
-    for x, y in zip(first, again, strict=True):
+    with Batches(PlainSource(db), 8, transform=Transform(scale=0.5), **kw) as plain:
+        want = [np.array(x.data) for epoch in epochs(plain, 3) for x in epoch]
+    assert len(got) == len(want) == 9
+    for x, y in zip(got, want, strict=True):
         np.testing.assert_array_equal(x, y)

@@ -195,13 +195,13 @@ class RecordIndex:
         database, its records of ``rows`` classified), only the offsets and labels of
         ``rows`` are gathered.
         """
-        raw = self._raw_shape
-        if raw is None and self._common is not None:
-            flags = gather(self._of_common, rows).tobytes()
-            if len(self._ones) < len(flags):
-                self._ones = np.ones(max(len(rows), 1024), np.int32).tobytes()
-            if flags == self._ones[: len(flags)]:
-                raw = self._common
+        raw = self._raw_shape or self._all_common(rows)
+        if raw is None and (self._kind[rows] == UNKNOWN).any():
+            if self._pid != pid():
+                self._classifying, self._pid = threading.Lock(), pid()
+            with self._classifying:
+                self._classify(rows, hint)
+            raw = self._all_common(rows)  # (a first epoch's batches, new rows of a shard's)
         if raw is not None:
             n = len(rows)
             same = self._same.get(n)
@@ -219,11 +219,6 @@ class RecordIndex:
                 self.buffer, kind, gather(self._offset, rows), length, shape,
                 gather(self._label, rows), raw,
             )  # fmt: skip
-        if (self._kind[rows] == UNKNOWN).any():
-            if self._pid != pid():
-                self._classifying, self._pid = threading.Lock(), pid()
-            with self._classifying:
-                self._classify(rows, hint)
         return Located(
             self.buffer,
             self._kind[rows],
@@ -232,6 +227,17 @@ class RecordIndex:
             self._shape_rows[rows].view(np.int32).reshape(len(rows), 3),
             self._label[rows],
         )
+
+    def _all_common(self, rows: npt.NDArray[np.intp]) -> tuple[int, int, int] | None:
+        """The common shape, where every record of ``rows`` is known to be a raw one of
+        it (their flags all 1); else None."""
+        common = self._common
+        if common is None:
+            return None
+        flags = gather(self._of_common, rows).tobytes()
+        if len(self._ones) < len(flags):
+            self._ones = np.ones(max(len(rows), 1024), np.int32).tobytes()
+        return common if flags == self._ones[: len(flags)] else None
 
     def _classify(self, rows: npt.NDArray[np.intp], hint: tuple[int, int, int] | None) -> None:
         """Classify the records of ``rows`` still unknown (and those ahead of them: see
