@@ -916,3 +916,44 @@ def test_a_shard_reader_locates_its_records_without_gathers(tmp_path: Path, orde
     assert len(got) == len(want) == 9
     for x, y in zip(got, want, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_learn_classifies_rows_once_the_common_shape_is_known(tmp_path: Path) -> None:
+    """``learn`` classifies a call's rows in one pass with the common shape as the hint;
+    before any raw record was classified it does nothing (a pass without a hint parses
+    each record alone)."""
+    index = _index_over(tmp_path, _odd_values({7: "encoded", 9: "bad"}))
+    rows = np.array([30, 7, 5, 9, 120], np.intp)
+    index.learn(rows)
+    assert (index._kind[rows] == 0).all()  # nothing known yet: nothing learned
+    index.locate(np.array([0, 1], np.intp))  # the first pass: the common shape
+    assert index._common == (3, 10, 12)
+    index.learn(rows)
+    assert (index._kind[rows] != 0).all()
+    assert index._of_common[rows].tolist() == [1, 0, 1, 0, 1]
+    assert index.locate(rows[[0, 2, 4]]).raw_shape == (3, 10, 12)
+
+
+@pytest.mark.parametrize("shard", [None, (1, 4)])
+def test_a_shuffled_epoch_classifies_each_batch_in_one_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: tuple[int, int] | None
+) -> None:
+    """A batch of records not seen yet (a shuffled epoch, a shard's new records) is
+    classified in one pass when it is planned, not once for its first record and again
+    for its fill."""
+    from blobpipe._io._index import RecordIndex
+
+    db = raw_db(tmp_path / "db", 192, (3, 8, 9))
+    passes: list[int] = []
+    real = RecordIndex._classify
+
+    def counted(self: RecordIndex, rows: Any, hint: Any) -> None:
+        passes.append(1)
+        real(self, rows, hint)
+
+    monkeypatch.setattr(RecordIndex, "_classify", counted)
+    with Batches(db, 8, mode="epoch", order="shuffle", seed=3, shard=shard) as b:
+        batches = epochs(b, 1)[0]
+    assert len(batches) == (24 if shard is None else 6)
+    # the first batch: its first record alone (no shape known yet), then the rest
+    assert len(passes) == len(batches) + 1

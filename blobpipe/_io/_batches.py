@@ -39,6 +39,7 @@ transform applied by one kernel (``_kernels.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -407,6 +408,8 @@ class Batches:
         rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
         states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
         head = self._sources[0]
+        if rows and head.filler.uniform_shape() is None:
+            self._learn(rows)
         same: tuple[int, ...] | None = None  # (asked once the first plan is made)
         like: BatchPlan | None = None
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
@@ -435,6 +438,16 @@ class Batches:
         if len(steps) < count:
             plans.append(None)
         return plans
+
+    def _learn(self, rows: list[tuple[np.ndarray, ...]]) -> None:
+        """Every source learns the records of the batches planned together (one pass of
+        its index, not one for each batch's first record and one for its fill). What
+        goes wrong here goes wrong again where the batch reads them (its first record,
+        its fill), and is raised there, for that batch: not here."""
+        indices = rows[0][0] if len(rows) == 1 else np.concatenate([r[0] for r in rows])
+        for src in self._sources:
+            with contextlib.suppress(Exception):
+                src.filler.learn(indices)
 
     def _inner_steps(self, count: int) -> list[tuple[list[Run], int, tuple[int, int, bool]]]:
         """Up to ``count`` of the next batches that lie inside the current epoch, each

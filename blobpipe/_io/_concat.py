@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ._fill import Filler, Part, store_geometry
 from ._kernels import Geometry
@@ -52,6 +53,12 @@ class ConcatFiller:
         """Every part's, when they are one."""
         shapes = {part.uniform_shape() for part in self._parts}
         return shapes.pop() if len(shapes) == 1 else None
+
+    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+        """Each part learns its rows of ``indices``."""
+        which = np.searchsorted(self._starts, indices, side="right") - 1
+        for k in np.unique(which).tolist():
+            self._parts[k].learn(indices[which == k] - self._starts[k])
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         k, local = self._where(index)

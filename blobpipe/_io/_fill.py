@@ -190,6 +190,11 @@ class RowFiller(Protocol):
         is known without a read; else None."""
         ...
 
+    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+        """Learn what the records ``indices`` (a call's planned rows) are, together,
+        where that makes :meth:`first` and :meth:`fill` of them cheaper."""
+        ...
+
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index``, and its pixels and label if decoded."""
         ...
@@ -300,6 +305,16 @@ class Filler:
         a read (raw records of one shape, all seen); else None."""
         known = self._index if self._index_tried and self.kind != BLOBPROTO else None
         return None if known is None else known.uniform_shape
+
+    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+        """Classify the records ``indices`` not seen yet in one pass of the index (one
+        per planned chunk, not one for each batch's first record and one for its fill:
+        a shard's reader meets new records every epoch it shuffles)."""
+        if self.kind == BLOBPROTO:
+            return
+        index = self.index()
+        if index is not None:
+            index.learn(indices.astype(np.intp, copy=False))
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index`` (the batch's shape: ``(C, H, W)`` for a

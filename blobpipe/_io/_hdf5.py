@@ -276,6 +276,9 @@ class _RowFiller:
         """None: :meth:`first` reads a row's values, which the plan keeps."""
         return None
 
+    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+        """Nothing to learn: every row of a top has its shape."""
+
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         values = self._top.row(index, self.blob_dtype)
         return tuple(values.shape), (values, 0)

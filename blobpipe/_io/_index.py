@@ -196,11 +196,7 @@ class RecordIndex:
         ``rows`` are gathered.
         """
         raw = self._raw_shape or self._all_common(rows)
-        if raw is None and (self._kind[rows] == UNKNOWN).any():
-            if self._pid != pid():
-                self._classifying, self._pid = threading.Lock(), pid()
-            with self._classifying:
-                self._classify(rows, hint)
+        if raw is None and self._learn(rows, hint):
             raw = self._all_common(rows)  # (a first epoch's batches, new rows of a shard's)
         if raw is not None:
             n = len(rows)
@@ -227,6 +223,25 @@ class RecordIndex:
             self._shape_rows[rows].view(np.int32).reshape(len(rows), 3),
             self._label[rows],
         )
+
+    def learn(self, rows: npt.NDArray[np.intp]) -> None:
+        """Classify the records of ``rows`` not classified yet, in one pass (the rows of
+        the batches a call plans: then their shapes are known without a read, and
+        locating them finds them classified), with the common raw shape as the hint;
+        nothing before that shape is known (a pass without a hint parses each record
+        alone, ten times slower: the first batch's own calls find the shape)."""
+        if self._common is not None and self._raw_shape is None and not self._all_common(rows):
+            self._learn(rows, self._common)
+
+    def _learn(self, rows: npt.NDArray[np.intp], hint: tuple[int, int, int] | None) -> bool:
+        """Classify the unknown records of ``rows``; whether there were any."""
+        if not (self._kind[rows] == UNKNOWN).any():
+            return False
+        if self._pid != pid():
+            self._classifying, self._pid = threading.Lock(), pid()
+        with self._classifying:
+            self._classify(rows, hint)
+        return True
 
     def _all_common(self, rows: npt.NDArray[np.intp]) -> tuple[int, int, int] | None:
         """The common shape, where every record of ``rows`` is known to be a raw one of
