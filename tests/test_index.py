@@ -935,12 +935,13 @@ def test_learn_classifies_rows_once_the_common_shape_is_known(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("shard", [None, (1, 4)])
-def test_a_shuffled_epoch_classifies_each_batch_in_one_pass(
+def test_a_shuffled_epoch_classifies_its_records_in_few_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: tuple[int, int] | None
 ) -> None:
-    """A batch of records not seen yet (a shuffled epoch, a shard's new records) is
-    classified in one pass when it is planned, not once for its first record and again
-    for its fill."""
+    """Records not seen yet (a shuffled epoch, a shard's new records) are classified
+    when a batch of them is planned, with those the epoch reads next (up to 8,192
+    records or 8 MiB of values), in one pass: not once for each batch's first record
+    and again for its fill."""
     from blobpipe._io._index import RecordIndex
 
     db = raw_db(tmp_path / "db", 192, (3, 8, 9))
@@ -955,5 +956,26 @@ def test_a_shuffled_epoch_classifies_each_batch_in_one_pass(
     with Batches(db, 8, mode="epoch", order="shuffle", seed=3, shard=shard) as b:
         batches = epochs(b, 1)[0]
     assert len(batches) == (24 if shard is None else 6)
-    # the first batch: its first record alone (no shape known yet), then the rest
-    assert len(passes) == len(batches) + 1
+    # the first batch: its first record alone (no shape known yet), then the rest; the
+    # second batch: the rest of the epoch
+    assert len(passes) == 3
+
+
+def test_learning_ahead_stops_at_the_byte_and_record_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records ahead are classified up to ``_AHEAD`` of them and ``_AHEAD_BYTES`` of their
+    values, in the order given (a shuffled epoch's): no further."""
+    from blobpipe._io import _index as index_module
+
+    index = _index_over(tmp_path, _odd_values({}))
+    index.locate(np.array([0], np.intp))  # the common shape
+    length = int(index._value_length[1])
+    monkeypatch.setattr(index_module, "_AHEAD_BYTES", 3 * length + 10)  # labels: 1-2 bytes
+    ahead = np.array([150, 20, 90, 60, 199, 3], np.int64)
+    index.learn(np.array([5], np.intp), ahead)
+    assert (index._kind[[5, 150, 20, 90]] != 0).all()
+    assert (index._kind[[60, 199, 3]] == 0).all()
+    monkeypatch.setattr(index_module, "_AHEAD", 2)
+    index.learn(np.array([7], np.intp), np.array([60, 199, 3], np.int64))
+    assert (index._kind[[7, 60, 199]] != 0).all() and index._kind[3] == 0

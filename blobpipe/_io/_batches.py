@@ -409,7 +409,7 @@ class Batches:
         states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
         head = self._sources[0]
         if rows and head.filler.uniform_shape() is None:
-            self._learn(rows)
+            self._learn(rows, steps[-1][0][-1])
         same: tuple[int, ...] | None = None  # (asked once the first plan is made)
         like: BatchPlan | None = None
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
@@ -439,15 +439,17 @@ class Batches:
             plans.append(None)
         return plans
 
-    def _learn(self, rows: list[tuple[np.ndarray, ...]]) -> None:
+    def _learn(self, rows: list[tuple[np.ndarray, ...]], last: Run) -> None:
         """Every source learns the records of the batches planned together (one pass of
-        its index, not one for each batch's first record and one for its fill). What
-        goes wrong here goes wrong again where the batch reads them (its first record,
-        its fill), and is raised there, for that batch: not here."""
+        its index, not one for each batch's first record and one for its fill), and
+        those its epoch reads after them (from the end of the ``last`` run). What goes
+        wrong here goes wrong again where a batch reads them (its first record, its
+        fill), and is raised there, for that batch: not here."""
         indices = rows[0][0] if len(rows) == 1 else np.concatenate([r[0] for r in rows])
+        epoch, _, end = last
         for src in self._sources:
             with contextlib.suppress(Exception):
-                src.filler.learn(indices)
+                src.filler.learn(indices, self._epochs.order(epoch)[end:])
 
     def _inner_steps(self, count: int) -> list[tuple[list[Run], int, tuple[int, int, bool]]]:
         """Up to ``count`` of the next batches that lie inside the current epoch, each

@@ -54,11 +54,13 @@ class ConcatFiller:
         shapes = {part.uniform_shape() for part in self._parts}
         return shapes.pop() if len(shapes) == 1 else None
 
-    def learn(self, indices: npt.NDArray[np.int64]) -> None:
-        """Each part learns its rows of ``indices``."""
+    def learn(self, indices: npt.NDArray[np.int64], ahead: npt.NDArray[np.int64]) -> None:
+        """Each part learns its rows of ``indices`` (and of ``ahead``)."""
         which = np.searchsorted(self._starts, indices, side="right") - 1
+        after = np.searchsorted(self._starts, ahead, side="right") - 1
         for k in np.unique(which).tolist():
-            self._parts[k].learn(indices[which == k] - self._starts[k])
+            start = self._starts[k]
+            self._parts[k].learn(indices[which == k] - start, ahead[after == k] - start)
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         k, local = self._where(index)

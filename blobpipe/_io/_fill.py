@@ -190,9 +190,10 @@ class RowFiller(Protocol):
         is known without a read; else None."""
         ...
 
-    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+    def learn(self, indices: npt.NDArray[np.int64], ahead: npt.NDArray[np.int64]) -> None:
         """Learn what the records ``indices`` (a call's planned rows) are, together,
-        where that makes :meth:`first` and :meth:`fill` of them cheaper."""
+        where that makes :meth:`first` and :meth:`fill` of them cheaper; ``ahead``: the
+        records planned after them, in order."""
         ...
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
@@ -306,15 +307,16 @@ class Filler:
         known = self._index if self._index_tried and self.kind != BLOBPROTO else None
         return None if known is None else known.uniform_shape
 
-    def learn(self, indices: npt.NDArray[np.int64]) -> None:
-        """Classify the records ``indices`` not seen yet in one pass of the index (one
-        per planned chunk, not one for each batch's first record and one for its fill:
-        a shard's reader meets new records every epoch it shuffles)."""
+    def learn(self, indices: npt.NDArray[np.int64], ahead: npt.NDArray[np.int64]) -> None:
+        """Classify the records ``indices`` not seen yet in one pass of the index, with
+        some of ``ahead`` (:meth:`RecordIndex.learn`): not one pass for each batch's
+        first record and one for its fill (a shuffled epoch, a shard's reader, meets
+        new records in every batch)."""
         if self.kind == BLOBPROTO:
             return
         index = self.index()
         if index is not None:
-            index.learn(indices.astype(np.intp, copy=False))
+            index.learn(indices.astype(np.intp, copy=False), ahead)
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index`` (the batch's shape: ``(C, H, W)`` for a

@@ -276,7 +276,7 @@ class _RowFiller:
         """None: :meth:`first` reads a row's values, which the plan keeps."""
         return None
 
-    def learn(self, indices: npt.NDArray[np.int64]) -> None:
+    def learn(self, indices: npt.NDArray[np.int64], ahead: npt.NDArray[np.int64]) -> None:
         """Nothing to learn: every row of a top has its shape."""
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
