@@ -979,3 +979,48 @@ def test_learning_ahead_stops_at_the_byte_and_record_bounds(
     monkeypatch.setattr(index_module, "_AHEAD", 2)
     index.learn(np.array([7], np.intp), np.array([60, 199, 3], np.int64))
     assert (index._kind[[7, 60, 199]] != 0).all() and index._kind[3] == 0
+
+
+def test_learn_checks_the_file_only_before_a_pass(tmp_path: Path) -> None:
+    """``before`` (the file's shrink check, a system call) runs where ``learn`` is about
+    to read records, not where everything asked for is known (a bad record included)."""
+    index = _index_over(tmp_path, _odd_values({9: "bad"}))
+    index.locate(np.array([0, 9], np.intp))  # the common shape; 9 known bad
+    calls: list[int] = []
+
+    def check() -> None:
+        calls.append(1)
+
+    for rows, want in (([0], 0), ([9], 0), ([0, 9], 0), ([5, 9], 1), ([5], 1), ([9, 5], 1)):
+        index.learn(np.array(rows, np.intp), None, before=check)
+        assert len(calls) == want, rows
+    ahead = np.array([77, 78], np.int64)
+    index.learn(np.array([9], np.intp), ahead, before=check)  # 9 is not common: the pass
+    assert len(calls) == 2 and (index._kind[[77, 78]] != 0).all()
+
+
+def test_a_file_that_shrank_before_learning_fails_the_batch_that_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shrink check failing while a call plans ahead loses nothing: the batch whose
+    records it read raises it (from its first record or its fill), as without learning."""
+    from blobpipe._io._fill import Filler
+
+    db = raw_db(tmp_path / "db", 64, (3, 8, 9))
+    with Batches(db, 8, mode="epoch", order="shuffle", seed=1) as b:
+        first = b.next_plans(2)  # the index made, the common shape known
+        assert all(p is not None for p in first)
+        calls = {"n": 0}
+        real = Filler.index
+
+        def shrunk(self: Filler) -> Any:
+            calls["n"] += 1
+            raise DataError("the data file shrank", path=str(db))
+
+        monkeypatch.setattr(Filler, "index", shrunk)
+        with pytest.raises(DataError, match="shrank"):
+            b.next_plans(3)
+        assert calls["n"] >= 1
+        monkeypatch.setattr(Filler, "index", real)
+        after = b.next_plans(1)[0]  # the batch after the one that failed, none skipped
+        assert after is not None and after.positions[0] == 24

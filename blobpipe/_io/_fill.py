@@ -312,11 +312,9 @@ class Filler:
         some of ``ahead`` (:meth:`RecordIndex.learn`): not one pass for each batch's
         first record and one for its fill (a shuffled epoch, a shard's reader, meets
         new records in every batch)."""
-        if self.kind == BLOBPROTO:
-            return
-        index = self.index()
-        if index is not None:
-            index.learn(indices.astype(np.intp, copy=False), ahead)
+        index = self._index if self._index_tried and self.kind != BLOBPROTO else None
+        if index is not None:  # (none made yet: no shape known to learn with either)
+            index.learn(indices.astype(np.intp, copy=False), ahead, before=self.index)
 
     def first(self, index: int) -> tuple[tuple[int, ...], tuple[np.ndarray, int] | None]:
         """The shape of record ``index`` (the batch's shape: ``(C, H, W)`` for a

@@ -29,7 +29,7 @@ kind without the lock sees its fields.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -224,7 +224,12 @@ class RecordIndex:
             self._label[rows],
         )
 
-    def learn(self, rows: npt.NDArray[np.intp], ahead: npt.NDArray[np.int64] | None = None) -> None:
+    def learn(
+        self,
+        rows: npt.NDArray[np.intp],
+        ahead: npt.NDArray[np.int64] | None = None,
+        before: Callable[[], object] | None = None,
+    ) -> None:
         """Classify the records of ``rows`` not classified yet, in one pass (the rows of
         the batches a call plans: then their shapes are known without a read, and
         locating them finds them classified), with the common raw shape as the hint;
@@ -235,19 +240,30 @@ class RecordIndex:
         where ``rows`` need a pass, it takes those of them within :data:`_AHEAD` records
         and :data:`_AHEAD_BYTES` of values too, so that the next batches need none (a
         pass costs about 100 µs however few its records: a shuffled epoch meets new
-        ones in every batch)."""
+        ones in every batch).
+
+        ``before``: called before a pass reads the buffer (the file's shrink check; a
+        system call, not made where no pass is needed)."""
         if self._common is None or self._raw_shape is not None or self._all_common(rows):
             return
         if ahead is not None and len(ahead):
             ahead = ahead[:_AHEAD].astype(np.intp, copy=False)
             count = int(np.searchsorted(np.cumsum(self._value_length[ahead]), _AHEAD_BYTES))
             rows = np.concatenate([rows, ahead[:count]])
-        self._learn(rows, self._common)
+        self._learn(rows, self._common, before)
 
-    def _learn(self, rows: npt.NDArray[np.intp], hint: tuple[int, int, int] | None) -> bool:
-        """Classify the unknown records of ``rows``; whether there were any."""
+    def _learn(
+        self,
+        rows: npt.NDArray[np.intp],
+        hint: tuple[int, int, int] | None,
+        before: Callable[[], object] | None = None,
+    ) -> bool:
+        """Classify the unknown records of ``rows`` (``before`` called first, where there
+        are any); whether there were any."""
         if not (self._kind[rows] == UNKNOWN).any():
             return False
+        if before is not None:
+            before()
         if self._pid != pid():
             self._classifying, self._pid = threading.Lock(), pid()
         with self._classifying:
