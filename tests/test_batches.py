@@ -765,18 +765,19 @@ def _two_sources(tmp_path: Path) -> dict[str, Path]:
     }
 
 
+# how a cursor moves: the ends of epochs, padding, dropped tails, wrapping, shuffling
+PLANNING_OPTIONS: list[dict[str, Any]] = [
+    {"mode": "epoch", "last": "keep"},
+    {"mode": "epoch", "last": "pad"},
+    {"mode": "epoch", "last": "drop"},
+    {"mode": "wrap"},
+    {"mode": "epoch", "order": "shuffle", "seed": 3},
+    {"mode": "wrap", "order": "shuffle", "seed": 3, "transform": Transform(mirror=True)},
+]
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"mode": "epoch", "last": "keep"},
-        {"mode": "epoch", "last": "pad"},
-        {"mode": "epoch", "last": "drop"},
-        {"mode": "wrap"},
-        {"mode": "epoch", "order": "shuffle", "seed": 3},
-        {"mode": "wrap", "order": "shuffle", "seed": 3, "transform": Transform(mirror=True)},
-    ],
-)
+@pytest.mark.parametrize("options", PLANNING_OPTIONS)
 @pytest.mark.parametrize("source", ["raw", "mixed shapes", "encoded", "two sources"])
 def test_next_plans_are_next_plan_in_steps(
     db10: Path, tmp_path: Path, count: int, options: dict[str, Any], source: str
@@ -1719,12 +1720,7 @@ def db23(tmp_path_factory: pytest.TempPathFactory) -> Path:
     counts=st.lists(st.integers(1, 9), min_size=1, max_size=12),
     options=st.sampled_from(
         [
-            {"mode": "epoch", "last": "keep"},
-            {"mode": "epoch", "last": "pad"},
-            {"mode": "epoch", "last": "drop"},
-            {"mode": "wrap"},
-            {"mode": "epoch", "order": "shuffle", "seed": 5},
-            {"mode": "wrap", "order": "shuffle", "seed": 5, "transform": Transform(mirror=True)},
+            *PLANNING_OPTIONS,
             {"mode": "epoch", "last": "drop", "shard": (1, 3)},
             {"mode": "wrap", "shard": (2, 3), "pad_shards": False},
         ]
@@ -1762,3 +1758,36 @@ def test_next_plans_are_next_plan_in_steps_swept(
         for w, g in zip(want, got, strict=True):
             _same_plans(g, w)
         assert many.state_dict() == one.state_dict()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(1, 60),
+    pos=st.integers(0, 59),
+    batch=st.integers(1, 9),
+    count=st.integers(0, 12),
+    mode_last=st.sampled_from(
+        [("epoch", "keep"), ("epoch", "pad"), ("epoch", "drop"), ("wrap", "keep")]
+    ),
+)
+def test_inner_count_is_what_advance_gives(
+    size: int, pos: int, batch: int, count: int, mode_last: tuple[str, str]
+) -> None:
+    """The batches ``inner_count`` counts are, step by step, what ``advance`` gives from
+    the same cursor: one run of a whole batch each, inside the epoch; it counts as many
+    as fit before the one that ends the epoch (and at most ``count``)."""
+    from blobpipe._io._plan import advance, inner_count
+
+    pos %= size
+    mode, last = mode_last
+    n = inner_count(pos, batch, size, mode, last, count)
+    assert 0 <= n <= count
+    p = pos
+    for _ in range(n):
+        want = advance(3, p, batch, size, mode, last)
+        assert want.runs == [(3, p, p + batch)] and want.valid == batch
+        assert not want.end and (want.epoch, want.pos) == (3, p + batch)
+        p += batch
+    if n < count:  # the next batch ends the epoch (or runs into the next one)
+        nxt = advance(3, p, batch, size, mode, last)
+        assert nxt.end or nxt.epoch != 3

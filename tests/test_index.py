@@ -781,6 +781,24 @@ def _index_over(tmp_path: Path, values: list[bytes]) -> Any:
     return index_module.RecordIndex(file, extents.offsets, extents.lengths)
 
 
+def _odd_values(odd: dict[int, str]) -> list[bytes]:
+    """200 raw 3x10x12 records, those of ``odd`` another shape, bad, encoded or float."""
+    shape = (3, 10, 12)
+    values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
+    for at, what in odd.items():
+        if what == "other shape":
+            values[at] = blobpipe.encode_raw_datum(image(at, (3, 10, 11)), at)
+        elif what == "bad":
+            values[at] = b"\xff\xff not a Datum"
+        elif what == "encoded":
+            ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
+            assert ok
+            values[at] = blobpipe.encode_encoded_datum(buf.tobytes(), at)
+        else:
+            values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
+    return values
+
+
 @pytest.mark.parametrize("at", [0, 77, 199])
 @pytest.mark.parametrize("odd", [None, "other shape", "bad", "encoded", "float"])
 def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
@@ -791,18 +809,7 @@ def test_an_index_of_raw_records_of_one_shape_locates_without_gathers(
     rows it gave before; one record of another kind or shape anywhere (the first, one
     in the middle, the last: classified first, among, last) keeps the per-row path."""
     shape = (3, 10, 12)
-    values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
-    if odd == "other shape":
-        values[at] = blobpipe.encode_raw_datum(image(at, (3, 10, 11)), at)
-    elif odd == "bad":
-        values[at] = b"\xff\xff not a Datum"
-    elif odd == "encoded":
-        ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
-        assert ok
-        values[at] = blobpipe.encode_encoded_datum(buf.tobytes(), at)
-    elif odd == "float":
-        values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
-    index = _index_over(tmp_path, values)
+    index = _index_over(tmp_path, _odd_values({} if odd is None else {at: odd}))
     rows = np.array([5, 150, 5, 199, 0], np.intp)
     before = index.locate(rows)  # classifies these rows only, then locates them
     assert before.raw_shape == (None if odd and at in rows else shape)
@@ -830,24 +837,6 @@ def test_batches_over_a_classified_database_fill_the_same_rows(tmp_path: Path) -
     assert len(first) == len(again) == 3
     for x, y in zip(first, again, strict=True):
         np.testing.assert_array_equal(x, y)
-
-
-def _odd_values(odd: dict[int, str]) -> list[bytes]:
-    """200 raw 3x10x12 records, those of ``odd`` another shape, bad, encoded or float."""
-    shape = (3, 10, 12)
-    values = [blobpipe.encode_raw_datum(image(i, shape), i) for i in range(200)]
-    for at, what in odd.items():
-        if what == "other shape":
-            values[at] = blobpipe.encode_raw_datum(image(at, (3, 10, 11)), at)
-        elif what == "bad":
-            values[at] = b"\xff\xff not a Datum"
-        elif what == "encoded":
-            ok, buf = cv2.imencode(".png", np.zeros((10, 12, 3), np.uint8))
-            assert ok
-            values[at] = blobpipe.encode_encoded_datum(buf.tobytes(), at)
-        else:
-            values[at] = blobpipe.encode_float_datum(np.zeros(shape, np.float32), at)
-    return values
 
 
 @settings(

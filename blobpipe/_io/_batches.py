@@ -69,7 +69,7 @@ from ._options import (
     with_options_doc,
 )
 from ._order import EpochOrder
-from ._plan import ArrayBatch, BatchPlan, Run, advance, key_source, row_arrays
+from ._plan import ArrayBatch, BatchPlan, Run, advance, inner_count, key_source, row_arrays
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -397,7 +397,12 @@ class Batches:
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
-        steps = self._inner_steps(count) if count > 1 else []
+        steps: list[tuple[list[Run], int, tuple[int, int, bool]]] = []
+        if count > 1 and not self._end_pending:  # batches inside the epoch, by arithmetic
+            e, p, bs = self._epoch, self._pos, self._batch_size
+            n = inner_count(*self._cursor()[1:], count)
+            steps = [([(e, a, a + bs)], bs, (e, a + bs, False)) for a in range(p, p + n * bs, bs)]
+            self._pos += n * bs
         while len(steps) < count:
             step = self._advance()
             if step is None:
@@ -451,21 +456,9 @@ class Batches:
             with contextlib.suppress(Exception):
                 src.filler.learn(indices, self._epochs.order(epoch)[end:])
 
-    def _inner_steps(self, count: int) -> list[tuple[list[Run], int, tuple[int, int, bool]]]:
-        """Up to ``count`` of the next batches that lie inside the current epoch, each
-        ending before its last batch: one run of whole rows each, what :func:`advance`
-        gives them, by arithmetic; the cursor moved past them. Others: :meth:`_advance`."""
-        if self._end_pending:
-            return []
-        e, p, bs, size = self._epoch, self._pos, self._batch_size, self._shard_len
-        # a batch ends the epoch where it reaches its end, or (dropping the tail) where
-        # less than a batch is left after it
-        room = size - p - (bs if self._mode == "epoch" and self._last == "drop" else 1)
-        n = min(count, max(0, room // bs))
-        if not n:
-            return []
-        self._pos = p + n * bs
-        return [([(e, a, a + bs)], bs, (e, a + bs, False)) for a in range(p, p + n * bs, bs)]
+    def _cursor(self) -> tuple[int, int, int, int, str, str]:
+        """Where the cursor is and how it moves: :func:`advance`'s arguments."""
+        return self._epoch, self._pos, self._batch_size, self._shard_len, self._mode, self._last
 
     def _advance(self) -> tuple[list[Run], int] | None:
         """Move the cursor past the next batch: its runs and its number of real rows
@@ -473,9 +466,7 @@ class Batches:
         if self._end_pending:
             self._end_pending = False
             return None
-        step = advance(
-            self._epoch, self._pos, self._batch_size, self._shard_len, self._mode, self._last
-        )
+        step = advance(*self._cursor())
         self._epoch, self._pos, self._end_pending = step.epoch, step.pos, step.end
         if not step.runs:  # a tail shorter than a batch, dropped
             return None

@@ -365,6 +365,17 @@ def advance(epoch: int, pos: int, batch_size: int, size: int, mode: str, last: s
     return Step(runs, count, epoch, pos, False)
 
 
+def inner_count(pos: int, batch_size: int, size: int, mode: str, last: str, count: int) -> int:
+    """How many of the next ``count`` batches from position ``pos`` (of an epoch of
+    ``size`` records) lie inside the epoch and end before its last batch: each is what
+    :func:`advance` gives as one run of ``batch_size`` rows, the cursor after it ``batch_size``
+    on, in the same epoch; the others need :func:`advance`."""
+    # a batch ends the epoch where it reaches its end, or (dropping the tail) where less
+    # than a batch is left after it
+    room = size - pos - (batch_size if mode == "epoch" and last == "drop" else 1)
+    return min(count, max(0, room // batch_size))
+
+
 class EpochOrders(Protocol):
     """Each epoch's order of record indices and random words (``_order.py``)."""
 
