@@ -129,6 +129,48 @@ def test_transform_image_checks_formats_too() -> None:
         )  # fmt: skip
 
 
+def _match_args() -> dict[str, Any]:
+    """match_raw's arguments for two 5-byte records of a 10-byte buffer."""
+    return {
+        "buffer": np.zeros(10, np.uint8),
+        "offsets": np.array([0, 5], np.int64),
+        "lengths": np.array([5, 5], np.int64),
+        "header": b"\x08\x01",
+        "size": 1,
+        "good": np.full(2, 7, np.uint8),
+        "labels": np.full(2, 7, np.int32),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("offsets", np.array([0, 6], np.int64), "record 1 lies outside the buffer"),
+        ("offsets", np.array([-1, 5], np.int64), "record 0 lies outside the buffer"),
+        ("lengths", np.array([5, 2**62], np.int64), "record 1 lies outside the buffer"),
+        ("lengths", np.array([-5, 5], np.int64), "record 0 lies outside the buffer"),
+        ("offsets", np.array([0, 5], np.float64), "offsets must be int64"),
+        ("buffer", np.zeros(10, np.int8), "buffer must be uint8"),
+        ("labels", np.full(2, 7, np.uint32), "labels must be int32"),
+        ("good", np.full(2, 7, np.int8), "good must be bool or uint8"),
+        ("good", np.full(3, 7, np.uint8), "one per record"),
+        ("lengths", np.zeros(1, np.int64), "one per record"),
+        ("size", -1, "bad size"),
+    ],
+)
+def test_match_raw_refuses_records_outside_its_buffer_and_other_formats(
+    name: str, value: Any, match: str
+) -> None:
+    """The raw-layout matcher checks every record's range against the buffer and every
+    buffer's format before it reads a byte, and writes nothing when it refuses."""
+    a = _match_args()
+    a[name] = value
+    with pytest.raises(ValueError, match=match):
+        rowkernel.match_raw(*a.values())
+    assert (a["good"] == 7).all() and (a["labels"] == 7).all()
+    assert rowkernel.match_raw(*_match_args().values()) == 0  # the arguments as made: no raw record
+
+
 @pytest.mark.parametrize("name", ["out", "offsets", "h_off", "mirror", "src"])
 def test_a_buffer_with_gaps_is_refused_as_a_value(name: str) -> None:
     """Strides other than C-contiguous are a ValueError naming the argument (the type

@@ -567,22 +567,87 @@ def _expected_kind(record: bytes) -> tuple[int, bytes | None, tuple[int, int, in
     return kinds.BAD, None, (0, 0, 0), 0
 
 
-@settings(max_examples=300, deadline=None)
+# the row_kernel fixture (compiled matcher, or NumPy's) holds for every example
+_BOTH_PATHS = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=_BOTH_PATHS)
 @given(st.lists(_batch_record(damaged=False), min_size=1, max_size=12))
-def test_the_record_index_agrees_with_protobuf(records: list[bytes]) -> None:
-    """The record index recognises convert_imageset's raw layout in one vectorised pass
-    and parses every other record: either way it reads what protobuf reads."""
+def test_the_record_index_agrees_with_protobuf(row_kernel: str, records: list[bytes]) -> None:
+    """The record index recognises convert_imageset's raw layout in one pass (the
+    compiled row kernel's, or NumPy's) and parses every other record: either way it
+    reads what protobuf reads."""
     _index_agrees_with_protobuf(records)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=_BOTH_PATHS)
 @given(st.lists(_batch_record(damaged=True), min_size=1, max_size=12))
-def test_the_record_index_agrees_with_protobuf_on_damaged_records(records: list[bytes]) -> None:
+def test_the_record_index_agrees_with_protobuf_on_damaged_records(
+    row_kernel: str, records: list[bytes]
+) -> None:
     """The same with records that have a byte overwritten: the index rejects what the
     newest protobuf (upb) rejects. Older pure-Python parsers accept some malformed
     bytes (a group tag of field 1 before the label, say), so .ci/run deselects this
     test under them."""
     _index_agrees_with_protobuf(records)
+
+
+# bytes that decide the raw layout's tail: the label's tag (0x28), encoded's (0x38),
+# varint continuation (>= 0x80) or not, the highest bits of a 10-byte varint
+_TAIL_BYTES = st.sampled_from([0x00, 0x01, 0x02, 0x28, 0x38, 0x7F, 0x80, 0x81, 0xFE, 0xFF])
+
+
+@st.composite
+def _layout_record(draw: st.DrawFn) -> bytes:
+    """A raw record of SHAPE whose header may have a byte changed and whose bytes after
+    the pixels are drawn freely (0 to 16 of them), often a well-formed tail."""
+    header = bytearray(encode_raw_datum(np.zeros(SHAPE, np.uint8), 0)[:-2][:-24])
+    if draw(st.integers(0, 4)) == 0:
+        header[draw(st.integers(0, len(header) - 1))] = draw(st.integers(0, 255))
+    pixels = draw(st.binary(min_size=24, max_size=24))
+    if draw(st.booleans()):
+        label = draw(st.integers(min_value=-(2**31), max_value=2**31 - 1))
+        tail = bytearray(encode_raw_datum(np.zeros(SHAPE, np.uint8), label)[len(header) + 24 :])
+        if draw(st.booleans()):
+            tail[draw(st.integers(0, len(tail) - 1))] = draw(_TAIL_BYTES)
+        if draw(st.booleans()):
+            tail += b"\x38\x00"
+    else:
+        tail = bytearray(draw(st.lists(_TAIL_BYTES, max_size=16)))
+    return bytes(header) + pixels + bytes(tail)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_layout_record(), min_size=1, max_size=16))
+def test_the_compiled_raw_layout_match_is_numpys(records: list[bytes]) -> None:
+    """The row kernel's ``match_raw`` marks the same records raw, with the same labels,
+    as NumPy's per-length comparisons (the path where it is not built), and leaves the
+    same records to the parser."""
+    from blobpipe._io import _kernels
+
+    if _kernels.row_kernel() is None:
+        pytest.skip("the compiled row kernel was not built (no C compiler at install)")
+    pad = b"\xaa" * 3  # records not at the buffer's start or end
+    buffer = np.frombuffer(pad + b"".join(records) + pad, np.uint8)
+    lengths = np.array([len(r) for r in records], np.int64)
+    offsets = np.cumsum(np.concatenate(([len(pad)], lengths[:-1]))).astype(np.int64)
+
+    def match() -> tuple[kinds.Classified, list[int]]:
+        n = len(records)
+        out = kinds.Classified(
+            np.full(n, kinds.BAD, np.int8), offsets.copy(), lengths.copy(),
+            np.zeros((n, 3), np.int32), np.zeros(n, np.int32),
+        )  # fmt: skip
+        rest = kinds._match_raw(buffer, offsets, lengths, SHAPE, out)
+        return out, sorted(rest.tolist())
+
+    compiled, compiled_rest = match()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_kernels, "_rowkernel", None)
+        numpy_, numpy_rest = match()
+    assert compiled_rest == numpy_rest
+    for got, want in zip(compiled, numpy_, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _index_agrees_with_protobuf(records: list[bytes]) -> None:
@@ -599,7 +664,7 @@ def _index_agrees_with_protobuf(records: list[bytes]) -> None:
             assert loc.label[i] == label  # exact: int32 labels, as in the record
 
 
-def test_the_record_index_takes_caffe_records_of_mixed_label_sizes() -> None:
+def test_the_record_index_takes_caffe_records_of_mixed_label_sizes(row_kernel: str) -> None:
     records = [
         encode_raw_datum(np.full(SHAPE, i, np.uint8), label)
         for i, label in enumerate([0, 127, 128, 300000, -1])
@@ -770,12 +835,16 @@ def _datum_like(record: bytes) -> bool:
     return d.HasField("data") or d.HasField("label") or d.HasField("encoded")
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, *_BOTH_PATHS]
+)
 @given(st.lists(st.composite(_mutated)(), min_size=1, max_size=6))
 # a raw Datum with a malformed group tag (field 18, start group) between its pixels and
 # its label: upb rejects it (blobpipe too); protobuf 4.21.1's pure Python accepts it
 @example([b'\x08\x03\x10\x02\x18\x02"\x0c' + bytes(12) + b"\x93\x00\x00\x00\x00(\x048\x00"])
-def test_classify_never_takes_a_datum_for_a_blobproto(records: list[bytes]) -> None:
+def test_classify_never_takes_a_datum_for_a_blobproto(
+    row_kernel: str, records: list[bytes]
+) -> None:
     """Over mutated Datums: classify agrees with protobuf's Datum parser on every
     record's kind, and says BlobProto only for records that are no Datum (by
     protobuf's parser, not blobpipe's) and that protobuf reads as a BlobProto."""

@@ -36,6 +36,18 @@
  * releases it to gather more than 500 items (an index's offsets and labels for a
  * chunk of rows: a hand-off to a waiting thread, twice a chunk).
  *
+ * match_raw(buffer, offsets, lengths, header, size, good, labels) -> int: which of
+ * the records buffer[offsets[i]:offsets[i] + lengths[i]] are in convert_imageset's raw
+ * layout: `header` (the Datum's channels, height, width, the data field's tag and
+ * length: _encode.raw_header), `size` pixels, then 0x28 varint(label) and optionally
+ * 0x38 0x00 (encoded: false), nothing else. good[i] (uint8) is 1 for such a record, and
+ * labels[i] (int32) its label, the varint's low 32 bits as protobuf reads an int32; 0
+ * and 0 for any other. Returns how many are good. The rule is _records._match_layout's
+ * (NumPy's path where this module is not built). Only each record's header and the
+ * bytes after its pixels are read; the GIL is released for the pass (each pass reads a
+ * page or two of every record: first reads of the map fault them in), which runs once
+ * a batch at most and a few times an epoch.
+ *
  * The arithmetic is Caffe's, in float32, each step rounded:
  * (float)x - mean at the pixel's uncropped position, then * scale; without a
  * mean (float)x * scale; with scale 1 the product is skipped (x * 1 == x).
@@ -218,6 +230,96 @@ done:
     return result;
 }
 
+/* Record [p, p + len): 1 and *label where it is header, `size` pixels and the raw
+ * layout's tail (match_raw's comment); else 0. */
+static int raw_layout(const uint8_t *p, Py_ssize_t len, const uint8_t *header, Py_ssize_t hl,
+                      Py_ssize_t size, int32_t *label) {
+    const Py_ssize_t k = len - hl - size; /* the tail's bytes */
+    if (k < 2 || k > 14 || memcmp(p, header, (size_t)hl) != 0) return 0;
+    const uint8_t *t = p + hl + size;
+    if (t[0] != 0x28) return 0;
+    /* the label's varint: bytes 1 .. k-3 when 0x38 0x00 ends the record, else 1 .. k-1 */
+    for (int with_enc = 1; with_enc >= 0; with_enc--) {
+        const Py_ssize_t n = with_enc ? k - 3 : k - 1;
+        if (n < 1 || n > 10) continue;
+        if (with_enc && (t[k - 2] != 0x38 || t[k - 1] != 0x00)) continue;
+        uint64_t v = 0;
+        int ok = 1;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const uint8_t b = t[1 + j];
+            if ((j == n - 1) != (b < 0x80)) {
+                ok = 0;
+                break;
+            }
+            v |= (uint64_t)(b & 0x7F) << (7 * j);
+        }
+        if (!ok) continue;
+        *label = (int32_t)(uint32_t)(v & 0xFFFFFFFFu);
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *match_raw(PyObject *self, PyObject *args) {
+    PyObject *buf_o, *off_o, *len_o, *good_o, *lab_o;
+    const char *header;
+    Py_ssize_t hl, size;
+    if (!PyArg_ParseTuple(args, "OOOy#nOO", &buf_o, &off_o, &len_o, &header, &hl, &size, &good_o,
+                          &lab_o))
+        return NULL;
+    Buf buf = {0}, off = {0}, lens = {0}, good = {0}, lab = {0};
+    PyObject *result = NULL;
+    if (get_buf(buf_o, &buf, 0, "buffer") || get_buf(off_o, &off, 0, "offsets") ||
+        get_buf(len_o, &lens, 0, "lengths") || get_buf(good_o, &good, PyBUF_WRITABLE, "good") ||
+        get_buf(lab_o, &lab, PyBUF_WRITABLE, "labels"))
+        goto done;
+    if (!items_are(&buf, "uc", 1, "buffer", "uint8 (bytes)") ||
+        !items_are(&off, "i", 8, "offsets", "int64") ||
+        !items_are(&lens, "i", 8, "lengths", "int64") ||
+        !items_are(&good, "?u", 1, "good", "bool or uint8") ||
+        !items_are(&lab, "i", 4, "labels", "int32"))
+        goto done;
+    const Py_ssize_t n = off.view.len / 8;
+    if (lens.view.len / 8 != n || good.view.len != n || lab.view.len / 4 != n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "match_raw: offsets, lengths, good and labels must be one per record");
+        goto done;
+    }
+    if (size < 0 || hl > PY_SSIZE_T_MAX - size - 14) {
+        PyErr_SetString(PyExc_ValueError, "match_raw: bad size");
+        goto done;
+    }
+    const int64_t *at = (const int64_t *)off.view.buf, *len = (const int64_t *)lens.view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (at[i] < 0 || len[i] < 0 || at[i] > buf.view.len || len[i] > buf.view.len - at[i]) {
+            PyErr_Format(PyExc_ValueError, "match_raw: record %zd lies outside the buffer", i);
+            goto done;
+        }
+    }
+    const uint8_t *base = (const uint8_t *)buf.view.buf, *h = (const uint8_t *)header;
+    uint8_t *g = (uint8_t *)good.view.buf;
+    int32_t *labels = (int32_t *)lab.view.buf;
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t label = 0;
+        g[i] = (uint8_t)raw_layout(base + at[i], (Py_ssize_t)len[i], h, hl, size, &label);
+        labels[i] = label;
+        count += g[i];
+    }
+    FREE_END
+    Py_END_ALLOW_THREADS;
+    result = PyLong_FromSsize_t(count);
+done:
+    release(&buf);
+    release(&off);
+    release(&lens);
+    release(&good);
+    release(&lab);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"transform_rows", transform_rows, METH_VARARGS,
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
@@ -227,6 +329,9 @@ static PyMethodDef methods[] = {
      "src[rows] into out, for items of 4 or 8 bytes, without releasing the GIL."},
     {"file_size", file_size, METH_O,
      "The length of the open file descriptor's file (fstat), without releasing the GIL."},
+    {"match_raw", match_raw, METH_VARARGS,
+     "Which records are raw Datums of one shape in convert_imageset's layout, and their "
+     "labels (see the module source)."},
     FREE_CPU_METHOD,
     {NULL, NULL, 0, NULL},
 };
