@@ -658,10 +658,43 @@ def test_records_in_key_order_are_classified_ahead(
     assert passes == [1, 1, 1]
     got = index.locate(np.arange(0, 96, dtype=np.intp), image(0).shape)  # three batches
     assert (got.kind == RAW).all() and got.label.tolist() == list(range(96))
-    assert passes[3] == 400 - 3  # the range's unknown records and every one after it
-    rest = index.locate(np.arange(96, 400, dtype=np.intp), image(0).shape)
-    assert (rest.kind == RAW).all() and rest.label.tolist() == list(range(96, 400))
-    assert len(passes) == 4  # nothing left to classify
+    # the range's unknown records and as many after it (the index's first pass ahead)
+    assert passes[3] == 96 - 3 + 96
+    assert index.locate(np.arange(96, 192, dtype=np.intp), image(0).shape).kind.all()
+    assert len(passes) == 4  # the next three batches: classified ahead
+    rest = index.locate(np.arange(192, 400, dtype=np.intp), image(0).shape)
+    assert (rest.kind == RAW).all() and rest.label.tolist() == list(range(192, 400))
+    assert passes[4:] == [400 - 192]  # twice as far ahead: every record left
+    assert len(index.locate(np.arange(400, dtype=np.intp)).kind) == 400
+    assert len(passes) == 5  # nothing left to classify
+
+
+def test_the_reach_ahead_doubles_from_the_first_batch_up_to_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches read in key order: the first pass takes its batch's records and as many
+    after them, each later pass twice as many as the one before, up to ``_AHEAD``
+    records: the first batch does not wait for a classification of 8 MiB of others."""
+    import blobpipe._io._index as index_module
+
+    passes: list[tuple[int, int]] = []
+    real = index_module.classify
+
+    def classify(buffer: Any, offsets: Any, *args: Any) -> Any:
+        passes.append((int(offsets[0]), len(offsets)))
+        return real(buffer, offsets, *args)
+
+    monkeypatch.setattr(index_module, "_AHEAD", 64)
+    index = _index_of(tmp_path, 400)
+    record_at = {int(at): i for i, at in enumerate(index._value_offset)}
+    monkeypatch.setattr(index_module, "classify", classify)
+    for first in range(0, 400, 10):
+        got = index.locate(np.arange(first, first + 10, dtype=np.intp), image(0).shape)
+        assert (got.kind == RAW).all() and got.label.tolist() == list(range(first, first + 10))
+    firsts = [record_at[at] for at, _ in passes]
+    sizes = [n for _, n in passes]
+    assert firsts == [0, 20, 50, 100, 174, 244, 314, 384]
+    assert sizes == [20, 30, 50, 74, 70, 70, 70, 16]  # a batch's unknown records, then those ahead
 
 
 def test_threads_reading_consecutive_batches_classify_each_record_once(
@@ -699,7 +732,9 @@ def test_threads_reading_consecutive_batches_classify_each_record_once(
     two.start()
     one.join(10)
     two.join(10)
-    assert len(classified) == len(set(classified)) == 300  # once each, all ahead
+    # once each: the first pass took its batch and as many records ahead, the second
+    # batch's (the second thread waited for it and found them known)
+    assert len(classified) == len(set(classified)) == 64
     for first, located in got.items():
         assert (located.kind == RAW).all()
         assert located.label.tolist() == list(range(first, first + 32))
@@ -928,9 +963,9 @@ def test_a_shuffled_epoch_classifies_its_records_in_few_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: tuple[int, int] | None
 ) -> None:
     """Records not seen yet (a shuffled epoch, a shard's new records) are classified
-    when a batch of them is planned, with those the epoch reads next (up to 8,192
-    records or 8 MiB of values), in one pass: not once for each batch's first record
-    and again for its fill."""
+    when a batch of them is planned, with those the epoch reads next (as far ahead as
+    the index's reach, up to 8,192 records or 8 MiB of values), in one pass: not once
+    for each batch's first record and again for its fill."""
     from blobpipe._io._index import RecordIndex
 
     db = raw_db(tmp_path / "db", 192, (3, 8, 9))
@@ -945,9 +980,11 @@ def test_a_shuffled_epoch_classifies_its_records_in_few_passes(
     with Batches(db, 8, mode="epoch", order="shuffle", seed=3, shard=shard) as b:
         batches = epochs(b, 1)[0]
     assert len(batches) == (24 if shard is None else 6)
-    # the first batch: its first record alone (no shape known yet), then the rest; the
-    # second batch: the rest of the epoch
-    assert len(passes) == 3
+    # the first batch: its first record alone (no shape known yet), then the rest; then
+    # a pass a batch planned with new records, each taking twice as many records ahead
+    # as the one before (8, 16, 32, ...): 5 passes for 176 records, 2 for 40, not one
+    # a batch (24, 6)
+    assert len(passes) == (2 + 5 if shard is None else 2 + 2)
 
 
 def test_learning_ahead_stops_at_the_byte_and_record_bounds(
@@ -959,6 +996,7 @@ def test_learning_ahead_stops_at_the_byte_and_record_bounds(
 
     index = _index_over(tmp_path, _odd_values({}))
     index.locate(np.array([0], np.intp))  # the common shape
+    index._ahead = index_module._AHEAD  # the reach ahead grown to its bound (_reach)
     length = int(index._value_length[1])
     monkeypatch.setattr(index_module, "_AHEAD_BYTES", 3 * length + 10)  # labels: 1-2 bytes
     ahead = np.array([150, 20, 90, 60, 199, 3], np.int64)
@@ -984,6 +1022,7 @@ def test_learn_checks_the_file_only_before_a_pass(tmp_path: Path) -> None:
         index.learn(np.array(rows, np.intp), None, before=check)
         assert len(calls) == want, rows
     ahead = np.array([77, 78], np.int64)
+    index._ahead = 1  # the reach ahead: 2 records (_reach)
     index.learn(np.array([9], np.intp), ahead, before=check)  # 9 is not common: the pass
     assert len(calls) == 2 and (index._kind[[77, 78]] != 0).all()
 

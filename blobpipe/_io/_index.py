@@ -42,8 +42,9 @@ from ._records import BAD, RAW, UNKNOWN, classify
 
 __all__ = ["Located", "RecordIndex"]
 
-# Records read in key order are classified ahead, this many at most per pass,
-# and no more than this many bytes of values (whose headers and tails are read).
+# Records read in key order (or planned, in any order) are classified ahead, this many
+# at most per pass (the reach grows to it: RecordIndex._reach), and no more than this
+# many bytes of values (whose headers and tails are read).
 _AHEAD = 8192
 _AHEAD_BYTES = 8 << 20
 _RAW_KIND = np.int8(RAW)
@@ -134,6 +135,7 @@ class RecordIndex:
         # (another thread of the parent may have held it at the fork)
         self._classifying = threading.Lock()
         self._pid = pid()
+        self._ahead = 0  # records the last pass took ahead at most (_reach)
 
     @classmethod
     def joined(cls, values: Sequence[bytes | memoryview | None]) -> RecordIndex:
@@ -237,20 +239,29 @@ class RecordIndex:
         alone, ten times slower: the first batch's own calls find the shape).
 
         ``ahead``: the records read after ``rows``, in order (the rest of the epoch's);
-        where ``rows`` need a pass, it takes those of them within :data:`_AHEAD` records
-        and :data:`_AHEAD_BYTES` of values too, so that the next batches need none (a
-        pass costs about 100 µs however few its records: a shuffled epoch meets new
-        ones in every batch).
+        where ``rows`` need a pass, it takes as many of them as the index's reach
+        (:meth:`_reach`: at most :data:`_AHEAD` records) within :data:`_AHEAD_BYTES` of
+        values too, so that the next batches need none (a pass has a fixed cost: a
+        shuffled epoch meets new records in every batch).
 
         ``before``: called before a pass reads the buffer (the file's shrink check; a
         system call, not made where no pass is needed)."""
         if self._common is None or self._raw_shape is not None or self._all_common(rows):
             return
         if ahead is not None and len(ahead):
-            ahead = ahead[:_AHEAD].astype(np.intp, copy=False)
+            ahead = ahead[: self._reach(len(rows))].astype(np.intp, copy=False)
             count = int(np.searchsorted(np.cumsum(self._value_length[ahead]), _AHEAD_BYTES))
             rows = np.concatenate([rows, ahead[:count]])
         self._learn(rows, self._common, before)
+
+    def _reach(self, rows: int) -> int:
+        """How many records ahead a pass for ``rows`` records takes at most: as many as
+        its own at the index's first such pass, twice the last one's at each after, up
+        to :data:`_AHEAD`. The window grows as a file's read-ahead does: the first
+        batch waits for its own records and as many again, not for 8 MiB of others
+        (a pass faults in a page or two of each record it takes)."""
+        reach = self._ahead = min(_AHEAD, max(2 * self._ahead, rows, 1))
+        return reach
 
     def _learn(
         self,
@@ -328,13 +339,13 @@ class RecordIndex:
     ) -> npt.NDArray[np.intp]:
         """``unknown`` (of ``rows``) and, when ``rows`` are consecutive records (read
         in key order; some of them may be known already, e.g. each batch's first,
-        read to plan it), the unknown records that follow them, up to
-        :data:`_AHEAD_BYTES` of values: the next batches' records are then
-        recognised in this pass."""
+        read to plan it), the unknown records that follow them, as many as the
+        index's reach (:meth:`_reach`) within :data:`_AHEAD_BYTES` of values: the next
+        batches' records are then recognised in this pass."""
         first, last = int(rows[0]), int(rows[-1])
         if last - first != len(rows) - 1:
             return unknown
-        lengths = self._value_length[last + 1 : last + 1 + _AHEAD]
+        lengths = self._value_length[last + 1 : last + 1 + self._reach(len(rows))]
         count = int(np.searchsorted(np.cumsum(lengths), _AHEAD_BYTES))
         ahead = np.arange(last + 1, last + 1 + count, dtype=np.intp)
         return np.concatenate([unknown, ahead[self._kind[ahead] == UNKNOWN]])
