@@ -21,6 +21,7 @@ from blobpipe._io._encode import (
     encode_float_datum,
     encode_raw_datum,
     encode_varint,
+    raw_header,
 )
 from blobpipe._io._image import image_header
 from blobpipe._io._index import RecordIndex
@@ -601,7 +602,7 @@ _TAIL_BYTES = st.sampled_from([0x00, 0x01, 0x02, 0x28, 0x38, 0x7F, 0x80, 0x81, 0
 def _layout_record(draw: st.DrawFn) -> bytes:
     """A raw record of SHAPE whose header may have a byte changed and whose bytes after
     the pixels are drawn freely (0 to 16 of them), often a well-formed tail."""
-    header = bytearray(encode_raw_datum(np.zeros(SHAPE, np.uint8), 0)[:-2][:-24])
+    header = bytearray(raw_header(SHAPE).tobytes())
     if draw(st.integers(0, 4)) == 0:
         header[draw(st.integers(0, len(header) - 1))] = draw(st.integers(0, 255))
     pixels = draw(st.binary(min_size=24, max_size=24))
@@ -610,6 +611,8 @@ def _layout_record(draw: st.DrawFn) -> bytes:
         tail = bytearray(encode_raw_datum(np.zeros(SHAPE, np.uint8), label)[len(header) + 24 :])
         if draw(st.booleans()):
             tail[draw(st.integers(0, len(tail) - 1))] = draw(_TAIL_BYTES)
+        if draw(st.integers(0, 3)) == 0:  # another tag where the label's (5, varint) stands
+            tail[0] = draw(st.sampled_from([0x08, 0x20, 0x27, 0x29, 0x2A, 0x2D, 0x30, 0xA8]))
         if draw(st.booleans()):
             tail += b"\x38\x00"
     else:
