@@ -301,10 +301,15 @@ class Filler:
         except ShapeError as exc:
             raise DataError(str(exc), path=self._path, key=key) from exc
 
+    def _made(self) -> RecordIndex | None:
+        """A Datum database's record index if it was made already; else None. Never
+        makes one (no read, no check of the file)."""
+        return self._index if self._index_tried and self.kind != BLOBPROTO else None
+
     def uniform_shape(self) -> tuple[int, ...] | None:
         """The shape :meth:`first` gives every record, where the index knows it without
         a read (raw records of one shape, all seen); else None."""
-        known = self._index if self._index_tried and self.kind != BLOBPROTO else None
+        known = self._made()
         return None if known is None else known.uniform_shape
 
     def learn(self, indices: npt.NDArray[np.int64], ahead: npt.NDArray[np.int64]) -> None:
@@ -312,7 +317,7 @@ class Filler:
         some of ``ahead`` (:meth:`RecordIndex.learn`): not one pass for each batch's
         first record and one for its fill (a shuffled epoch, a shard's reader, meets
         new records in every batch)."""
-        index = self._index if self._index_tried and self.kind != BLOBPROTO else None
+        index = self._made()
         if index is not None:  # (none made yet: no shape known to learn with either)
             index.learn(indices.astype(np.intp, copy=False), ahead, before=self.index)
 
@@ -327,7 +332,7 @@ class Filler:
         if self.kind == BLOBPROTO:
             values = self._blob(index)
             return values.shape, (values, 0)
-        known = self._index if self._index_tried else None
+        known = self._made()
         if known is not None:  # what the index learned: no read of the file
             shape = known.shape_of(index)
             if shape is not None:
