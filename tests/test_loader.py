@@ -31,7 +31,7 @@ from blobpipe import Batches, DataError, Loader, StateError, Transform, get_pool
 from blobpipe._backends import Backend, EmulatedBackend, HostBackend
 from blobpipe._backends._emulated import EmulatedEvent
 from blobpipe._io._batches import ArrayBatch
-from blobpipe._loader._chunk import CHUNK_BATCHES, CHUNK_BYTES, chunk_batches
+from blobpipe._loader._chunk import CHUNK_BATCHES, CHUNK_BYTES, chunk_batches, planned_together
 from tests._helpers import (
     GatedBackend,
     encoded_db,
@@ -865,14 +865,16 @@ def test_worker_error_blocking_form(corrupt_db: tuple[Path, int]) -> None:
             next(it)
 
 
+@pytest.mark.parametrize("row", [0, 2], ids=["planned-ahead", "filled"])
 @pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("bad_batch", [0, 1, 6, 15, 18])
+@pytest.mark.parametrize("bad_batch", [0, 1, 6, 15, 18, 37])
 def test_a_bad_record_in_a_chunk_fails_its_own_batch(
-    tmp_path: Path, bad_batch: int, workers: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, bad_batch: int, workers: int, row: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small batches are filled a chunk at a time (by every filler, each its own
-    chunk); a record that fails fails its own batch: every batch before it arrives
-    intact and in order, then its error, naming its key."""
+    """Small batches are planned ahead and filled a chunk at a time (by every filler,
+    each its own chunk); a record that fails fails its own batch, whether its
+    planning reads it (a batch's first record) or only its fill does: every batch
+    before it arrives intact and in order, then its error, naming its key."""
     chunks = 0
     pipeline = blobpipe._loader._pipeline.Pipeline
     original = pipeline._fill_chunk
@@ -885,9 +887,9 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
     monkeypatch.setattr(pipeline, "_fill_chunk", fill)
     # every fill counts as small, however loaded the machine: chunks from batch 1 on
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)
-    bad = 4 * bad_batch + 2
+    bad = 4 * bad_batch + row
     items = [
-        (key(i), blobpipe.encode_raw_datum(np.full((3, 4, 5), i, np.uint8), i)) for i in range(80)
+        (key(i), blobpipe.encode_raw_datum(np.full((3, 4, 5), i, np.uint8), i)) for i in range(160)
     ]
     items[bad] = (key(bad), b"\x08\x03\x10garbage bytes, not a Datum")
     db = write_lmdb(tmp_path / "bad", items)
@@ -901,8 +903,9 @@ def test_a_bad_record_in_a_chunk_fails_its_own_batch(
     assert len(got) == bad_batch
     for k, g in enumerate(got):
         assert g.label.tolist() == list(range(4 * k, 4 * k + 4))
-    # the path under test (the first batches fill alone, one per filler)
-    assert chunks > 0 or bad_batch < workers
+    # the path under test (the first batches are planned and filled alone, one per
+    # filler: a batch failing there is not in a chunk)
+    assert chunks > 0 or bad_batch <= 1
 
 
 # -- memory: no steady-state allocations, backpressure -------------------------------------------
@@ -1169,6 +1172,47 @@ def test_a_chunk_takes_as_many_batches_as_its_bytes_hold(
     assert chunk_batches(plan) == 2
     monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 2 * nbytes - 1)
     assert chunk_batches(plan) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, CHUNK_BATCHES])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_small_batches_are_planned_whole_chunks_at_a_time(
+    db30: Path, chunk: int, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While chunks hold ``chunk`` batches, one planning call plans whole chunks, at
+    least CHUNK_BATCHES batches (a chunk's first plan and the rest were two calls);
+    a batch alone in its chunk is planned alone (nothing large planned ahead);
+    the batches arrive as Batches makes them, across epochs (``mode="wrap"``)."""
+    monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
+    with Batches(db30, 4) as batches:
+        plan = batches.next_plan()
+    assert plan is not None
+    nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", chunk * nbytes)
+    counts: list[int] = []
+    original = Batches.next_plans
+
+    def counted(self: Batches, count: int) -> list[Any]:
+        counts.append(count)
+        return original(self, count)
+
+    monkeypatch.setattr(Batches, "next_plans", counted)
+    n = 1 + 6 * CHUNK_BATCHES
+    with Loader(db30, 4, device="cpu", workers=workers, mode="wrap") as loader:
+        got = [Got.of(batch) for batch in islice(loader, n)]
+        slots = loader.statistics().slots
+    monkeypatch.setattr(Batches, "next_plans", original)
+    assert_matches(got, expected(db30, n, batch_size=4))
+    together = planned_together(chunk)
+    assert together == (1 if chunk == 1 else chunk * -(-CHUNK_BATCHES // chunk))
+    # the first batches are planned alone (filled one at a time until they prove
+    # small), then every call plans ``together``
+    first = counts.index(together) if together > 1 else 0
+    assert first <= workers + 1
+    assert set(counts[:first]) <= {1} and set(counts[first:]) == {together}
+    # ahead of the consumer: the ring's slots, a chunk planned by each filler waiting
+    # for its slots, and what the last call planned beyond them
+    assert sum(counts) <= n + slots + (workers + 1) * max(together, CHUNK_BATCHES)
 
 
 @pytest.mark.anyio

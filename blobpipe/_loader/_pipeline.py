@@ -26,6 +26,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 from .._backends import Backend, Stream, finished
@@ -34,7 +35,7 @@ from .._io._batches import Batches, BatchPlan
 from .._io._pid import pid
 from . import _chunk
 from ._batch import Batch
-from ._chunk import chunk_batches
+from ._chunk import chunk_batches, planned_together
 from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
@@ -89,6 +90,11 @@ class Pipeline:
         self.handoff: Handoff[Made] = Handoff()  # the consumer takes batches from it
         self._plan_lock = threading.Lock()  # numbers and plans batches, in order
         self._planned = 0  # the number of the next batch planned
+        # under the plan lock: plans made ahead, in order, not numbered yet (None: an
+        # epoch's end), and how many one call plans while batches are small
+        # (:meth:`_next_planned`)
+        self._ahead: deque[BatchPlan | None] = deque()
+        self._chunk_ahead = 1
         # set while batches take SMALL_FILL or more to fill: every filler runs;
         # clear (small batches): each filler a chunk at a time (see _filler)
         self._wide = threading.Event()
@@ -209,8 +215,10 @@ class Pipeline:
             self._released = True
         self._ring.close()
         self.handoff.close()  # a consumer waiting in another task or thread sees the close
-        # the state made now: the last plan (its keys, their file map) is not kept
+        # the state made now: the last plan (its keys, their file map) is not kept, nor
+        # the plans made ahead (no filler plans any more)
         self._resume = self.resume_state
+        self._ahead.clear()
         self.batches.close()
 
     @property
@@ -314,18 +322,29 @@ class Pipeline:
         self.handoff.post(number, item)
         return not isinstance(item, Failure)
 
-    def _plan_next(self) -> tuple[int, BatchPlan | End | Failure | None]:
+    def _plan_next(self, ahead: int = 1) -> tuple[int, BatchPlan | End | Failure | None]:
         """Under the plan lock: number and plan the next batch; its plan, the end of
-        an epoch, the failure, or None once the pipeline is not OPEN."""
+        an epoch, the failure, or None once the pipeline is not OPEN. ``ahead``: as
+        :meth:`_next_planned`."""
         if self.lifecycle.state is not State.OPEN:
             return self._planned, None
         number = self._planned
         self._planned += 1
         try:
-            plan = self.batches.next_plan()
+            plan = self._next_planned(ahead)
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, exc)
         return number, End() if plan is None else plan
+
+    def _next_planned(self, ahead: int) -> BatchPlan | None:
+        """Under the plan lock: the next plan (None at the end of an epoch), the first of
+        those made ahead, else made now together with ``ahead - 1`` after it in one
+        :meth:`Batches.next_plans` call (one call's costs for many small batches).
+        Plans come out as consecutive ``next_plan`` calls make them; a failure
+        planning a batch is raised at that batch (``next_plans`` holds it back)."""
+        if not self._ahead:
+            self._ahead.extend(self.batches.next_plans(ahead))
+        return self._ahead.popleft()
 
     def _fill_and_issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
         """Fill ``plan`` into ``slot`` and start its device work: the filled batch,
@@ -480,25 +499,25 @@ class Pipeline:
     def _plan_chunk(self) -> tuple[list[tuple[int, BatchPlan]], Stop | None]:
         """Number and plan consecutive batches, as many as :func:`chunk_batches` of the
         first allows. Returns them and what ended them early: the end of the epoch,
-        a failure, or None once the pipeline is not OPEN (else None)."""
+        a failure, or None once the pipeline is not OPEN (else None). Small batches
+        are planned ahead, as many in one call as :func:`planned_together` says for
+        the last chunk's size."""
         with self._plan_lock:
-            number, planned = self._plan_next()
+            number, planned = self._plan_next(self._chunk_ahead)
             if not isinstance(planned, BatchPlan):
                 return [], (number, planned)
             numbered = [(number, planned)]
             with self._turns:
                 self._slotless.append(number)
             want = chunk_batches(planned)
-            if want == 1:
-                return numbered, None
-            try:
-                more = self.batches.next_plans(want - 1)
-            except Exception as exc:  # delivered to the consumer, in order
-                self._planned += 1
-                return numbered, self._failed(number + 1, exc)
-            for plan in more:
+            self._chunk_ahead = planned_together(want)
+            while len(numbered) < want:
                 number = self._planned
                 self._planned += 1
+                try:
+                    plan = self._next_planned(self._chunk_ahead)
+                except Exception as exc:  # delivered to the consumer, in order
+                    return numbered, self._failed(number, exc)
                 if plan is None:
                     return numbered, (number, End())
                 numbered.append((number, plan))
