@@ -587,6 +587,38 @@ def test_a_growing_slot_lets_its_old_buffers_go_after_the_release() -> None:
         other.close()
 
 
+@pytest.mark.parametrize("which", ["host", "label"])
+def test_a_refilled_slot_hands_out_its_current_buffers_with_the_head_on_the_cpu(
+    which: str,
+) -> None:
+    """A slot refilled with a batch like its last hands out arrays over its blobs'
+    current buffers, with each memory's head moved to the CPU (the fill's bytes are
+    pushed again, not the last batch's): also after its batch went to the device,
+    after a buffer was replaced, and after a batch of another shape."""
+    from blobpipe._loader._ring import Slot
+    from blobpipe._syncedmem import Head
+
+    backend = EmulatedBackend(delay=0.001)
+    slot = Slot(backend, backend.create_stream())
+    plan = _Plan(4, (8, 8))
+    for value, (n, shape) in enumerate(
+        [(4, (8, 8)), (4, (8, 8)), (4, (8, 8)), (2, (8, 8)), (2, (8, 8))]
+    ):
+        if n != plan.n:
+            plan = _Plan(n, shape)
+        if value == 2:  # someone replaced the buffer (a borrowed one)
+            blob = getattr(slot, which)
+            blob.data.set_cpu_data(np.zeros(blob.data.size, np.uint8))
+        data, label, _, _ = slot.prepare(plan, None)  # type: ignore[arg-type]
+        array = data if which == "host" else label
+        blob = getattr(slot, which)
+        assert blob.data.head is Head.HEAD_AT_CPU
+        assert array.shape == blob.shape and np.shares_memory(array, blob.cpu_data())
+        array[...] = value + 1
+        assert to_numpy(blob.gpu_data()).tolist() == np.full(blob.shape, value + 1).tolist()
+    slot.close()
+
+
 # -- device exports hold their memory -------------------------------------------------------
 
 

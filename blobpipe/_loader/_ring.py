@@ -96,6 +96,10 @@ class Slot:
         # a device transform
         self.geometry: Geometry | None = None
         self._rows: Geometry = Geometry.zeros(0)
+        # the last batch's arrays while they fit the next (no device transform, no other
+        # source): (data shape, dtype, label dtype, host and label memories, their
+        # buffers, the typed arrays over them); None after any other batch
+        self._fast: tuple[Any, ...] | None = None
 
     def prepare(
         self, plan: BatchPlan, out_shape: tuple[int, ...] | None
@@ -107,19 +111,22 @@ class Slot:
         row's crop and flip in for the device transform (:attr:`geometry`, views of
         the slot's arrays; None without one), and the other sources' arrays by name.
         """
-        host, label = self.host, self.label
-        if (  # the same shapes as the slot's last batch (small batches: once a batch)
-            out_shape is None
+        fast = self._fast
+        if (  # the slot's last batch's arrays fit (small batches: once a batch)
+            fast is not None
+            and out_shape is None
             and not plan.extra
-            and host is not None
-            and label is not None
-            and host.shape == plan.data_shape
-            and host.dtype == plan.dtype
-            and label.shape[0] == len(plan)
-            and label.dtype == plan.label_dtype
+            and plan.data_shape == fast[0]
+            and plan.dtype == fast[1]
+            and plan.label_dtype == fast[2]
+            # each memory's head moved to the CPU as Blob.overwrite_cpu_data moves it;
+            # the typed arrays hold while the buffers are the same (else: refitted)
+            and fast[3].overwrite_cpu_data() is fast[5]
+            and fast[4].overwrite_cpu_data() is fast[6]
         ):
             self.geometry = None
-            return host.overwrite_cpu_data(), label.overwrite_cpu_data(), None, {}
+            return fast[7], fast[8], None, {}
+        self._fast = None
         backend = self.backend
         released = self.released
         self.host = _fit(self.host, plan.data_shape, plan.dtype, backend, released)
@@ -138,7 +145,14 @@ class Slot:
             )
             extra[name] = blob.overwrite_cpu_data()
         # every row and label is written by the fill: no zero fill, no copy back
-        return self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data(), self.geometry, extra
+        data, labels = self.host.overwrite_cpu_data(), self.label.overwrite_cpu_data()
+        if out_shape is None and not plan.extra:
+            host_mem, label_mem = self.host.data, self.label.data
+            self._fast = (
+                plan.data_shape, plan.dtype, plan.label_dtype, host_mem, label_mem,
+                host_mem.host_bytes(), label_mem.host_bytes(), data, labels,
+            )  # fmt: skip
+        return data, labels, self.geometry, extra
 
     def blobs(self) -> list[Blob]:
         """The slot's blobs (None left out)."""
@@ -171,6 +185,7 @@ class Slot:
         self._drop()
 
     def _drop(self) -> None:
+        self._fast = None
         for blob in self.blobs():
             blob.close()
         self.host = self.label = self.staged = self.out = None
