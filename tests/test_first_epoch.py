@@ -26,15 +26,16 @@ def test_a_batch_planned_while_the_loader_closes_is_not_filled(
     closing = threading.Event()
     fills: list[int] = []
     plans: list[str] = []
-    real_plan, real_fill, real_close = Batches.next_plan, Batches.fill, Pipeline.begin_close
+    real_plan, real_fill, real_close = Batches.next_plans, Batches.fill, Pipeline.begin_close
 
-    def next_plan(self: Batches) -> Any:
+    def next_plans(self: Batches, count: int) -> Any:
         me = threading.current_thread().name
         if me.startswith("blobpipe-filler"):
+            assert count == 1  # a batch filled on its own is planned on its own
             plans.append(me)
             if len(plans) == 3:  # planned while the consumer closes the loader
                 assert closing.wait(10)
-        return real_plan(self)
+        return real_plan(self, count)
 
     def fill(self: Batches, plan: Any, *args: Any, **kwargs: Any) -> None:
         fills.append(int(plan.positions[0]))
@@ -46,7 +47,7 @@ def test_a_batch_planned_while_the_loader_closes_is_not_filled(
         finally:
             closing.set()
 
-    monkeypatch.setattr(Batches, "next_plan", next_plan)
+    monkeypatch.setattr(Batches, "next_plans", next_plans)
     monkeypatch.setattr(Batches, "fill", fill)
     monkeypatch.setattr(Pipeline, "begin_close", begin_close)
     # every batch filled on its own (not in chunks): the path that takes its slot before
@@ -68,7 +69,7 @@ def test_the_fillers_start_together(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     db = raw_db(tmp_path / "db", 40)
     started: list[str] = []
     at_first_plan: list[list[str]] = []
-    real_start, real_plan = threading.Thread.start, Batches.next_plan
+    real_start, real_plan = threading.Thread.start, Batches.next_plans
 
     def start(self: threading.Thread) -> None:
         if self.name.startswith("blobpipe-filler"):
@@ -77,13 +78,13 @@ def test_the_fillers_start_together(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             started.append(self.name)
         real_start(self)
 
-    def next_plan(self: Batches) -> Any:
+    def next_plans(self: Batches, count: int) -> Any:
         if threading.current_thread().name.startswith("blobpipe-filler") and not at_first_plan:
             at_first_plan.append(list(started))
-        return real_plan(self)
+        return real_plan(self, count)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    monkeypatch.setattr(Batches, "next_plan", next_plan)
+    monkeypatch.setattr(Batches, "next_plans", next_plans)
     with Loader(db, 4, device="cpu", prefetch=4, workers=3, mode="epoch") as loader:
         got = [len(batch) for batch in loader]
     assert got == [4] * 10

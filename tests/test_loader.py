@@ -972,14 +972,14 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
     next gets one new slot; a slot is filled again once the caller dropped its batch."""
     probe = FillProbe(monkeypatch, sleep=0.002)  # >= SMALL_FILL: no chunks
     plans = 0
-    original = Batches.next_plan
+    original = Batches.next_plans
 
-    def next_plan(self: Batches) -> Any:
+    def next_plans(self: Batches, count: int) -> Any:
         nonlocal plans
-        plans += 1
-        return original(self)
+        plans += count
+        return original(self, count)
 
-    monkeypatch.setattr(Batches, "next_plan", next_plan)
+    monkeypatch.setattr(Batches, "next_plans", next_plans)
     backend = make_backend(device)
 
     async def filled(n: int) -> None:
