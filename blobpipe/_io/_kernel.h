@@ -154,8 +154,12 @@ CLONES static void line_f32(float *restrict o, ptrdiff_t ostep,
              * (2-3x the time of a forward line): the line forward into t, then
              * copied reversed; each value computed as the loop below computes it */
             float t[FLIP_LINE];
-            line_f32(t, 1, s, 1, m, mstep, scale, cw, 0, has_mean, has_scale);
-            reversed_copy(o, t, cw);
+#define K(j) (j)
+#define SCRATCH(V) t[j] = (V)
+            EACH(SCRATCH);
+#undef SCRATCH
+#undef K
+            for (ptrdiff_t j = 0; j < cw; j++) o[j] = t[cw - 1 - j];
             return;
         }
         if (flip) {
