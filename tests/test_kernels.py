@@ -297,32 +297,40 @@ def test_the_row_kernel_equals_caffe(
 
 
 @pytest.mark.parametrize("width", [1, 2, 31, 32, 33, 1023, 1024, 1025, 1100])
-@pytest.mark.parametrize("scale", [1.0, 0.017])
-def test_mirrored_lines_with_a_mean_file_equal_caffe_either_side_of_the_stack_line(
-    width: int, scale: float
+@pytest.mark.parametrize("mean", ["file", "value", None])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8])
+def test_wide_and_narrow_lines_equal_caffe_either_side_of_the_stack_line(
+    width: int, mean: str | None, layout: str, dtype: Any
 ) -> None:
-    """A mirrored line with a mean file is computed forward into a line on the C
-    kernel's stack and copied reversed, up to 1024 pixels (``FLIP_LINE``); a wider one
-    reversed in place: both sides, mirrored or not, equal the element-by-element
-    reference."""
+    """Lines up to 1024 pixels (the C kernel's ``FLIP_LINE``) go through lines on its
+    stack: a mirrored line of a mean file is computed forward and copied reversed, and
+    an NHWC row's three channels (float32 or uint8) are made a line each and
+    interleaved; wider lines go the direct way. Both sides, mirrored or not, equal
+    the element-by-element reference."""
     from blobpipe._io._kernels import apply_raw
 
     _row_kernel_or_skip()
     rng = np.random.default_rng(width)
-    shape = (2, 2, width)
+    shape = (3, 2, width)
     size = int(np.prod(shape))
     buffer = rng.integers(0, 256, 2 * size + 3, np.uint8)
     offsets = np.array([0, size + 3], np.int64)
-    mean = rng.uniform(0, 255, shape).astype(np.float32)
+    m = None
+    if mean == "file":
+        m = rng.uniform(0, 255, shape).astype(np.float32)
+    elif mean == "value":
+        m = rng.uniform(0, 255, (3, 1, 1)).astype(np.float32)
     geo = Geometry(np.zeros(2, np.intp), np.zeros(2, np.intp), np.array([True, False]))
     rows = [buffer[o : o + size].reshape(shape) for o in offsets.tolist()]
-    want = np.stack(
-        [reference(rows[i], *geo.row(i), 0, mean, scale, "NCHW", np.float32) for i in range(2)]
-    )
-    out = np.full(want.shape, 7, np.float32)
-    spec = KernelSpec(0, mean, np.float32(scale), "NCHW")  # type: ignore[arg-type]
-    assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
-    assert np.array_equal(out, want)
+    for scale in (1.0, 0.017):
+        want = np.stack(
+            [reference(rows[i], *geo.row(i), 0, m, scale, layout, dtype) for i in range(2)]
+        )
+        out = np.full(want.shape, 7, dtype)
+        spec = KernelSpec(0, m, np.float32(scale), layout)  # type: ignore[arg-type]
+        assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
+        assert np.array_equal(out, want)
 
 
 def test_the_row_kernel_refuses_rows_outside_its_buffers() -> None:

@@ -240,6 +240,27 @@ CLONES static void line3_f32(float *restrict o0, float *restrict o1, float *rest
     }
 }
 
+/* o[3 * j + c] = t_c[j]: three lines interleaved into one (h, w, 3) line. */
+CLONES static void interleave3(float *restrict o, const float *restrict t0,
+                               const float *restrict t1, const float *restrict t2,
+                               ptrdiff_t n) {
+    for (ptrdiff_t j = 0; j < n; j++) {
+        o[3 * j] = t0[j];
+        o[3 * j + 1] = t1[j];
+        o[3 * j + 2] = t2[j];
+    }
+}
+
+CLONES static void interleave3_u8(uint8_t *restrict o, const uint8_t *restrict t0,
+                                  const uint8_t *restrict t1, const uint8_t *restrict t2,
+                                  ptrdiff_t n) {
+    for (ptrdiff_t j = 0; j < n; j++) {
+        o[3 * j] = t0[j];
+        o[3 * j + 1] = t1[j];
+        o[3 * j + 2] = t2[j];
+    }
+}
+
 static void reverse_f32(float *o, ptrdiff_t n) {
     for (ptrdiff_t i = 0, j = n - 1; i < j; i++, j--) {
         const float t = o[i];
@@ -319,6 +340,33 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
                 reverse_f32(o1, cw);
                 reverse_f32(o2, cw);
             }
+        }
+        return;
+    }
+    if (sp->nhwc && !sp->hwc && C == 3 && sp->itemsize == 1 && cw <= FLIP_LINE) {
+        /* the same for uint8 rows (3.7-4x the time of NCHW, a channel at a time) */
+        uint8_t t[3][FLIP_LINE];
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            for (Py_ssize_t c = 0; c < 3; c++)
+                line_u8(t[c], 1, s0 + (c * H + h0 + y) * W + w0, 1, cw, flip);
+            interleave3_u8((uint8_t *)o + y * cw * 3, t[0], t[1], t[2], cw);
+        }
+        return;
+    }
+    if (sp->nhwc && !sp->hwc && C == 3 && sp->itemsize == 4 && cw <= FLIP_LINE) {
+        /* (3, H, W) pixels into (h, w, 3) float32: each output line's three channels
+         * computed forward into lines on the stack, then interleaved (a channel at a
+         * time, with a stride of 3 and over the whole row, did not vectorise and
+         * wrote every line three times: 2.5-3x the time of NCHW) */
+        float t[3][FLIP_LINE];
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            for (Py_ssize_t c = 0; c < 3; c++) {
+                const Py_ssize_t at = (c * H + h0 + y) * W + w0; /* uncropped, (C, H, W) */
+                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
+                line_f32(t[c], 1, s0 + at, 1, m, sp->mstep, sp->scale, cw, flip,
+                         sp->mean != NULL, sp->scale != 1.0f);
+            }
+            interleave3((float *)o + y * cw * 3, t[0], t[1], t[2], cw);
         }
         return;
     }
