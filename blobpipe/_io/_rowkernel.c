@@ -69,6 +69,18 @@
 #include <limits.h>
 #include <sys/stat.h>
 
+/* The first PREFETCH_BYTES of the row PREFETCH_ROWS on asked for while this row is
+ * transformed: a batch's records lie apart in the file map (a page or more each), and
+ * the hardware prefetcher does not cross a page, so each record's first lines waited
+ * on memory (a 1x28x28 row transforms in ~65 ns from cache, ~340 ns from the map;
+ * ~215 ns with its first 4 KB asked for four rows ahead: 16 KB in flight, within L1). */
+#define PREFETCH_BYTES 4096
+#define PREFETCH_ROWS 4
+static inline void prefetch_row(const Spec *sp, const uint8_t *s) {
+    const Py_ssize_t n = sp->size < PREFETCH_BYTES ? sp->size : PREFETCH_BYTES;
+    for (Py_ssize_t k = 0; k < n; k += 64) __builtin_prefetch(s + k, 0, 3);
+}
+
 static PyObject *transform_rows(PyObject *self, PyObject *args) {
     PyObject *src_o, *off_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
     Py_ssize_t C, H, W, crop;
@@ -114,8 +126,11 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
     const uint8_t *base = (const uint8_t *)src.view.buf;
     Py_BEGIN_ALLOW_THREADS;
     FREE_BEGIN
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 1; i < PREFETCH_ROWS && i < n; i++) prefetch_row(&sp, base + offsets[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_ROWS < n) prefetch_row(&sp, base + offsets[i + PREFETCH_ROWS]);
         transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&outs, &sp, i));
+    }
     FREE_END
     Py_END_ALLOW_THREADS;
     Py_INCREF(Py_None);
