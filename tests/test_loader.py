@@ -1684,7 +1684,9 @@ async def test_a_ready_batch_is_a_checkpoint_once_yield_every_passed(
     monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
     seen = 0
     async with Loader(db30, 4, device="cpu", prefetch=8, mode="epoch", last="keep") as loader:
-        await wait_until(lambda: len(loader._pipe.handoff) >= 4, "batches ready")
+        # the first four (fillers post in any order: four posted need not be these)
+        items = loader._pipe.handoff._items
+        await wait_until(lambda: all(k in items for k in range(4)), "batches 0-3 ready")
         with anyio.CancelScope() as scope:
             async for _ in loader:
                 seen += 1

@@ -61,7 +61,6 @@ class Batch:
         "_lease",
         "_name",
         "_plan",
-        "epoch",
         "valid",
     )
 
@@ -101,8 +100,12 @@ class Batch:
         self._name = plan.name
         self._has_label = plan.has_label
         self._plan = plan
-        self.epoch: int = plan.epoch
         self.valid: int = plan.valid
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first row."""
+        return self._plan.epoch
 
     @property
     def state(self) -> dict[str, Any]:

@@ -542,8 +542,9 @@ class Pipeline:
             StateError: the pipeline is closed, failed earlier, or was opened in
                 the parent of this forked process.
         """
-        self._check_process()
-        self.lifecycle.check_next()
+        if self.lifecycle.state is not State.OPEN or pid() != self._pid:  # (once a batch)
+            self._check_process()
+            self.lifecycle.check_next()
         return time.perf_counter()
 
     def taken(self) -> Item:
@@ -575,7 +576,8 @@ class Pipeline:
 
     def deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
         """Account for the batch whose device work completed and hand it out."""
-        self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
+        copy = 0.0 if slot.started is None else self.device.elapsed(slot)
+        self.counters.delivered(plan.valid, time.perf_counter() - t0, copy)
         self._resume = plan  # its state is made when asked for
         src = slot.out if self.device.on_device else slot.host
         # the consumer's stream: the named one, else the one current here
@@ -585,8 +587,10 @@ class Pipeline:
         lease = self._ring.lease(slot, stream)
         if src is None or slot.label is None:  # closed by another thread meanwhile
             raise StateError(CLOSED_ERROR)
-        extra = {name: slot.extra[name] for name, _ in plan.extra}
-        return Batch(src, slot.label, plan, lease, extra=extra)
+        if plan.extra:
+            extra = {name: slot.extra[name] for name, _ in plan.extra}
+            return Batch(src, slot.label, plan, lease, extra=extra)
+        return Batch(src, slot.label, plan, lease)
 
 
 # Pipelines still open: closed by an atexit hook, so that no filler thread is inside
