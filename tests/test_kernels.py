@@ -333,6 +333,33 @@ def test_wide_and_narrow_lines_equal_caffe_either_side_of_the_stack_line(
         assert np.array_equal(out, want)
 
 
+@pytest.mark.parametrize("width", [1, 2, 33, 1023, 1024, 1025, 1100])
+@pytest.mark.parametrize("mean", ["file", "value", None])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8])
+def test_decoded_images_equal_caffe_either_side_of_the_stack_line(
+    width: int, mean: str | None, layout: str, dtype: Any
+) -> None:
+    """Decoded images ((H, W, 3) pixels) into NHWC rows go through three channel lines
+    on the C kernel's stack, interleaved (reversed where mirrored), up to 1024 pixels
+    a line; wider lines go the direct way. Both sides, mirrored or not, and NCHW,
+    equal the element-by-element reference."""
+    import blobpipe._io._kernels as kernels
+
+    _row_kernel_or_skip()
+    rng = np.random.default_rng(width)
+    rows = [rng.integers(0, 256, (2, width, 3), np.uint8).transpose(2, 0, 1) for _ in range(2)]
+    m = None if mean is None else _mean(mean, (3, 2, width))
+    geo = Geometry(np.zeros(2, np.intp), np.zeros(2, np.intp), np.array([True, False]))
+    for scale in (1.0, 0.017):
+        want = np.stack(
+            [reference(rows[i], *geo.row(i), 0, m, scale, layout, dtype) for i in range(2)]
+        )
+        out = np.full(want.shape, 7, dtype)
+        kernels.apply(np, rows, out, geo, KernelSpec(0, m, np.float32(scale), layout))  # type: ignore[arg-type]
+        assert np.array_equal(out, want)
+
+
 def test_the_row_kernel_refuses_rows_outside_its_buffers() -> None:
     from blobpipe._io._kernels import apply_raw
 

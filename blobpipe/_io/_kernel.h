@@ -251,6 +251,17 @@ CLONES static void interleave3(float *restrict o, const float *restrict t0,
     }
 }
 
+/* o[3 * j + c] = t_c[n - 1 - j]: interleave3 of the lines reversed. */
+CLONES static void interleave3_reversed(float *restrict o, const float *restrict t0,
+                                        const float *restrict t1, const float *restrict t2,
+                                        ptrdiff_t n) {
+    for (ptrdiff_t j = 0; j < n; j++) {
+        o[3 * j] = t0[n - 1 - j];
+        o[3 * j + 1] = t1[n - 1 - j];
+        o[3 * j + 2] = t2[n - 1 - j];
+    }
+}
+
 CLONES static void interleave3_u8(uint8_t *restrict o, const uint8_t *restrict t0,
                                   const uint8_t *restrict t1, const uint8_t *restrict t2,
                                   ptrdiff_t n) {
@@ -306,6 +317,31 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
                 line_f32((float *)o + o_at, 1, s0 + at, 1, m, sp->mstep, sp->scale,
                          ch * cw, 0, sp->mean != NULL, sp->scale != 1.0f);
             }
+        }
+        return;
+    }
+    if (sp->hwc && C == 3 && sp->nhwc && sp->itemsize == 4 && cw <= FLIP_LINE) {
+        /* a decoded colour image into (h, w, 3): each source line into three channel
+         * lines on the stack (one pass, as into (3, h, w) below), then interleaved,
+         * reversed where mirrored (each channel with a stride of 3, strided on both
+         * sides, did not vectorise) */
+        float t[3][FLIP_LINE];
+        for (Py_ssize_t y = 0; y < ch; y++) {
+            const uint8_t *s = s0 + ((h0 + y) * W + w0) * 3;
+            const float *m0 = NULL, *m1 = NULL, *m2 = NULL;
+            if (sp->mean) {
+                const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, (C, H, W) */
+                m0 = sp->mstep ? sp->mean + at : sp->mean;
+                m1 = sp->mstep ? sp->mean + H * W + at : sp->mean + 1;
+                m2 = sp->mstep ? sp->mean + 2 * H * W + at : sp->mean + 2;
+            }
+            line3_f32(t[0], t[1], t[2], s, m0, m1, m2, sp->mstep, sp->scale, cw,
+                      sp->mean != NULL, sp->scale != 1.0f);
+            float *const line = (float *)o + y * cw * 3;
+            if (flip)
+                interleave3_reversed(line, t[0], t[1], t[2], cw);
+            else
+                interleave3(line, t[0], t[1], t[2], cw);
         }
         return;
     }
