@@ -240,37 +240,21 @@ CLONES static void line3_f32(float *restrict o0, float *restrict o1, float *rest
     }
 }
 
-/* o[3 * j + c] = t_c[j]: three lines interleaved into one (h, w, 3) line. */
-CLONES static void interleave3(float *restrict o, const float *restrict t0,
-                               const float *restrict t1, const float *restrict t2,
-                               ptrdiff_t n) {
-    for (ptrdiff_t j = 0; j < n; j++) {
-        o[3 * j] = t0[j];
-        o[3 * j + 1] = t1[j];
-        o[3 * j + 2] = t2[j];
+/* NAME(o, t0, t1, t2, n): o[3 * j + c] = t_c[AT]: three lines of T interleaved into one
+ * (h, w, 3) line, forward (AT j) or reversed (AT n - 1 - j). */
+#define INTERLEAVE3(NAME, T, AT)                                                         \
+    CLONES static void NAME(T *restrict o, const T *restrict t0, const T *restrict t1,   \
+                            const T *restrict t2, ptrdiff_t n) {                         \
+        for (ptrdiff_t j = 0; j < n; j++) {                                              \
+            o[3 * j] = t0[AT];                                                           \
+            o[3 * j + 1] = t1[AT];                                                       \
+            o[3 * j + 2] = t2[AT];                                                       \
+        }                                                                                \
     }
-}
-
-/* o[3 * j + c] = t_c[n - 1 - j]: interleave3 of the lines reversed. */
-CLONES static void interleave3_reversed(float *restrict o, const float *restrict t0,
-                                        const float *restrict t1, const float *restrict t2,
-                                        ptrdiff_t n) {
-    for (ptrdiff_t j = 0; j < n; j++) {
-        o[3 * j] = t0[n - 1 - j];
-        o[3 * j + 1] = t1[n - 1 - j];
-        o[3 * j + 2] = t2[n - 1 - j];
-    }
-}
-
-CLONES static void interleave3_u8(uint8_t *restrict o, const uint8_t *restrict t0,
-                                  const uint8_t *restrict t1, const uint8_t *restrict t2,
-                                  ptrdiff_t n) {
-    for (ptrdiff_t j = 0; j < n; j++) {
-        o[3 * j] = t0[j];
-        o[3 * j + 1] = t1[j];
-        o[3 * j + 2] = t2[j];
-    }
-}
+INTERLEAVE3(interleave3, float, j)
+INTERLEAVE3(interleave3_reversed, float, n - 1 - j)
+INTERLEAVE3(interleave3_u8, uint8_t, j)
+#undef INTERLEAVE3
 
 static void reverse_f32(float *o, ptrdiff_t n) {
     for (ptrdiff_t i = 0, j = n - 1; i < j; i++, j--) {
