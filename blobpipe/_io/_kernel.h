@@ -277,6 +277,20 @@ typedef struct {
                      owned by the caller; one thread's at a time */
 } Spec;
 
+/* The mean at a decoded colour image's source line (at: channel 0's position in
+ * (C, H, W)) for its three channels: a mean file's lines, one value each, or NULL. */
+static inline void mean_lines(const Spec *sp, Py_ssize_t at, const float **m0,
+                              const float **m1, const float **m2) {
+    const Py_ssize_t plane = sp->H * sp->W;
+    if (sp->mean == NULL) {
+        *m0 = *m1 = *m2 = NULL;
+    } else if (sp->mstep) {
+        *m0 = sp->mean + at, *m1 = sp->mean + plane + at, *m2 = sp->mean + 2 * plane + at;
+    } else {
+        *m0 = sp->mean, *m1 = sp->mean + 1, *m2 = sp->mean + 2;
+    }
+}
+
 /* The widest crop line transform_image mirrors through a scratch line on its stack;
  * a wider one is mirrored in place. */
 #define STACK_LINE 1024
@@ -312,13 +326,8 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
         float t[3][FLIP_LINE];
         for (Py_ssize_t y = 0; y < ch; y++) {
             const uint8_t *s = s0 + ((h0 + y) * W + w0) * 3;
-            const float *m0 = NULL, *m1 = NULL, *m2 = NULL;
-            if (sp->mean) {
-                const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, (C, H, W) */
-                m0 = sp->mstep ? sp->mean + at : sp->mean;
-                m1 = sp->mstep ? sp->mean + H * W + at : sp->mean + 1;
-                m2 = sp->mstep ? sp->mean + 2 * H * W + at : sp->mean + 2;
-            }
+            const float *m0, *m1, *m2;
+            mean_lines(sp, (h0 + y) * W + w0, &m0, &m1, &m2);
             line3_f32(t[0], t[1], t[2], s, m0, m1, m2, sp->mstep, sp->scale, cw,
                       sp->mean != NULL, sp->scale != 1.0f);
             float *const line = (float *)o + y * cw * 3;
@@ -338,13 +347,8 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
         for (Py_ssize_t y = 0; y < ch; y++) {
             const uint8_t *s = s0 + ((h0 + y) * W + w0) * 3;
             float *o0 = out + y * cw, *o1 = out + (ch + y) * cw, *o2 = out + (2 * ch + y) * cw;
-            const float *m0 = NULL, *m1 = NULL, *m2 = NULL;
-            if (sp->mean) {
-                const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, (C, H, W) */
-                m0 = sp->mstep ? sp->mean + at : sp->mean;
-                m1 = sp->mstep ? sp->mean + H * W + at : sp->mean + 1;
-                m2 = sp->mstep ? sp->mean + 2 * H * W + at : sp->mean + 2;
-            }
+            const float *m0, *m1, *m2;
+            mean_lines(sp, (h0 + y) * W + w0, &m0, &m1, &m2);
             if (scratch) {
                 line3_f32(scratch, scratch + cw, scratch + 2 * cw, s, m0, m1, m2, sp->mstep,
                           sp->scale, cw, sp->mean != NULL, sp->scale != 1.0f);

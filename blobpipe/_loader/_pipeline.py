@@ -576,8 +576,7 @@ class Pipeline:
 
     def deliver(self, slot: Slot, plan: BatchPlan, t0: float) -> Batch:
         """Account for the batch whose device work completed and hand it out."""
-        copy = 0.0 if slot.started is None else self.device.elapsed(slot)
-        self.counters.delivered(plan.valid, time.perf_counter() - t0, copy)
+        self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
         self._resume = plan  # its state is made when asked for
         src = slot.out if self.device.on_device else slot.host
         # the consumer's stream: the named one, else the one current here
