@@ -204,8 +204,9 @@ CLONES static void line_u8(uint8_t *restrict o, ptrdiff_t ostep,
  * vector loop takes 32 pixels a step: a shorter line (a 24- or 28-pixel crop), or
  * the rest of a line, went pixel by pixel. Each value is computed as the scalar loop
  * computes it: ((float)pixel - mean) * scale, where a missing mean subtracts 0 and a
- * missing scale multiplies by 1 (both exact). */
-#if defined(__GNUC__) || defined(__clang__)
+ * missing scale multiplies by 1 (both exact). Elsewhere (or built with
+ * -DBLOBPIPE_NO_VEC8) lines_f32 calls line_f32 a line. */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(BLOBPIPE_NO_VEC8)
 #define VEC8 1
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
