@@ -189,16 +189,6 @@ CLONES static void line_f32(float *restrict o, ptrdiff_t ostep,
 #undef STRIDED
 }
 
-CLONES static void line_u8(uint8_t *restrict o, ptrdiff_t ostep,
-                                              const uint8_t *restrict s, ptrdiff_t sstep, ptrdiff_t cw,
-                                              int flip) {
-    if (!flip && ostep == 1 && sstep == 1) {
-        memcpy(o, s, (size_t)cw);
-        return;
-    }
-    for (ptrdiff_t j = 0; j < cw; j++) o[j * ostep] = s[(flip ? cw - 1 - j : j) * sstep];
-}
-
 /* Eight pixels at a time in GCC's and Clang's vector types: a line's blocks of 8,
  * forward or (mirrored) reversed, then the rest pixel by pixel. The compiler's own
  * vector loop takes 32 pixels a step: a shorter line (a 24- or 28-pixel crop), or
@@ -223,7 +213,8 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
 #else
 #define REVERSED8(v) __builtin_shuffle((v), (i32x8){7, 6, 5, 4, 3, 2, 1, 0})
 #endif
-/* Block J's 8 output pixels of line y (lines_f32's contiguous case, below). */
+/* Block J's 8 output pixels of line y (lines_f32's contiguous case, below); a
+ * mirrored line's from its source's pixels cw - 8 - J on, reversed. */
 #define BLOCK8(FLIP, MEAN_FILE, J)                                                       \
     do {                                                                                 \
         const ptrdiff_t q = FLIP ? cw - 8 - (J) : (J);                                   \
@@ -232,12 +223,16 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
         memcpy(oy + (J), &v, sizeof v);                                                  \
     } while (0)
 /* The contiguous case of lines_f32 (sstep and ostep 1), FLIP and MEAN_FILE constant
- * in each expansion: 32 pixels a step, then 8, then one. */
+ * in each expansion: 32 pixels a step, then 8, then one; the output written forward
+ * (a mirrored NCHW row written backwards, its source read forward, took 1.3-1.4x the
+ * time: W3's row, 3x256x256 cropped to 227 with a mean file). */
 #define LINES8(FLIP, MEAN_FILE)                                                          \
     for (ptrdiff_t y = 0; y < rows; y++) {                                               \
         float *const oy = o + y * orow;                                                  \
         const uint8_t *const sy = s + y * srow;                                          \
         const float *const my = MEAN_FILE ? m + y * mrow : NULL;                         \
+        const float mv = MEAN_FILE || !has_mean ? 0.0f : m[y * mrow];                    \
+        const f32x8 mv8 = (f32x8){mv, mv, mv, mv, mv, mv, mv, mv};                       \
         ptrdiff_t j = 0;                                                                 \
         for (; j + 32 <= cw; j += 32) {                                                  \
             BLOCK8(FLIP, MEAN_FILE, j);                                                  \
@@ -254,20 +249,20 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
 #endif
 
 /* lines_f32: `rows` contiguous output lines (line_f32 with sstep and ostep 1), line y
- * from the source line at s + y * srow and the mean's at m + y * mrow (mrow 0: one
- * value, or a mean file's line, mstep 1), written at o + y * orow: a record's channel
- * plane, cropped, in one call (a call and line_f32's choice of loop a line cost a
- * 1x28x28 record cropped to 24 three times the instructions of its whole plane; the
- * compiler's vector loop takes 32 pixels a step, so a 24- or 28-pixel line went pixel
- * by pixel). */
+ * from the source line at s + y * srow and the mean at m + y * mrow (a mean file's
+ * line, mstep 1; else one value), written at o + y * orow. One call makes a record's
+ * channel plane, cropped (mrow: the mean file's W, or 0: one value), or an NHWC output
+ * line's three channel lines (srow and mrow: a channel plane, or 1: the next value).
+ * A call and line_f32's choice of loop a line cost a 1x28x28 record cropped to 24
+ * three times the instructions of its whole plane, and the compiler's vector loop
+ * takes 32 pixels a step, so a 24- or 28-pixel line went pixel by pixel. */
 CLONES static void lines_f32(float *restrict o, ptrdiff_t orow, const uint8_t *restrict s,
                              ptrdiff_t srow, const float *restrict m, int mstep,
                              ptrdiff_t mrow, float scale, ptrdiff_t cw, ptrdiff_t rows,
                              int flip, int has_mean, int has_scale) {
 #ifdef VEC8
     const int mean_file = has_mean && mstep;
-    const float mv = has_mean && !mstep ? m[0] : 0.0f, sc = has_scale ? scale : 1.0f;
-    const f32x8 mv8 = (f32x8){mv, mv, mv, mv, mv, mv, mv, mv};
+    const float sc = has_scale ? scale : 1.0f;
     if (flip && mean_file) {
         LINES8(1, 1)
     } else if (flip) {
@@ -284,9 +279,10 @@ CLONES static void lines_f32(float *restrict o, ptrdiff_t orow, const uint8_t *r
 #endif
 }
 
-/* line_u8 over `rows` lines (strides as lines_f32's, steps as line_u8's), the loop
- * inside the clone: a mirrored line's loop set up once for them all (a call a line:
- * 1.5x the instructions of a mirrored 227-pixel crop's uint8 row). */
+/* `rows` uint8 output lines (no mean, no scale; steps as line_f32's, strides as
+ * lines_f32's), the loop inside the clone: a mirrored line's loop set up once for
+ * them all (a call a line: 1.5x the instructions of a mirrored 227-pixel crop's uint8
+ * row). */
 CLONES static void lines_u8(uint8_t *restrict o, ptrdiff_t ostep, ptrdiff_t orow,
                             const uint8_t *restrict s, ptrdiff_t sstep, ptrdiff_t srow,
                             ptrdiff_t cw, ptrdiff_t rows, int flip) {
@@ -473,26 +469,29 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
         /* the same for uint8 rows (3.7-4x the time of NCHW, a channel at a time) */
         uint8_t t[3][FLIP_LINE];
         for (Py_ssize_t y = 0; y < ch; y++) {
-            for (Py_ssize_t c = 0; c < 3; c++)
-                line_u8(t[c], 1, s0 + (c * H + h0 + y) * W + w0, 1, cw, flip);
+            lines_u8((uint8_t *)t, 1, FLIP_LINE, s0 + (h0 + y) * W + w0, 1, H * W, cw, 3,
+                     flip);
             interleave3_u8((uint8_t *)o + y * cw * 3, t[0], t[1], t[2], cw);
         }
         return;
     }
     if (sp->nhwc && !sp->hwc && C == 3 && sp->itemsize == 4 && cw <= FLIP_LINE) {
         /* (3, H, W) pixels into (h, w, 3) float32: each output line's three channels
-         * computed forward into lines on the stack, then interleaved (a channel at a
+         * computed forward into lines on the stack (one call), then interleaved,
+         * reversed where mirrored (a channel at a
          * time, with a stride of 3 and over the whole row, did not vectorise and
          * wrote every line three times: 2.5-3x the time of NCHW) */
         float t[3][FLIP_LINE];
         for (Py_ssize_t y = 0; y < ch; y++) {
-            for (Py_ssize_t c = 0; c < 3; c++) {
-                const Py_ssize_t at = (c * H + h0 + y) * W + w0; /* uncropped, (C, H, W) */
-                const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
-                line_f32(t[c], 1, s0 + at, 1, m, sp->mstep, sp->scale, cw, flip,
-                         sp->mean != NULL, sp->scale != 1.0f);
-            }
-            interleave3((float *)o + y * cw * 3, t[0], t[1], t[2], cw);
+            const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, uncropped, (C, H, W) */
+            const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean) : NULL;
+            lines_f32((float *)t, FLIP_LINE, s0 + at, H * W, m, sp->mstep, sp->mstep ? H * W : 1,
+                      sp->scale, cw, 3, 0, sp->mean != NULL, sp->scale != 1.0f);
+            float *const line = (float *)o + y * cw * 3;
+            if (flip)
+                interleave3_reversed(line, t[0], t[1], t[2], cw);
+            else
+                interleave3(line, t[0], t[1], t[2], cw);
         }
         return;
     }
