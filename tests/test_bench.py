@@ -375,6 +375,27 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "holds no blobpipe/ package" in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_kernel_ab_pairs_two_kernels_in_one_process(tmp_path: Path) -> None:
+    """Both builds of the row kernel loaded side by side, their outputs compared first; a
+    checkout without a built kernel is refused."""
+    root = BENCH.parent
+    proc = run_quick("bench_kernel_ab.py", tmp_path, str(root), "--recipes", "W1,NHWC")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "1x28x28 TEST scale (W1)",
+        "3x32x32 TRAIN crop 28 mirror mean file NHWC",
+        "3x256x256 TRAIN crop 227 mirror mean file NHWC",
+        "3x256x256 TRAIN crop 227 mirror uint8 NHWC",
+    ]
+    for row in rows:  # ns an image each side, then this / other: median (range)
+        assert re.search(r"\| [\d,]+ \| [\d,]+ \| [\d.]+× \([\d.]+–[\d.]+\) \|$", row), row
+    bad = [sys.executable, str(BENCH / "bench_kernel_ab.py"), str(tmp_path)]
+    proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "build_ext --inplace" in proc.stderr
+
+
 def _has_cupy() -> bool:
     import importlib.util
 
