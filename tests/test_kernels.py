@@ -490,3 +490,88 @@ def test_compiled_row_kernel_says_whether_the_module_loads(monkeypatch: pytest.M
     assert blobpipe.compiled_row_kernel() is built
     monkeypatch.setattr(kernels, "_rowkernel", None)
     assert blobpipe.compiled_row_kernel() is False
+
+
+@pytest.fixture(scope="module")
+def kernel_without_vector_types(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The row kernel built with ``-DBLOBPIPE_NO_VEC8``: the build a compiler without
+    GCC's and Clang's vector types makes (``lines_f32`` calling the one-line loop a
+    line), loaded under a name of its own."""
+    import importlib.util
+    from pathlib import Path
+
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    _row_kernel_or_skip()
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("novec8")
+    ext = Extension(
+        "_rowkernel",
+        sources=[str(root / "blobpipe" / "_io" / "_rowkernel.c")],
+        extra_compile_args=["-O3", "-ffp-contract=off", "-DBLOBPIPE_NO_VEC8"],
+    )
+    cmd = build_ext(Distribution({"ext_modules": [ext]}))
+    cmd.build_lib, cmd.build_temp = str(out), str(out / "build")
+    cmd.ensure_finalized()
+    try:
+        cmd.run()
+    except Exception as exc:  # no compiler here: the installed kernel was built elsewhere
+        pytest.skip(f"could not build the row kernel here: {exc}")
+    spec = importlib.util.spec_from_file_location(
+        "novec8._rowkernel", cmd.get_ext_fullpath("_rowkernel")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("shape", "crop"), [((3, 2, 5), 0), ((3, 2, 33), 0), ((3, 2, 1025), 0), ((3, 9, 9), 6)]
+)
+@pytest.mark.parametrize("mean", ["file", "value", None])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_the_kernel_without_vector_types_equals_caffe(
+    kernel_without_vector_types: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int, int],
+    crop: int,
+    mean: str | None,
+    layout: str,
+) -> None:
+    """Where the compiler has no vector types, a channel's lines go a line a call
+    through the one-line loop (its mirrored mean-file lines through ``FLIP_LINE``'s
+    stack line): whole lines and crops, mirrored or not, with and without scale,
+    float32 and uint8, the same values as the element-by-element reference."""
+    from blobpipe._io import _kernels
+    from blobpipe._io._kernels import apply_raw
+
+    monkeypatch.setattr(_kernels, "row_kernel", lambda: kernel_without_vector_types)
+    rng = np.random.default_rng(shape[2] + crop)
+    size = int(np.prod(shape))
+    buffer = rng.integers(0, 256, 3 * size, np.uint8)
+    offsets = np.array([0, size, 2 * size], np.int64)
+    m = None
+    if mean == "file":
+        m = rng.uniform(0, 255, shape).astype(np.float32)
+    elif mean == "value":
+        m = rng.uniform(0, 255, (3, 1, 1)).astype(np.float32)
+    corners = [(0, 0), (3, 1), (2, 3)] if crop else [(0, 0)] * 3
+    geo = Geometry(
+        np.array([h for h, _ in corners], np.intp),
+        np.array([w for _, w in corners], np.intp),
+        np.array([True, False, True]),
+    )
+    rows = [buffer[o : o + size].reshape(shape) for o in offsets.tolist()]
+    for dtype, scale in ((np.float32, 1.0), (np.float32, 0.017), (np.uint8, 1.0)):
+        if dtype == np.uint8 and m is not None:
+            continue
+        want = np.stack(
+            [reference(rows[i], *geo.row(i), crop, m, scale, layout, dtype) for i in range(3)]
+        )
+        out = np.full(want.shape, 7, dtype)
+        spec = KernelSpec(crop, m, np.float32(scale), layout)  # type: ignore[arg-type]
+        assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
+        assert np.array_equal(out, want)

@@ -478,9 +478,9 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
     if (sp->nhwc && !sp->hwc && C == 3 && sp->itemsize == 4 && cw <= FLIP_LINE) {
         /* (3, H, W) pixels into (h, w, 3) float32: each output line's three channels
          * computed forward into lines on the stack (one call), then interleaved,
-         * reversed where mirrored (a channel at a
-         * time, with a stride of 3 and over the whole row, did not vectorise and
-         * wrote every line three times: 2.5-3x the time of NCHW) */
+         * reversed where mirrored (a channel at a time, with a stride of 3 and over the
+         * whole row, did not vectorise and wrote every line three times: 2.5-3x the
+         * time of NCHW) */
         float t[3][FLIP_LINE];
         for (Py_ssize_t y = 0; y < ch; y++) {
             const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, uncropped, (C, H, W) */
