@@ -355,6 +355,16 @@ INTERLEAVE3(interleave3_reversed, float, n - 1 - j)
 INTERLEAVE3(interleave3_u8, uint8_t, j)
 #undef INTERLEAVE3
 
+/* An (h, w, 3) output line from three channel lines on the stack (t, FLIP_LINE
+ * apart), reversed where mirrored. */
+static inline void interleave3_line(float *line, float t[3][FLIP_LINE], ptrdiff_t cw,
+                                    int flip) {
+    if (flip)
+        interleave3_reversed(line, t[0], t[1], t[2], cw);
+    else
+        interleave3(line, t[0], t[1], t[2], cw);
+}
+
 static void reverse_f32(float *o, ptrdiff_t n) {
     for (ptrdiff_t i = 0, j = n - 1; i < j; i++, j--) {
         const float t = o[i];
@@ -429,11 +439,7 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
             mean_lines(sp, (h0 + y) * W + w0, &m0, &m1, &m2);
             line3_f32(t[0], t[1], t[2], s, m0, m1, m2, sp->mstep, sp->scale, cw,
                       sp->mean != NULL, sp->scale != 1.0f);
-            float *const line = (float *)o + y * cw * 3;
-            if (flip)
-                interleave3_reversed(line, t[0], t[1], t[2], cw);
-            else
-                interleave3(line, t[0], t[1], t[2], cw);
+            interleave3_line((float *)o + y * cw * 3, t, cw, flip);
         }
         return;
     }
@@ -488,11 +494,7 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
             const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean) : NULL;
             lines_f32((float *)t, FLIP_LINE, s0 + at, H * W, m, sp->mstep, sp->mstep ? H * W : 1,
                       sp->scale, cw, 3, 0, sp->mean != NULL, sp->scale != 1.0f);
-            float *const line = (float *)o + y * cw * 3;
-            if (flip)
-                interleave3_reversed(line, t[0], t[1], t[2], cw);
-            else
-                interleave3(line, t[0], t[1], t[2], cw);
+            interleave3_line((float *)o + y * cw * 3, t, cw, flip);
         }
         return;
     }
