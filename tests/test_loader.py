@@ -134,6 +134,12 @@ async def collect_into(loader: Loader, got: list[Got]) -> None:
         got.append(Got.of(batch))
 
 
+def fillers_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small batches are planned and filled by the fillers, a chunk at a time, as where
+    the row kernel is not built (no pool for the consumer to plan for)."""
+    monkeypatch.setattr(blobpipe._loader._pipeline, "row_pool", lambda threads: None)
+
+
 class FillProbe:
     """Wraps ``Batches.fill`` and ``Batches.fill_parts``: counts calls, the batches
     filled, the calls in flight.
@@ -179,6 +185,18 @@ class FillProbe:
 
         monkeypatch.setattr(Batches, "fill", wrapped(Batches.fill))
         monkeypatch.setattr(Batches, "fill_parts", wrapped(Batches.fill_parts))
+        start_parts = Batches.start_parts
+
+        def started(self: Batches, plan: Any, *args: Any) -> Any:
+            # the consumer's chunks (their rows written by the pool): counted, never
+            # gated or slowed (that would stop the consumer's own thread)
+            with probe._lock:
+                probe.calls += 1
+                for row in range(0, len(plan), batch_size):
+                    probe.plans.add((int(plan.epochs[row]), int(plan.positions[row])))
+            return start_parts(self, plan, *args)
+
+        monkeypatch.setattr(Batches, "start_parts", started)
 
     async def wait_filling(self) -> None:
         """Return once a fill is in flight (it sleeps ``sleep`` seconds in its thread)."""
@@ -868,23 +886,34 @@ def test_worker_error_blocking_form(corrupt_db: tuple[Path, int]) -> None:
 @pytest.mark.parametrize("row", [0, 2], ids=["planned-ahead", "filled"])
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("bad_batch", [0, 1, 6, 15, 18, 37])
+@pytest.mark.parametrize("planner", ["consumer", "fillers"])
 def test_a_bad_record_in_a_chunk_fails_its_own_batch(
-    tmp_path: Path, bad_batch: int, workers: int, row: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    bad_batch: int,
+    workers: int,
+    row: int,
+    planner: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Small batches are planned ahead and filled a chunk at a time (by every filler,
-    each its own chunk); a record that fails fails its own batch, whether its
-    planning reads it (a batch's first record) or only its fill does: every batch
-    before it arrives intact and in order, then its error, naming its key."""
+    """Small batches are planned ahead and filled a chunk at a time: by the consumer's
+    thread, the rows written by the pool's threads, or (where the row kernel is not
+    built) by every filler, each its own chunk; a record that fails fails its own
+    batch, whether its planning reads it (a batch's first record) or only its fill
+    does: every batch before it arrives intact and in order, then its error, naming
+    its key."""
     chunks = 0
     pipeline = blobpipe._loader._pipeline.Pipeline
-    original = pipeline._fill_chunk
+    name = "_start_chunk" if planner == "consumer" else "_fill_chunk"
+    original = getattr(pipeline, name)
 
     def fill(self: Any, *args: Any) -> Any:
         nonlocal chunks
         chunks += 1
         return original(self, *args)
 
-    monkeypatch.setattr(pipeline, "_fill_chunk", fill)
+    monkeypatch.setattr(pipeline, name, fill)
+    if planner == "fillers":
+        fillers_plan(monkeypatch)
     # every fill counts as small, however loaded the machine: chunks from batch 1 on
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)
     bad = 4 * bad_batch + row
@@ -1024,10 +1053,11 @@ async def test_backpressure(db30: Path, device: str, monkeypatch: pytest.MonkeyP
 async def test_small_batches_fill_at_most_one_chunk_ahead(
     db30: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small batches are filled a chunk at a time, straight into slots the chunk
-    holds: the producer fills at most the ring ahead of the consumer, stops there
-    (the next chunk planned, waiting for its slots), and what arrives is what
-    Batches makes."""
+    """Small batches are filled a chunk at a time by the fillers (where the consumer
+    does not plan them), straight into slots the chunk holds: the producer fills at
+    most the ring ahead of the consumer, stops there (the next chunk planned,
+    waiting for its slots), and what arrives is what Batches makes."""
+    fillers_plan(monkeypatch)
     probe = FillProbe(monkeypatch)
     backend = make_backend(device)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
@@ -1060,6 +1090,7 @@ def test_fillers_fill_chunks_at_once_and_hand_them_out_in_order(
     chunks take their slots in number order (a later chunk holding the slots an
     earlier one waits for would deadlock), so batches arrive in order, the same as
     Batches makes them: here the first chunks wait until the next one was filled."""
+    fillers_plan(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all small
     pipeline = blobpipe._loader._pipeline.Pipeline
     original = pipeline._fill_chunk
@@ -1129,6 +1160,7 @@ def test_batches_turning_small_and_large_again_arrive_in_order(
     time), the others quickly (small: every filler fills chunks): the pipeline
     narrows and widens again and again (widening only once every chunk planned has
     its slots), and the batches arrive in order, as Batches makes them."""
+    fillers_plan(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 0.01)
 
     def slowed(original: Any) -> Any:
@@ -1338,9 +1370,12 @@ async def test_state_dict_follows_the_consumer_not_the_producer(
     with Batches(db30, 4, **options) as batches:
         start = batches.state_dict()
     async with Loader(db30, 4, device="cpu", prefetch=3, **options) as loader:
-        await wait_until(lambda: len(probe.plans) >= 3, "the producer to fill the ring")
+        await wait_until(lambda: len(probe.plans) >= 1, "the producer to fill a batch")
         assert loader.state_dict() == start
         got = await collect(loader, 3)
+        # ahead of the consumer: the ring, or (small batches planned by the consumer)
+        # the chunks it started
+        await wait_until(lambda: len(probe.plans) >= 6, "the producer to run ahead")
         assert loader.state_dict() == got[-1].state
         if mode == "epoch":
             got += await collect(loader)  # to the end of the epoch
@@ -1684,9 +1719,16 @@ async def test_a_ready_batch_is_a_checkpoint_once_yield_every_passed(
     monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
     seen = 0
     async with Loader(db30, 4, device="cpu", prefetch=8, mode="epoch", last="keep") as loader:
-        # the first four (fillers post in any order: four posted need not be these)
-        items = loader._pipe.handoff._items
-        await wait_until(lambda: all(k in items for k in range(4)), "batches 0-3 ready")
+        # the first four (fillers post in any order: four posted need not be these; the
+        # consumer's own chunks are posted by its next call, pump, which runs here)
+        pipe = loader._pipe
+        items = pipe.handoff._items
+
+        def ready() -> bool:
+            pipe.pump()
+            return all(k in items for k in range(4))
+
+        await wait_until(ready, "batches 0-3 ready")
         with anyio.CancelScope() as scope:
             async for _ in loader:
                 seen += 1

@@ -56,7 +56,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from ._fill import Part, RecordSource, part_of
-from ._kernels import Geometry, check_geometry_out
+from ._kernels import Deferral, Geometry, check_geometry_out
 from ._lmdb import LmdbReader
 from ._options import (
     BatchesKeywords,
@@ -663,6 +663,39 @@ class Batches:
             ArgumentTypeError, ShapeError: an output array as in :meth:`fill`.
             DataError: as :meth:`fill`.
         """
+        self._parts(plan, parts, None)
+
+    def start_parts(
+        self,
+        plan: BatchPlan,
+        parts: Sequence[tuple[np.ndarray, np.ndarray, Geometry | None]],
+        pool: Any,
+    ) -> Deferral:
+        """:meth:`fill_parts`, with the rows' compiled kernel call started on ``pool``
+        (``_kernels.row_pool``) rather than run here, where the rows are raw records
+        of one database: the labels are written, the data once the returned
+        :class:`Deferral` finished (which raises what the fill would raise after
+        the read: the database changed). Rows that cannot be deferred are filled in
+        this call (the deferral then holds no job). For the Loader, which plans and
+        fills small batches on its consumer's thread.
+
+        Raises:
+            As :meth:`fill_parts`.
+        """
+        defer = Deferral(pool)
+        try:
+            self._parts(plan, parts, defer)
+        except BaseException:
+            defer.wait()  # a job started before the error writes nothing after this
+            raise
+        return defer
+
+    def _parts(
+        self,
+        plan: BatchPlan,
+        parts: Sequence[tuple[np.ndarray, np.ndarray, Geometry | None]],
+        defer: Deferral | None,
+    ) -> None:
         if plan.extra:
             raise ArgumentError(
                 "fill_parts: a plan with other sources read in lockstep is filled with fill"
@@ -682,7 +715,7 @@ class Batches:
         if len(plan) == 0:
             return
         self._check_open()
-        self._filler.fill(plan, 0, checked)
+        self._filler.fill(plan, 0, checked, defer)
         if not plan.has_label:
             for part in checked:
                 part.label[:] = 0

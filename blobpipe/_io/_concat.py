@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._fill import Filler, Part, store_geometry
-from ._kernels import Geometry
+from ._kernels import Deferral, Geometry
 from ._plan import BatchPlan
 from ._records import RecordKind
 from ._transform import Transform
@@ -66,9 +66,11 @@ class ConcatFiller:
         k, local = self._where(index)
         return self._parts[k].first(local)
 
-    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+    def fill(
+        self, plan: BatchPlan, start: int, parts: Sequence[Part], defer: Deferral | None = None
+    ) -> None:
         """Rows of ``plan`` from ``start`` on into ``parts``, each row from its own
-        database."""
+        database, in this call (``defer`` is not used)."""
         for part in parts:
             self._fill_part(plan, start, part)
             start += len(part.label)

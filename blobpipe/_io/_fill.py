@@ -32,6 +32,7 @@ raises the error that names it (key, database path, reason).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -52,7 +53,7 @@ from ._image import (
     rows_decodable,
 )
 from ._index import Located, RecordIndex
-from ._kernels import Geometry, apply, apply_one, apply_raw, kernel_args, prefers_block
+from ._kernels import Deferral, Geometry, apply, apply_one, apply_raw, kernel_args, prefers_block
 from ._lmdb import LmdbReader
 from ._plan import BatchPlan, span
 from ._records import (
@@ -200,10 +201,14 @@ class RowFiller(Protocol):
         """The shape of record ``index``, and its pixels and label if decoded."""
         ...
 
-    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+    def fill(
+        self, plan: BatchPlan, start: int, parts: Sequence[Part], defer: Deferral | None = None
+    ) -> None:
         """Rows of ``plan`` from ``start`` on into ``parts``, in order: each part
         takes as many rows as it holds (its ``geometry``: their crop offsets and
-        flips)."""
+        flips). ``defer``: where the rows' compiled kernel call may be started
+        instead of run (its jobs and the checks after them collected there); a
+        filler that cannot defer fills them in this call."""
         ...
 
     def close(self) -> None:
@@ -372,9 +377,13 @@ class Filler:
 
     # -- filling ------------------------------------------------------------------------------
 
-    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+    def fill(
+        self, plan: BatchPlan, start: int, parts: Sequence[Part], defer: Deferral | None = None
+    ) -> None:
         """Rows of ``plan`` from ``start`` on into ``parts`` (checked by the caller):
-        the records located, the crops drawn and the checks made once for them all."""
+        the records located, the crops drawn and the checks made once for them all.
+        ``defer``: raw rows' kernel call is started there (the snapshot check then
+        follows it there); other rows are filled in this call."""
         if self.kind == BLOBPROTO:
             for a, part in _spans(start, parts):
                 self._fill_blobs(plan, part, a)
@@ -402,10 +411,12 @@ class Filler:
         t = self._transform
         spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = plan.words[start:stop]
+        started = False  # the rows' kernel call was started on defer's pool
         if loc.raw_shape == shape or ((loc.kind == RAW).all() and (loc.shape == shape).all()):
             geometry = t.geometry(shape, self._phase, words)
             outs = [part.data for _, part in spans]
-            kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec)
+            kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec, defer)
+            started = kernel and defer is not None
             for a, part in spans:  # one kernel call for every part, or each part here
                 if kernel and part.geometry is None:
                     continue  # written, and no crops to keep (a slice costs a microsecond)
@@ -445,7 +456,11 @@ class Filler:
                 noted = np.fromiter((r for r, _ in learned), np.intp, len(learned))
                 index.note_shapes(rows[noted], np.array([s for _, s in learned], np.int32))
         if persistent:
-            self._check_snapshot(index)
+            if started:  # after the rows are read
+                assert defer is not None
+                defer.after.append(functools.partial(self._check_snapshot, index))
+            else:
+                self._check_snapshot(index)
 
     def _fill_blobs(self, plan: BatchPlan, part: Part, start: int) -> None:
         """BlobProto rows from ``start`` on into ``part``: each record's values,

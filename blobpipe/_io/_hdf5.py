@@ -37,7 +37,7 @@ import numpy.typing as npt
 from .._codec import blobproto_bytes
 from .._errors import ArgumentError, DataError, FileMissingError, MissingDependencyError
 from ._fill import Part, store_geometry
-from ._kernels import Geometry
+from ._kernels import Deferral, Geometry
 from ._plan import BatchPlan
 from ._records import BLOBPROTO, RecordKind
 from ._transform import Phase, Transform
@@ -283,7 +283,11 @@ class _RowFiller:
         values = self._top.row(index, self.blob_dtype)
         return tuple(values.shape), (values, 0)
 
-    def fill(self, plan: BatchPlan, start: int, parts: Sequence[Part]) -> None:
+    def fill(
+        self, plan: BatchPlan, start: int, parts: Sequence[Part], defer: Deferral | None = None
+    ) -> None:
+        """Rows of ``plan`` from ``start`` on into ``parts``, in this call (``defer`` is
+        not used)."""
         stop = start + sum(len(part.label) for part in parts)
         rows = plan.indices[start:stop]
         files, top = self._top._files, self._top.top

@@ -36,7 +36,7 @@ are done one row at a time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,6 +46,7 @@ import numpy.typing as npt
 from .._errors import ArgumentError, ArgumentTypeError, ShapeError
 
 __all__ = [
+    "Deferral",
     "Geometry",
     "KernelSpec",
     "apply",
@@ -59,6 +60,7 @@ __all__ = [
     "draw_words",
     "mix_words",
     "prefers_block",
+    "row_pool",
     "shared_zeros",
 ]
 
@@ -353,6 +355,52 @@ def compiled_row_kernel() -> bool:
     return row_kernel() is not None
 
 
+def row_pool(threads: int) -> Any:
+    """A pool of ``threads`` native threads that run row-kernel calls without ever
+    taking the GIL (``_rowkernel.Pool``; started with its first call), or None where
+    the kernel was not built. Close it with ``close()`` (it joins the threads)."""
+    kernel = row_kernel()
+    return None if kernel is None else kernel.Pool(threads)
+
+
+class Deferral:
+    """A fill's compiled row calls started on a :func:`row_pool` instead of run in the
+    calling thread, and the checks that must follow them (the database's snapshot
+    check reads the state after the rows were read).
+
+    The outputs, labels aside, are written only once :meth:`finish` returned (or
+    :meth:`query` said True); until then every buffer a call reads or writes stays
+    held by its job. Not thread-safe: one thread starts, queries and finishes it.
+    """
+
+    __slots__ = ("after", "jobs", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.jobs: list[Any] = []  # the pool's jobs, in start order
+        self.after: list[Callable[[], None]] = []  # run by finish, in order
+
+    def query(self) -> bool:
+        """Whether every call ran (without waiting)."""
+        return all(job.query() for job in self.jobs)
+
+    def wait(self) -> None:
+        """Block until every call ran (the GIL released while waiting)."""
+        for job in self.jobs:
+            job.synchronize()
+
+    def finish(self) -> None:
+        """:meth:`wait`, then the checks, in order.
+
+        Raises:
+            DataError: a check failed (the database changed while it was read).
+        """
+        self.wait()
+        after, self.after = self.after, []
+        for check in after:
+            check()
+
+
 def apply_raw(
     buffer: Any,
     offsets: npt.NDArray[np.int64],
@@ -360,13 +408,15 @@ def apply_raw(
     out: np.ndarray | Sequence[np.ndarray],
     geometry: Geometry,
     spec: KernelSpec,
+    defer: Deferral | None = None,
 ) -> bool:
     """:func:`apply` for raw rows of one host ``buffer``: row ``i``'s ``shape`` pixels
     are the C-contiguous bytes at ``offsets[i]``. ``out``: one array of the rows, or
     several (consecutive batches) that take them in order. Done by the compiled row
-    kernel in one call (the GIL released once); False, nothing written, where it is
-    not built or an output is not a C-contiguous float32 or uint8 array (all of one
-    dtype; the caller then uses :func:`apply`).
+    kernel in one call (the GIL released once), or started on ``defer``'s pool (every
+    argument checked now; the rows written once it ran); False, nothing written,
+    where it is not built or an output is not a C-contiguous float32 or uint8 array
+    (all of one dtype; the caller then uses :func:`apply`).
 
     Raises:
         ValueError: an offset or a crop outside the buffer or the record (the
@@ -376,7 +426,11 @@ def apply_raw(
     args = kernel_args(out, geometry, spec) if kernel is not None else None
     if args is None:
         return False
-    kernel.transform_rows(buffer, np.ascontiguousarray(offsets, np.int64), shape, *args)
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    if defer is not None:
+        defer.jobs.append(defer.pool.start(buffer, offsets, shape, *args))
+    else:
+        kernel.transform_rows(buffer, offsets, shape, *args)
     return True
 
 

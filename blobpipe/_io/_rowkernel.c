@@ -67,7 +67,9 @@
 #include "_kernel.h"
 
 #include <limits.h>
+#include <pthread.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 /* The first PREFETCH_BYTES of the row PREFETCH_ROWS on asked for while this row is
  * transformed: a batch's records lie apart in the file map (a page or more each), and
@@ -81,70 +83,340 @@ static inline void prefetch_row(const Spec *sp, const uint8_t *s) {
     for (Py_ssize_t k = 0; k < n; k += 64) __builtin_prefetch(s + k, 0, 3);
 }
 
-static PyObject *transform_rows(PyObject *self, PyObject *args) {
+/* A transform_rows call: its buffers held (released with the GIL, release_call),
+ * everything checked (parse_call), ready to run without the GIL (run_call). */
+typedef struct {
+    Buf src, off, hb, wb, fb, mb;
+    Outs outs;
+    Spec sp;
+    Py_ssize_t n;
+} RowsCall;
+
+static void release_call(RowsCall *c) {
+    release(&c->src);
+    release(&c->off);
+    release(&c->hb);
+    release(&c->wb);
+    release(&c->fb);
+    release(&c->mb);
+    release_outs(&c->outs);
+}
+
+/* Acquire and check transform_rows' arguments into *c (zeroed by the caller); -1 with
+ * an exception set (the caller releases what was acquired). */
+static int parse_call(PyObject *args, RowsCall *c) {
     PyObject *src_o, *off_o, *h_o, *w_o, *flip_o, *mean_o, *out_o;
     Py_ssize_t C, H, W, crop;
     double scale;
     int nhwc;
     if (!PyArg_ParseTuple(args, "OO(nnn)OOOOdOni", &src_o, &off_o, &C, &H, &W, &h_o, &w_o,
                           &flip_o, &mean_o, &scale, &out_o, &crop, &nhwc))
-        return NULL;
-    Buf src = {0}, off = {0}, hb = {0}, wb = {0}, fb = {0}, mb = {0};
-    PyObject *result = NULL;
-    Spec sp;
-    Outs outs = {0};
-    if (get_buf(src_o, &src, 0, "src") || get_buf(off_o, &off, 0, "offsets") ||
-        get_buf(h_o, &hb, 0, "h_off") || get_buf(w_o, &wb, 0, "w_off") ||
-        get_buf(flip_o, &fb, 0, "mirror") ||
-        (mean_o != Py_None && get_buf(mean_o, &mb, 0, "mean")))
-        goto done;
-    if (get_outs(out_o, &outs)) goto done;
-    if (!items_are(&src, "uc", 1, "src", "uint8 (bytes)") ||
-        !items_are(&off, "i", 8, "offsets", "int64") ||
-        !items_are(&hb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
-        !items_are(&wb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp") ||
-        !items_are(&fb, "?u", 1, "mirror", "bool or uint8"))
-        goto done;
-    const Py_ssize_t n = off.view.len / 8;
-    if (hb.view.len / hb.view.itemsize != n || wb.view.len / wb.view.itemsize != n ||
-        fb.view.len != n) {
+        return -1;
+    if (get_buf(src_o, &c->src, 0, "src") || get_buf(off_o, &c->off, 0, "offsets") ||
+        get_buf(h_o, &c->hb, 0, "h_off") || get_buf(w_o, &c->wb, 0, "w_off") ||
+        get_buf(flip_o, &c->fb, 0, "mirror") ||
+        (mean_o != Py_None && get_buf(mean_o, &c->mb, 0, "mean")))
+        return -1;
+    if (get_outs(out_o, &c->outs)) return -1;
+    if (!items_are(&c->src, "uc", 1, "src", "uint8 (bytes)") ||
+        !items_are(&c->off, "i", 8, "offsets", "int64") ||
+        !items_are(&c->hb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
+        !items_are(&c->wb, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp") ||
+        !items_are(&c->fb, "?u", 1, "mirror", "bool or uint8"))
+        return -1;
+    const Py_ssize_t n = c->n = c->off.view.len / 8;
+    if (c->hb.view.len / c->hb.view.itemsize != n || c->wb.view.len / c->wb.view.itemsize != n ||
+        c->fb.view.len != n) {
         PyErr_SetString(PyExc_ValueError, "offsets, h_off, w_off and mirror must be one per row");
-        goto done;
+        return -1;
     }
-    if (make_spec(&sp, C, H, W, crop, 0, nhwc, &mb, scale, &outs.all, n) < 0) goto done;
-    if (outs_in_rows(&outs, &sp) < 0) goto done;
-    const int64_t *offsets = (const int64_t *)off.view.buf;
-    const Py_ssize_t *hs = (const Py_ssize_t *)hb.view.buf, *ws = (const Py_ssize_t *)wb.view.buf;
-    const uint8_t *flips = (const uint8_t *)fb.view.buf;
+    Spec *sp = &c->sp;
+    if (make_spec(sp, C, H, W, crop, 0, nhwc, &c->mb, scale, &c->outs.all, n) < 0) return -1;
+    if (outs_in_rows(&c->outs, sp) < 0) return -1;
+    const int64_t *offsets = (const int64_t *)c->off.view.buf;
+    const Py_ssize_t *hs = (const Py_ssize_t *)c->hb.view.buf, *ws = (const Py_ssize_t *)c->wb.view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (offsets[i] < 0 || offsets[i] > src.view.len - sp.size) {
+        if (offsets[i] < 0 || offsets[i] > c->src.view.len - sp->size) {
             PyErr_Format(PyExc_ValueError, "row %zd lies outside the buffer", i);
-            goto done;
+            return -1;
         }
-        if (!crop_fits(&sp, hs[i], ws[i], i)) goto done;
+        if (!crop_fits(sp, hs[i], ws[i], i)) return -1;
     }
-    const uint8_t *base = (const uint8_t *)src.view.buf;
-    Py_BEGIN_ALLOW_THREADS;
+    return 0;
+}
+
+/* The checked call's rows, without the GIL (any thread). */
+static void run_call(RowsCall *c) {
+    const Spec *sp = &c->sp;
+    const Py_ssize_t n = c->n;
+    const int64_t *offsets = (const int64_t *)c->off.view.buf;
+    const Py_ssize_t *hs = (const Py_ssize_t *)c->hb.view.buf, *ws = (const Py_ssize_t *)c->wb.view.buf;
+    const uint8_t *flips = (const uint8_t *)c->fb.view.buf;
+    const uint8_t *base = (const uint8_t *)c->src.view.buf;
     FREE_BEGIN
-    for (Py_ssize_t i = 1; i < PREFETCH_ROWS && i < n; i++) prefetch_row(&sp, base + offsets[i]);
+    for (Py_ssize_t i = 1; i < PREFETCH_ROWS && i < n; i++) prefetch_row(sp, base + offsets[i]);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_ROWS < n) prefetch_row(&sp, base + offsets[i + PREFETCH_ROWS]);
-        transform_one(&sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&outs, &sp, i));
+        if (i + PREFETCH_ROWS < n) prefetch_row(sp, base + offsets[i + PREFETCH_ROWS]);
+        transform_one(sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&c->outs, sp, i));
     }
     FREE_END
-    Py_END_ALLOW_THREADS;
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    release(&src);
-    release(&off);
-    release(&hb);
-    release(&wb);
-    release(&fb);
-    release(&mb);
-    release_outs(&outs);
+}
+
+static PyObject *transform_rows(PyObject *self, PyObject *args) {
+    RowsCall c;
+    memset(&c, 0, sizeof c);
+    PyObject *result = NULL;
+    if (parse_call(args, &c) == 0) {
+        Py_BEGIN_ALLOW_THREADS;
+        run_call(&c);
+        Py_END_ALLOW_THREADS;
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    release_call(&c);
     return result;
 }
+
+/* ---- Pool: transform_rows calls run by threads that never take the GIL ----------
+ *
+ * Pool(threads) -> a pool of `threads` POSIX threads (started with the first call);
+ * pool.start(*transform_rows arguments) -> Job: the call checked at once (the same
+ * errors as transform_rows, raised here), queued, and run by a pool thread.
+ * job.query() -> bool: whether it ran; job.synchronize(): wait until it ran, the GIL
+ * released. A job's buffers stay held (exported: a NumPy array cannot be resized, an
+ * mmap not closed) until query or synchronize first finds it done, or until it is
+ * freed, which waits for it first. pool.close(): the threads finish the queued jobs
+ * and end (joined, the GIL released); start raises after it. A pool's threads touch
+ * no Python object: queued jobs hold their buffers, and the pool holds no reference
+ * to a job (a job holds one to its pool, so a pool is freed after its jobs).
+ * Fork: a child process has none of the parent's threads; start raises there, and a
+ * pool made in another process is neither joined nor its lock touched when freed. */
+
+typedef struct JobObject JobObject;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* a job queued, or closing */
+    pthread_cond_t done; /* a job ran */
+    JobObject *head, *tail; /* queued, in order */
+    Py_ssize_t threads, started;
+    pthread_t *tids;
+    int closing, joined;
+    pid_t pid;
+} PoolObject;
+
+struct JobObject {
+    PyObject_HEAD
+    PoolObject *pool; /* a strong reference */
+    JobObject *next;  /* in the queue, under pool->mu */
+    RowsCall call;
+    int ran;      /* under pool->mu */
+    int released; /* the buffers let go (the GIL held) */
+};
+
+static PyTypeObject PoolType, JobType;
+
+static void *pool_thread(void *arg) {
+    PoolObject *pool = (PoolObject *)arg;
+    pthread_mutex_lock(&pool->mu);
+    for (;;) {
+        while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
+        JobObject *job = pool->head;
+        if (job == NULL) break; /* closing, and nothing queued */
+        pool->head = job->next;
+        if (pool->head == NULL) pool->tail = NULL;
+        job->next = NULL;
+        pthread_mutex_unlock(&pool->mu);
+        run_call(&job->call);
+        pthread_mutex_lock(&pool->mu);
+        job->ran = 1;
+        pthread_cond_broadcast(&pool->done);
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return NULL;
+}
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Py_ssize_t threads;
+    static char *kwlist[] = {"threads", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &threads)) return NULL;
+    if (threads < 1 || threads > 1024) {
+        PyErr_SetString(PyExc_ValueError, "Pool: threads must be 1 to 1024");
+        return NULL;
+    }
+    PoolObject *pool = (PoolObject *)type->tp_alloc(type, 0);
+    if (pool == NULL) return NULL;
+    pool->tids = PyMem_Calloc((size_t)threads, sizeof(pthread_t));
+    if (pool->tids == NULL) {
+        Py_DECREF(pool);
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_init(&pool->mu, NULL);
+    pthread_cond_init(&pool->work, NULL);
+    pthread_cond_init(&pool->done, NULL);
+    pool->threads = threads;
+    pool->pid = getpid();
+    return (PyObject *)pool;
+}
+
+/* Stop the threads once the queue is empty and join them, the GIL released. */
+static void pool_join(PoolObject *pool) {
+    if (pool->joined || pool->pid != getpid()) return;
+    pool->joined = 1;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&pool->mu);
+    pool->closing = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    for (Py_ssize_t k = 0; k < pool->started; k++) pthread_join(pool->tids[k], NULL);
+    Py_END_ALLOW_THREADS;
+}
+
+static void pool_dealloc(PoolObject *pool) {
+    if (pool->tids != NULL) { /* made: its lock and conditions exist */
+        if (pool->pid == getpid()) {
+            pool_join(pool);
+            pthread_mutex_destroy(&pool->mu);
+            pthread_cond_destroy(&pool->work);
+            pthread_cond_destroy(&pool->done);
+        }
+        PyMem_Free(pool->tids);
+    }
+    Py_TYPE(pool)->tp_free((PyObject *)pool);
+}
+
+static PyObject *pool_close(PoolObject *pool, PyObject *unused) {
+    pool_join(pool);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_start(PoolObject *pool, PyObject *args) {
+    if (pool->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool.start: the pool was made in another process "
+                                            "(its threads do not exist in this one)");
+        return NULL;
+    }
+    if (pool->joined) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool.start: the pool is closed");
+        return NULL;
+    }
+    JobObject *job = (JobObject *)JobType.tp_alloc(&JobType, 0);
+    if (job == NULL) return NULL;
+    job->released = 1; /* nothing held yet, nothing to wait for */
+    job->ran = 1;
+    if (parse_call(args, &job->call) < 0) {
+        release_call(&job->call);
+        Py_DECREF(job);
+        return NULL;
+    }
+    Py_INCREF(pool);
+    job->pool = pool;
+    int failed = 0;
+    pthread_mutex_lock(&pool->mu);
+    if (pool->started < pool->threads) { /* a thread a job, up to `threads` */
+        if (pthread_create(&pool->tids[pool->started], NULL, pool_thread, pool) == 0)
+            pool->started++;
+        else if (pool->started == 0)
+            failed = 1;
+    }
+    if (!failed) {
+        job->ran = 0;
+        job->released = 0;
+        if (pool->tail != NULL) pool->tail->next = job;
+        else pool->head = job;
+        pool->tail = job;
+        pthread_cond_signal(&pool->work);
+    }
+    pthread_mutex_unlock(&pool->mu);
+    if (failed) {
+        Py_DECREF(job);
+        PyErr_SetString(PyExc_RuntimeError, "Pool.start: no thread could be started");
+        return NULL;
+    }
+    return (PyObject *)job;
+}
+
+static int job_ran(JobObject *job) {
+    pthread_mutex_lock(&job->pool->mu);
+    const int ran = job->ran;
+    pthread_mutex_unlock(&job->pool->mu);
+    return ran;
+}
+
+/* Wait until the job ran (the GIL released), then let go of its buffers. */
+static void job_wait(JobObject *job) {
+    if (job->released) return;
+    if (!job_ran(job)) {
+        PoolObject *pool = job->pool;
+        Py_BEGIN_ALLOW_THREADS;
+        pthread_mutex_lock(&pool->mu);
+        while (!job->ran) pthread_cond_wait(&pool->done, &pool->mu);
+        pthread_mutex_unlock(&pool->mu);
+        Py_END_ALLOW_THREADS;
+    }
+    job->released = 1;
+    release_call(&job->call);
+}
+
+static PyObject *job_query(JobObject *job, PyObject *unused) {
+    if (!job->released) {
+        if (!job_ran(job)) Py_RETURN_FALSE;
+        job_wait(job);
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *job_synchronize(JobObject *job, PyObject *unused) {
+    job_wait(job);
+    Py_RETURN_NONE;
+}
+
+static void job_dealloc(JobObject *job) {
+    if (job->pool != NULL) {
+        if (job->pool->pid == getpid()) job_wait(job);
+        else job->released = 1; /* a parent's job: its thread is not here; never freed */
+        Py_CLEAR(job->pool);
+    } else {
+        release_call(&job->call);
+    }
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"start", (PyCFunction)pool_start, METH_VARARGS,
+     "start(*transform_rows arguments) -> Job: the call checked now and run by a pool "
+     "thread."},
+    {"close", (PyCFunction)pool_close, METH_NOARGS,
+     "Finish the queued jobs and join the threads (the GIL released); idempotent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef job_methods[] = {
+    {"query", (PyCFunction)job_query, METH_NOARGS, "Whether the job ran."},
+    {"synchronize", (PyCFunction)job_synchronize, METH_NOARGS,
+     "Wait until the job ran, the GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "blobpipe._io._rowkernel.Pool",
+    .tp_basicsize = sizeof(PoolObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Pool(threads): transform_rows calls run by threads that never take the GIL.",
+    .tp_new = pool_new,
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_methods = pool_methods,
+};
+
+static PyTypeObject JobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "blobpipe._io._rowkernel.Job",
+    .tp_basicsize = sizeof(JobObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A transform_rows call queued on a Pool (Pool.start).",
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_methods = job_methods,
+};
 
 static PyObject *transform_image(PyObject *self, PyObject *args) {
     PyObject *src_o, *mean_o, *out_o;
@@ -353,4 +625,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowkernel", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__rowkernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__rowkernel(void) {
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&JobType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&PoolType);
+    if (PyModule_AddObject(m, "Pool", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(&PoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

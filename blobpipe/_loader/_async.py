@@ -173,6 +173,16 @@ class AsyncForm:
         the event loop's thread while the loop's YIELD_EVERY lasts (one wake-up of
         this thread), then through the event loop (a checkpoint)."""
         handoff = pipe.handoff
+        started = pipe.started_event()
+        if started is not None:  # the consumer's own chunk: its rows, then it is posted
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            if not started.query():
+                await wait_event(started, raising=False)
+                self._yielded = time.perf_counter()
+            pipe.pump()
+            item = handoff.take()
+            if item is not None:
+                return item
         here = YIELD_EVERY - (t0 - self._yielded)
         if here > 0:
             await anyio.lowlevel.checkpoint_if_cancelled()

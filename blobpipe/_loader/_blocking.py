@@ -64,6 +64,8 @@ class BlockingForm:
         t0 = pipe.begin_next()
         handoff = pipe.handoff
         item = handoff.take()
+        if item is None and pipe.wait_started():  # the consumer's own chunk, started
+            item = handoff.take()
         if item is None:
             handoff.wait()
             item = pipe.taken()

@@ -30,11 +30,12 @@ Invariants:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from .._io._batches import Batches, BatchPlan
-from .._io._kernels import Geometry
+from .._io._kernels import Deferral, Geometry
 from .._io._plan import merged
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "chunk_batches",
     "fill_chunk",
     "planned_together",
+    "start_chunk",
 ]
 
 #: The most output bytes filled in one chunk (the ring holds two chunks' slots).
@@ -95,6 +97,28 @@ def fill_chunk(
             pass
         else:
             return len(plans), None
+    return _one_by_one(batches, plans, arrays)
+
+
+def start_chunk(
+    batches: Batches, plans: list[BatchPlan], arrays: list[Arrays], pool: Any
+) -> tuple[int, Exception | None, Deferral | None]:
+    """:func:`fill_chunk`, with the merged plan's kernel call started on ``pool``
+    (:meth:`Batches.start_parts`): how many were filled or started, the error, and the
+    deferral to finish before the data is read (None: filled in this call, one by one
+    after the merged fill raised)."""
+    one = merged(plans)
+    if one is not None:
+        try:
+            return len(plans), None, batches.start_parts(one, arrays, pool)
+        except Exception:  # raised again by the one-by-one fill, at its own batch
+            pass
+    return (*_one_by_one(batches, plans, arrays), None)
+
+
+def _one_by_one(
+    batches: Batches, plans: list[BatchPlan], arrays: list[Arrays]
+) -> tuple[int, Exception | None]:
     for k, (plan, (data, label, geometry)) in enumerate(zip(plans, arrays, strict=True)):
         try:
             batches.fill(plan, data, label, geometry_out=geometry)

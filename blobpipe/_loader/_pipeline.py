@@ -27,29 +27,60 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
-from .._backends import Backend, Stream, finished
+from .._backends import Backend, Event, Stream, finished
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
+from .._io._kernels import Deferral, row_pool
 from .._io._pid import pid
 from . import _chunk
 from ._batch import Batch
-from ._chunk import chunk_batches, planned_together
+from ._chunk import CHUNK_BATCHES, chunk_batches, planned_together
 from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
 from ._lifecycle import CLOSED_ERROR, Lifecycle, State
 from ._ring import Ring, Slot
 from ._stats import Counters, LoaderStatistics
 
-__all__ = ["SMALL_FILL", "Item", "Made", "Pipeline"]
+__all__ = ["HERE_DEPTH", "SMALL_FILL", "Item", "Made", "Pipeline"]
 
 Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
 Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
+
+
+class _Started(NamedTuple):
+    """A chunk the consumer planned and started (:meth:`Pipeline.pump`)."""
+
+    numbered: list[tuple[int, BatchPlan]]  # its batches, by number
+    slots: list[Slot]  # theirs, in order
+    filled: int  # how many were filled or started (those before ``error``'s batch)
+    error: Exception | None  # what the next one raised
+    deferral: Deferral | None  # the rows' kernel call on the pool (None: filled)
+    stop: Stop | None  # what ended planning after them
+
+
+class _RowsWritten(Event):
+    """A slot's event while the pool writes its rows: completes when the deferral's
+    calls ran (the close waits for it as for device work)."""
+
+    def __init__(self, deferral: Deferral) -> None:
+        self.deferral = deferral
+
+    def query(self) -> bool:
+        return self.deferral.query()
+
+    def synchronize(self) -> None:
+        self.deferral.wait()
+
+
 #: Seconds: a batch that fills in less, and that a chunk holds more than one of, is
 #: small: the fillers fill such batches a chunk at a time; other batches one at a time.
 SMALL_FILL = 0.001
+#: The most chunks the consumer has started at once (and threads in its pool): the
+#: ring then holds this many chunks and the one the consumer is on.
+HERE_DEPTH = 2
 
 
 _FORKED_ERROR = (
@@ -100,6 +131,21 @@ class Pipeline:
         self._wide = threading.Event()
         self._wide.set()
         self._widen = False  # a filler sets _wide once every chunk has its slots
+        # set while the consumer plans (pump): batches small and of raw records, the
+        # consumer's thread plans them a chunk at a time and the pool's native threads
+        # (which never take the GIL) write their rows, so no filler's Python competes
+        # with the consumer's for the GIL; the fillers wait on _unparked meanwhile.
+        # _here_ok is cleared for good once a chunk's rows could not be started on the
+        # pool (the fillers' chunks then, as before). Written under the plan lock.
+        self._here = False
+        self._here_ok = True
+        self._unparked = threading.Event()
+        self._unparked.set()
+        self._pool: Any = None  # the native threads (_kernels.row_pool), made once
+        self._started: deque[_Started] = deque()  # the consumer's alone, in number order
+        self._here_chunk = CHUNK_BATCHES  # how many batches the consumer's next chunk holds
+        # chunks started at once, and the pool's threads (a chunk's rows are one call)
+        self._here_depth = min(self._n_fillers, HERE_DEPTH)
         # chunks take their slots in number order: the first numbers of the chunks
         # planned that have not taken their slots yet (at most one per filler), and
         # the condition their fillers wait on for their turn
@@ -186,6 +232,7 @@ class Pipeline:
         # Fillers are loops in threads: each finishes its current batch and
         # returns; no thread is abandoned.
         self._ring.stop()
+        self._unparked.set()  # fillers waiting while the consumer planned see the close
         with self._turns:  # fillers waiting for their chunk's turn see the close
             self._turns.notify_all()
         return True
@@ -219,6 +266,9 @@ class Pipeline:
         # the plans made ahead (no filler plans any more)
         self._resume = self.resume_state
         self._ahead.clear()
+        self._started.clear()  # (their rows written: the slots' events were waited for)
+        if self._pool is not None:
+            self._pool.close()  # joins its threads (every job ran)
         self.batches.close()
 
     @property
@@ -274,6 +324,9 @@ class Pipeline:
         """
         self.backend.bind_thread()  # works for this device only: no switch, no other context
         while self.lifecycle.state is State.OPEN:
+            if self._here:  # the consumer plans (see pump)
+                self._unparked.wait()
+                continue
             if not self._wide.is_set():
                 if not self._chunk_step():
                     return
@@ -290,6 +343,9 @@ class Pipeline:
         try:
             slot.event.synchronize()  # device work still reading the slot's buffers
             with self._plan_lock:
+                if self._here:  # the consumer plans now: the slot is not needed
+                    self._ring.put(slot)
+                    return True
                 number, planned = self._plan_next()
             if planned is None or self.lifecycle.state is State.CLOSED:
                 # (closed while it planned: nobody takes the batch, and the close waits
@@ -356,7 +412,7 @@ class Pipeline:
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, self._ring.explain(exc))[1]
         finally:
-            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan) > 1)
+            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan))
         return self._issue(slot, number, plan)
 
     def _issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
@@ -366,16 +422,18 @@ class Pipeline:
             return self._failed(number, exc)[1]
         return (slot, plan)
 
-    def _filled(self, seconds: float, batches: int, chunkable: bool) -> None:
+    def _filled(self, seconds: float, batches: int, chunk: int) -> None:
         """``batches`` batches took ``seconds`` to fill: the statistics, and whether
-        batches are small: quick to fill, and ``chunkable`` (a chunk holds more than
+        batches are small: quick to fill, and chunkable (a ``chunk`` holds more than
         one of them; a batch alone in its chunk gains nothing from it). Any filler
-        narrows the pipeline at once; widening waits until every chunk planned has
-        its slots (:meth:`_widen_once_slotted`)."""
+        narrows the pipeline at once (to the consumer's planning where it can); widening
+        waits until every chunk planned has its slots (:meth:`_widen_once_slotted`)."""
         each = seconds / batches
         self.counters.filled(seconds)
-        small = each < SMALL_FILL and chunkable
-        if small and self._wide.is_set():
+        small = each < SMALL_FILL and chunk > 1
+        if small and self._here_ok and self._wide.is_set():
+            self._plan_here(chunk)
+        elif small and self._wide.is_set():
             self._wide.clear()
         elif not small and not self._wide.is_set():
             self._widen = True
@@ -432,7 +490,20 @@ class Pipeline:
             plans = [plan for _, plan in numbered[: len(arrays)]]
             filled, failed = _chunk.fill_chunk(self.batches, plans, arrays)
             error = failed or error
-        self._filled(time.perf_counter() - t0, len(numbered), True)
+        self._filled(time.perf_counter() - t0, len(numbered), chunk_batches(numbered[0][1]))
+        return self._post_chunk(numbered, slots, filled, error)
+
+    def _post_chunk(
+        self,
+        numbered: list[tuple[int, BatchPlan]],
+        slots: list[Slot],
+        filled: int,
+        error: Exception | None,
+    ) -> bool:
+        """Issue the device work of a chunk's first ``filled`` batches and post them
+        together (one wake-up of the consumer), ``error`` in place of the next one
+        (the slots of it and those after it back to the ring); False when one
+        failed."""
         made: list[tuple[int, Item]] = []
         for slot, (number, plan) in zip(slots[:filled], numbered, strict=False):
             item = self._issue(slot, number, plan)
@@ -503,6 +574,8 @@ class Pipeline:
         are planned ahead, as many in one call as :func:`planned_together` says for
         the last chunk's size."""
         with self._plan_lock:
+            if self._here:  # the consumer plans now
+                return [], None
             number, planned = self._plan_next(self._chunk_ahead)
             if not isinstance(planned, BatchPlan):
                 return [], (number, planned)
@@ -511,22 +584,161 @@ class Pipeline:
                 self._slotless.append(number)
             want = chunk_batches(planned)
             self._chunk_ahead = planned_together(want)
-            while len(numbered) < want:
-                number = self._planned
-                self._planned += 1
-                try:
-                    plan = self._next_planned(self._chunk_ahead)
-                except Exception as exc:  # delivered to the consumer, in order
-                    return numbered, self._failed(number, exc)
-                if plan is None:
-                    return numbered, (number, End())
-                numbered.append((number, plan))
-        return numbered, None
+            return numbered, self._plan_more(numbered, want)
+
+    def _plan_more(self, numbered: list[tuple[int, BatchPlan]], want: int) -> Stop | None:
+        """Under the plan lock: number and plan the batches after ``numbered``'s (added
+        to it) until it holds ``want``; what ended them early (the end of the epoch, a
+        failure), else None."""
+        while len(numbered) < want:
+            number = self._planned
+            self._planned += 1
+            try:
+                plan = self._next_planned(self._chunk_ahead)
+            except Exception as exc:  # delivered to the consumer, in order
+                return self._failed(number, exc)
+            if plan is None:
+                return number, End()
+            numbered.append((number, plan))
+        return None
 
     def _failed(self, number: int, exc: Exception) -> tuple[int, Failure]:
         """Batch ``number`` failed: OPEN → FAILING, nothing after it is planned."""
         self.lifecycle.move(State.FAILING)
         return number, Failure(exc)
+
+    # -- planning on the consumer (small batches of raw records) ----------------------
+    def _plan_here(self, chunk: int) -> None:
+        """A filler found batches small (``chunk`` to a chunk): from now on the consumer
+        plans them (:meth:`pump`) and the pool's native threads write their rows, where
+        the row kernel is built; else the fillers fill them a chunk at a time."""
+        with self._plan_lock:
+            if self._here or not self._here_ok or self.lifecycle.state is not State.OPEN:
+                return
+            if self._pool is None:
+                self._pool = row_pool(self._here_depth)
+            if self._pool is None:  # not built
+                self._here_ok = False
+                self._wide.clear()
+                return
+            self._here_chunk = chunk
+            self._ring.grow((self._here_depth + 1) * chunk + 1)
+            self._unparked.clear()  # (before _here: a filler that sees it waits)
+            self._here = True
+
+    def _leave_here(self, deferrable: bool) -> None:
+        """The consumer stops planning: batches are large, or (not ``deferrable``) their
+        rows could not be started on the pool (the fillers' chunks from now on)."""
+        with self._plan_lock:
+            self._here = False
+            if not deferrable:
+                self._here_ok = False
+            self._unparked.set()
+
+    def pump(self) -> None:
+        """On the consumer's thread, while it plans or has chunks started: post the
+        started chunks whose rows were written, in number order, then plan and start
+        chunks while fewer than one a filler are started and the ring has slots free.
+        Never waits."""
+        started = self._started
+        while started and started[0].deferral.query():  # type: ignore[union-attr]
+            self._collect(started.popleft())
+        while (
+            self._here
+            and len(started) < self._here_depth
+            # room is likely only when a chunk's slots are free (asked without a lock);
+            # without it, a chunk is tried only when nothing else brings the next batch
+            and (self._ring.free_now() >= self._here_chunk or not (started or self.handoff.ready()))
+            and self._start_chunk()
+        ):
+            pass
+
+    def wait_started(self) -> bool:
+        """The next batch is not in the hand-off: wait for the rows of the first chunk the
+        consumer started (the GIL released) and post it. False when none is started."""
+        if not self._started:
+            return False
+        self._collect(self._started.popleft())
+        return True
+
+    def started_event(self) -> Event | None:
+        """What completes when the first chunk the consumer started has its rows (the
+        async form awaits it); None when none is started."""
+        if not self._started:
+            return None
+        deferral = self._started[0].deferral
+        assert deferral is not None  # (a chunk without jobs is posted at once)
+        return _RowsWritten(deferral)
+
+    def _start_chunk(self) -> bool:
+        """Plan a chunk of batches into free slots (taken first: the consumer never waits
+        for memory only its own consumption frees) and start its rows on the pool;
+        False when nothing more is to be started now."""
+        t0 = time.perf_counter()
+        with self._plan_lock:
+            if not self._here or self.lifecycle.state is not State.OPEN:
+                return False
+            slots = self._ring.take_free(self._here_chunk)
+            if slots is None:
+                return False
+            number, planned = self._plan_next(self._chunk_ahead)
+            if not isinstance(planned, BatchPlan):
+                self._ring.put_many(slots)
+                if planned is not None:
+                    self.handoff.post(number, planned)
+                return isinstance(planned, End)
+            numbered = [(number, planned)]
+            want = chunk_batches(planned)
+            self._here_chunk = want
+            self._chunk_ahead = planned_together(want)
+            stop = self._plan_more(numbered, min(want, len(slots)))
+        self._ring.put_many(slots[len(numbered) :])
+        slots = slots[: len(numbered)]
+        if want > 1:  # room for the chunks started while the consumer is on another
+            self._ring.grow((self._here_depth + 1) * want + 1)
+        arrays: list[_chunk.Arrays] = []
+        error: Exception | None = None
+        try:
+            for slot, (_, plan) in zip(slots, numbered, strict=True):
+                slot.event.synchronize()  # device work still reading the slot's buffers
+                data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
+                arrays.append((data, label, geometry))
+        except Exception as exc:  # delivered to the consumer, in order
+            error = self._ring.explain(exc)
+        filled, deferral = 0, None
+        if arrays:
+            plans = [plan for _, plan in numbered[: len(arrays)]]
+            filled, failed, deferral = _chunk.start_chunk(self.batches, plans, arrays, self._pool)
+            error = failed or error
+        if deferral is not None and deferral.jobs:
+            written = _RowsWritten(deferral)
+            for slot in slots[:filled]:
+                slot.event = written  # the close waits for the pool's writes
+        elif filled:  # filled here: not rows the pool can write
+            self._leave_here(deferrable=False)
+        if want == 1:  # large batches: the fillers fill them
+            self._leave_here(deferrable=True)
+        self.counters.filled(time.perf_counter() - t0)
+        started = _Started(numbered, slots, filled, error, deferral, stop)
+        if deferral is not None and deferral.jobs:
+            self._started.append(started)
+        else:  # nothing left to wait for
+            self._collect(started)
+        return error is None and (stop is None or isinstance(stop[1], End))
+
+    def _collect(self, started: _Started) -> None:
+        """Post a started chunk's batches once their rows are written (waiting for them,
+        the GIL released), a failure in place of the first that failed, then what
+        ended planning after them."""
+        numbered, slots, filled, error, deferral, stop = started
+        if deferral is not None:
+            try:
+                deferral.finish()
+            except Exception as exc:  # the database changed under the read: all of it
+                filled, error = 0, exc
+        self._post_chunk(numbered, slots, filled, error)
+        if stop is not None and stop[1] is not None:
+            self.handoff.post(stop[0], stop[1])  # by number: after the chunk's batches
 
     # -- consumer --------------------------------------------------------------------
     def _check_process(self) -> None:
@@ -545,6 +757,8 @@ class Pipeline:
         if self.lifecycle.state is not State.OPEN or pid() != self._pid:  # (once a batch)
             self._check_process()
             self.lifecycle.check_next()
+        if self._here or self._started:
+            self.pump()
         return time.perf_counter()
 
     def taken(self) -> Item:

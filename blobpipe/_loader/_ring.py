@@ -322,6 +322,24 @@ class Ring:
                 return None
             return [self._free.popleft() for _ in range(n)]
 
+    def free_now(self) -> int:
+        """How many slots are free (a hint: no lock taken)."""
+        return len(self._free)
+
+    def take_free(self, n: int) -> list[Slot] | None:
+        """Up to ``n`` free slots (at most the ring's size), as many as are free now
+        (making new ones while the caller holds more than the ring keeps room for);
+        None when none is, or once :meth:`stop` was called. Never waits: for the
+        consumer's thread, which must not wait for slots only its own consumption
+        frees."""
+        with self._lock:
+            n = max(1, min(n, self._size))
+            while len(self._free) < n and len(self.slots) < self._limit():
+                self._new_slot()
+            if self._stopped or not self._free:
+                return None
+            return [self._free.popleft() for _ in range(min(n, len(self._free)))]
+
     def put(self, slot: Slot) -> None:
         """Give back a slot a filler took and did not fill."""
         with self._lock:

@@ -1,0 +1,279 @@
+"""Small batches of raw records planned on the consumer's thread, their rows written by
+native threads that never take the GIL (``Pipeline.pump``, ``_rowkernel.Pool``).
+
+The content tests of ``test_loader.py`` run through this path wherever their batches
+are small and raw; here: the pool against the kernel called in place, that the path is
+taken and the fillers stand aside, what leaves it, keeping batches, failures that
+surface only after the rows were written, and the close while rows are being written.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import blobpipe
+from blobpipe import Batches, DataError, Loader
+from blobpipe._io import _fill, _kernels
+from tests._helpers import encoded_db, raw_db
+from tests.conftest import make_backend
+from tests.test_loader import Got, PoolWatch, assert_matches, collect, expected, fillers_plan
+
+pytestmark = pytest.mark.skipif(
+    _kernels.row_kernel() is None, reason="the compiled row kernel was not built"
+)
+
+
+# -- the pool ------------------------------------------------------------------------
+
+
+def _rows_args(rng: np.random.Generator, n: int, shape: tuple[int, int, int], crop: int) -> Any:
+    c, h, w = shape
+    src = rng.integers(0, 256, size=n * c * h * w + 7, dtype=np.uint8)
+    offsets = (np.arange(n, dtype=np.int64) * c * h * w + 7)[rng.permutation(n)]
+    ch = crop or h
+    cw = crop or w
+    h_off = rng.integers(0, h - ch + 1, size=n).astype(np.intp)
+    w_off = rng.integers(0, w - cw + 1, size=n).astype(np.intp)
+    mirror = rng.integers(0, 2, size=n).astype(np.bool_)
+    mean = rng.random(c * h * w, dtype=np.float32) * 100
+    return src, offsets, h_off, w_off, mirror, mean, (c, ch, cw)
+
+
+@pytest.mark.parametrize(
+    ("shape", "crop", "outs", "nhwc"),
+    [((1, 28, 28), 0, 1, 0), ((3, 32, 32), 28, 3, 0), ((3, 40, 40), 33, 2, 1)],
+)
+def test_a_pool_writes_what_the_kernel_writes_in_place(
+    shape: tuple[int, int, int], crop: int, outs: int, nhwc: int
+) -> None:
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(sum(shape) + crop)
+    n = 6 * outs
+    src, offsets, h_off, w_off, mirror, mean, (c, ch, cw) = _rows_args(rng, n, shape, crop)
+    row = (ch, cw, c) if nhwc else (c, ch, cw)
+
+    def out() -> Any:
+        parts = [np.full((6, *row), np.nan, np.float32) for _ in range(outs)]
+        return parts, parts[0] if outs == 1 else tuple(parts)
+
+    want, want_arg = out()
+    args = (h_off, w_off, mirror, mean, 0.5)
+    kernel.transform_rows(src, offsets, shape, *args, want_arg, crop, nhwc)
+    pool = kernel.Pool(2)
+    jobs = []
+    gots = []
+    for _ in range(5):  # several queued at once
+        got, got_arg = out()
+        jobs.append(pool.start(src, offsets, shape, *args, got_arg, crop, nhwc))
+        gots.append(got)
+    for job, got in zip(jobs, gots, strict=True):
+        job.synchronize()
+        assert job.query()
+        for a, b in zip(got, want, strict=True):
+            assert a.tobytes() == b.tobytes()
+    pool.close()
+
+
+def test_a_pool_checks_the_call_when_it_starts_and_refuses_after_close() -> None:
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(1)
+    src, offsets, h_off, w_off, mirror, mean, _ = _rows_args(rng, 4, (3, 8, 8), 0)
+    pool = kernel.Pool(1)
+    out = np.empty((4, 3, 8, 8), np.float32)
+    bad = offsets.copy()
+    bad[2] = len(src)  # outside the buffer: refused before anything is queued
+    with pytest.raises(ValueError, match="row 2 lies outside the buffer"):
+        pool.start(src, bad, (3, 8, 8), h_off, w_off, mirror, mean, 1.0, out, 0, 0)
+    with pytest.raises(ValueError, match=r"whole number of rows|n rows"):
+        pool.start(src, offsets, (3, 8, 8), h_off, w_off, mirror, mean, 1.0, out[:3], 0, 0)
+    # a job let go of before it ran: freeing it waits for it, the buffer stays held
+    # (exported) until then, and the output is written
+    pool.start(src, offsets, (3, 8, 8), h_off, w_off, mirror, None, 2.0, out, 0, 0)
+    want = np.empty_like(out)
+    kernel.transform_rows(src, offsets, (3, 8, 8), h_off, w_off, mirror, None, 2.0, want, 0, 0)
+    assert out.tobytes() == want.tobytes()
+    job = pool.start(src, offsets, (3, 8, 8), h_off, w_off, mirror, None, 2.0, out, 0, 0)
+    pool.close()  # the queued job runs first
+    assert job.query()
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.start(src, offsets, (3, 8, 8), h_off, w_off, mirror, None, 2.0, out, 0, 0)
+    with pytest.raises(ValueError, match="threads"):
+        kernel.Pool(0)
+
+
+def _start_in_child(pool: Any, queue: Any) -> None:
+    src = np.zeros(48, np.uint8)
+    z = np.zeros(1, np.intp)
+    try:
+        pool.start(src, np.zeros(1, np.int64), (3, 4, 4), z, z, np.zeros(1, np.bool_), None,
+                   1.0, np.empty((1, 3, 4, 4), np.float32), 0, 0)  # fmt: skip
+    except RuntimeError as exc:
+        queue.put(str(exc))
+    else:
+        queue.put("started")
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform"
+)
+def test_a_pool_made_in_the_parent_refuses_work_in_a_forked_child() -> None:
+    pool = _kernels.row_pool(1)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_start_in_child, args=(pool, queue))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert "another process" in queue.get(timeout=10)
+    pool.close()
+
+
+# -- the Loader ----------------------------------------------------------------------
+
+
+def _filler_fills(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that call Batches.fill or fill_parts, one a call."""
+    names: list[str] = []
+    for name in ("fill", "fill_parts"):
+        original = getattr(Batches, name)
+
+        def wrapped(self: Batches, *args: Any, _original: Any = original, **kw: Any) -> Any:
+            names.append(threading.current_thread().name)
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(Batches, name, wrapped)
+    return names
+
+
+@pytest.mark.parametrize("device", ["host", "emulated"])
+@pytest.mark.parametrize("form", ["blocking", "async"])
+def test_small_raw_batches_are_planned_by_the_consumer(
+    tmp_path: Path, device: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a filler found batches small, the consumer plans them: no filler fills
+    another, every batch is what Batches makes (three epochs, TRAIN crops and mirrors,
+    shuffled), and the ring's memory stays as it was once every slot was filled."""
+    db = raw_db(tmp_path / "db", 300)
+    names = _filler_fills(monkeypatch)
+    options: dict[str, Any] = {
+        "transform": blobpipe.Transform(crop_size=8, mirror=True, scale=0.5),
+        "phase": "train",
+        "order": "shuffle",
+        "seed": 5,
+        "mode": "wrap",
+    }
+    n = 3 * 300 // 4
+    backend = make_backend(device)
+    watch = PoolWatch(backend)
+    loader = Loader(db, 4, device=backend, workers=2, **options)
+    if form == "blocking":
+        with loader:
+            got = [Got.of(b) for _, b in zip(range(n), loader, strict=False)]
+            here = loader._pipe._here
+    else:
+
+        async def run() -> tuple[list[Got], bool]:
+            async with loader:
+                got = await collect(loader, n)
+                return got, loader._pipe._here
+
+        got, here = anyio.run(run)
+    assert here
+    assert_matches(got, expected(db, n, batch_size=4, **options))
+    # the fillers filled the first batches, then stood aside
+    assert 1 <= sum(name.startswith("blobpipe-filler") for name in names) <= 4
+    watch.assert_returned()
+
+
+def test_encoded_batches_go_back_to_the_fillers(tmp_path: Path) -> None:
+    """A chunk whose rows the pool cannot write (JPEGs) is filled on the consumer's
+    thread once; the fillers fill chunks from then on, and the batches are Batches'."""
+    db = encoded_db(tmp_path / "jpg", 96, ".jpg")
+    with Loader(db, 4, device="cpu", workers=2, mode="wrap", phase="test") as loader:
+        got = [Got.of(b) for _, b in zip(range(72), loader, strict=False)]
+        assert not loader._pipe._here and not loader._pipe._here_ok
+    assert_matches(got, expected(db, 72, batch_size=4, phase="test"))
+
+
+def test_a_consumer_that_keeps_its_batches_is_never_stuck(tmp_path: Path) -> None:
+    """The consumer takes only slots that are free now: keeping every batch makes new
+    slots, never a wait for memory only its own consumption would free."""
+    db = raw_db(tmp_path / "db", 200)
+    backend = make_backend("host")
+    watch = PoolWatch(backend)
+    with Loader(db, 4, device=backend, workers=2, mode="epoch", phase="test") as loader:
+        kept = list(loader)
+        assert loader._pipe._here
+        assert len(kept) == 50
+        got = [Got.of(b) for b in kept]
+    assert_matches(got, expected(db, None, batch_size=4, phase="test", mode="epoch"))
+    del kept
+    watch.assert_returned()
+
+
+@pytest.mark.parametrize("failing", [1, 3])
+def test_a_check_after_the_rows_fails_its_whole_chunk(
+    tmp_path: Path, failing: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot check runs once the pool wrote a chunk's rows (they were read then):
+    when it fails, the chunk's first batch gets the error; every batch before the chunk
+    arrives intact."""
+    db = raw_db(tmp_path / "db", 400)
+    calls = 0
+    original = _fill.Filler._check_snapshot
+    chunks: list[int] = []
+
+    def check(self: Any, index: Any) -> None:
+        nonlocal calls
+        if threading.current_thread() is threading.main_thread():  # the consumer's chunks
+            calls += 1
+            if calls == failing:
+                raise DataError("the database changed while it was being read (test)")
+        original(self, index)
+
+    monkeypatch.setattr(_fill.Filler, "_check_snapshot", check)
+    start = blobpipe._loader._pipeline.Pipeline._start_chunk
+
+    def started(self: Any) -> bool:
+        first = self._planned
+        result = start(self)
+        if self._planned != first:
+            chunks.append(first)
+        return result
+
+    monkeypatch.setattr(blobpipe._loader._pipeline.Pipeline, "_start_chunk", started)
+    got: list[Got] = []
+    with (
+        Loader(db, 4, device="cpu", workers=2, mode="epoch", phase="test") as loader,
+        pytest.raises(DataError, match="changed while"),
+    ):
+        got.extend(Got.of(b) for b in loader)
+    assert len(got) == chunks[failing - 1]
+    assert_matches(got, expected(db, len(got), batch_size=4, phase="test"))
+
+
+@pytest.mark.parametrize("planner", ["consumer", "fillers"])
+def test_closed_while_rows_are_written(tmp_path: Path, planner: str, monkeypatch: Any) -> None:
+    """A close right after the consumer started chunks waits for the pool's writes
+    before the ring's memory goes back: every block returns, the pool is joined."""
+    if planner == "fillers":
+        fillers_plan(monkeypatch)
+    db = raw_db(tmp_path / "db", 400)
+    backend = make_backend("emulated")
+    watch = PoolWatch(backend)
+    for _ in range(5):
+        loader = Loader(db, 4, device=backend, workers=2, mode="wrap", phase="test")
+        with loader:
+            for _, _batch in zip(range(6), loader, strict=False):
+                pass
+            del _batch
+        assert (loader._pipe._pool is not None) == (planner == "consumer")
+    watch.assert_returned()
