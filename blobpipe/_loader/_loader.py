@@ -58,12 +58,17 @@ class Loader(AsyncForm, BlockingForm):
             "cuda:N", or a Backend (e.g. the emulated device in tests).
         prefetch: batch slots in the ring (Caffe's PREFETCH_COUNT). Small batches
             (a few together under 4 MiB) are filled a chunk of up to 16 at a time
-            straight into their slots and handed over together: the ring then
-            grows to ``2 * chunk + 1`` slots (``statistics().slots``).
+            straight into their slots and handed over together: of raw records, the
+            consumer's thread plans each chunk when it asks for a batch (no filler's
+            Python competes with it for the GIL) and native threads write the rows
+            meanwhile, up to two chunks ahead; the ring then grows to ``3 * chunk +
+            1`` slots (``2 * chunk + 1`` where the fillers fill the chunks: other
+            records, or no compiled row kernel) (``statistics().slots``).
         order: "key" (Caffe), "shuffle", "buffer" (with ``buffer_size``) or "quasi".
         shuffle: shorthand for ``order="shuffle"``.
         workers: the worker-thread limit (default: the CPU count): ``min(workers,
-            prefetch)`` threads fill batches, one each (raise ``prefetch`` for more).
+            prefetch)`` threads fill batches, one each (raise ``prefetch`` for more);
+            of small raw batches, ``min(workers, 2)`` native threads write chunks.
         device_transform: mean/scale/float conversion on the device, from uint8
             transfers (4× less traffic). Default: on with a device and a float32
             transform; records holding float_data need it off.
