@@ -30,18 +30,22 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._backends import Event
 from .._io._batches import Batches, BatchPlan
 from .._io._kernels import Deferral, Geometry
 from .._io._plan import merged
+from ._ring import Slot
 
 __all__ = [
     "CHUNK_BATCHES",
     "CHUNK_BYTES",
     "CHUNK_ROWS",
+    "RowsWritten",
+    "Started",
     "chunk_batches",
     "fill_chunk",
     "planned_together",
@@ -57,6 +61,31 @@ CHUNK_ROWS = 1024
 CHUNK_BATCHES = 16
 
 Arrays = tuple[np.ndarray, np.ndarray, Geometry | None]  # a slot's data, labels, geometry
+
+
+class Started(NamedTuple):
+    """A chunk the consumer planned and started (:meth:`Pipeline.pump`)."""
+
+    numbered: list[tuple[int, BatchPlan]]  # its batches, by number
+    slots: list[Slot]  # theirs, in order
+    filled: int  # how many were filled or started (those before ``error``'s batch)
+    error: Exception | None  # what the next one raised
+    deferral: Deferral | None  # the rows' kernel call on the pool (None: filled)
+    stop: tuple[int, Any] | None  # what ended planning after them: (number, end or failure)
+
+
+class RowsWritten(Event):
+    """A slot's event while the pool writes its rows: completes when the deferral's
+    calls ran (the close waits for it as for device work)."""
+
+    def __init__(self, deferral: Deferral) -> None:
+        self.deferral = deferral
+
+    def query(self) -> bool:
+        return self.deferral.query()
+
+    def synchronize(self) -> None:
+        self.deferral.wait()
 
 
 def chunk_batches(plan: BatchPlan) -> int:

@@ -26,12 +26,16 @@ iterate, FAILED                    "this Loader stopped after an error: <error>"
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import threading
+import weakref
+from typing import Any
 
 from .._errors import StateError
 
-__all__ = ["CLOSED_ERROR", "Lifecycle", "State"]
+__all__ = ["CLOSED_ERROR", "Lifecycle", "State", "close_at_exit", "closed_before_exit"]
 
 CLOSED_ERROR = "this Loader is closed; create a new one to iterate again"
 
@@ -119,3 +123,32 @@ class Lifecycle:
         error = self.error
         if self.state is State.FAILED and error is not None:
             raise StateError(f"this Loader stopped after an error: {error!r}") from error
+
+
+# Pipelines still open: closed by an atexit hook, so that no filler thread is inside
+# native code (OpenCV, NumPy) while the interpreter finalizes.
+_open: weakref.WeakSet[Any] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hooked = False
+
+
+def close_at_exit(pipeline: Any) -> None:
+    """Close ``pipeline`` (its ``close()``) when the interpreter exits, unless it was
+    closed before (:func:`closed_before_exit`)."""
+    global _exit_hooked
+    _open.add(pipeline)
+    with _exit_hook:
+        if not _exit_hooked:
+            atexit.register(_close_open)
+            _exit_hooked = True
+
+
+def closed_before_exit(pipeline: Any) -> None:
+    """``pipeline`` was closed: nothing to close at exit."""
+    _open.discard(pipeline)
+
+
+def _close_open() -> None:
+    for pipeline in list(_open):
+        with contextlib.suppress(Exception):  # exiting: close what can be closed
+            pipeline.close()

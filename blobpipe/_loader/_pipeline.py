@@ -21,25 +21,22 @@ exits are closed by an atexit hook.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import threading
 import time
-import weakref
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._backends import Backend, Event, Stream, finished
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
-from .._io._kernels import Deferral, row_pool
+from .._io._kernels import row_pool
 from .._io._pid import pid
 from . import _chunk
 from ._batch import Batch
-from ._chunk import CHUNK_BATCHES, chunk_batches, planned_together
+from ._chunk import CHUNK_BATCHES, RowsWritten, Started, chunk_batches, planned_together
 from ._device import DeviceWork
 from ._handoff import End, Failure, Handoff
-from ._lifecycle import CLOSED_ERROR, Lifecycle, State
+from ._lifecycle import CLOSED_ERROR, Lifecycle, State, close_at_exit, closed_before_exit
 from ._ring import Ring, Slot
 from ._stats import Counters, LoaderStatistics
 
@@ -48,31 +45,6 @@ __all__ = ["HERE_DEPTH", "SMALL_FILL", "Item", "Made", "Pipeline"]
 Made = tuple[Slot, BatchPlan]  # a batch filled into its slot
 Item = Made | End | Failure  # what the hand-off carries
 Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (None: closed)
-
-
-class _Started(NamedTuple):
-    """A chunk the consumer planned and started (:meth:`Pipeline.pump`)."""
-
-    numbered: list[tuple[int, BatchPlan]]  # its batches, by number
-    slots: list[Slot]  # theirs, in order
-    filled: int  # how many were filled or started (those before ``error``'s batch)
-    error: Exception | None  # what the next one raised
-    deferral: Deferral | None  # the rows' kernel call on the pool (None: filled)
-    stop: Stop | None  # what ended planning after them
-
-
-class _RowsWritten(Event):
-    """A slot's event while the pool writes its rows: completes when the deferral's
-    calls ran (the close waits for it as for device work)."""
-
-    def __init__(self, deferral: Deferral) -> None:
-        self.deferral = deferral
-
-    def query(self) -> bool:
-        return self.deferral.query()
-
-    def synchronize(self) -> None:
-        self.deferral.wait()
 
 
 #: Seconds: a batch that fills in less, and that a chunk holds more than one of, is
@@ -142,7 +114,11 @@ class Pipeline:
         self._unparked = threading.Event()
         self._unparked.set()
         self._pool: Any = None  # the native threads (_kernels.row_pool), made once
-        self._started: deque[_Started] = deque()  # the consumer's alone, in number order
+        self._started: deque[Started] = deque()  # the consumer's alone, in number order
+        # held while the consumer starts or posts chunks: the close waits for it before it
+        # waits for the slots' events (a chunk being started has no event on its slots
+        # yet); re-entrant for a close from the consumer's own thread
+        self._pumping = threading.RLock()
         self._here_chunk = CHUNK_BATCHES  # how many batches the consumer's next chunk holds
         # chunks started at once, and the pool's threads (a chunk's rows are one call)
         self._here_depth = min(self._n_fillers, HERE_DEPTH)
@@ -195,7 +171,7 @@ class Pipeline:
                 thread.start()
         finally:
             self._go.set()
-        _close_at_exit(self)
+        close_at_exit(self)
 
     def close(self) -> None:
         """Stop the fillers and release the ring, waiting in the calling thread: no
@@ -222,7 +198,7 @@ class Pipeline:
         (the database is released here), or a forked child (the fillers do not exist
         here, and the pool's locks may be held by threads of the parent; the memory
         is this process's copy and goes with it)."""
-        _open_pipelines.discard(self)
+        closed_before_exit(self)
         left = self.lifecycle.move(State.CLOSED)
         if left is State.UNOPENED:
             self.batches.close()
@@ -245,10 +221,14 @@ class Pipeline:
     async def settle(self) -> None:
         """Await the device work (the slots' and the consumer's) still using any
         slot's buffers, the event loop running other tasks meanwhile."""
+        with self._pumping:  # a chunk the consumer is starting has its events after this
+            pass
         await self._ring.settle()
 
     def _synchronize_slots(self) -> None:
         """:meth:`settle`, blocking the calling thread."""
+        with self._pumping:  # a chunk the consumer is starting has its events after this
+            pass
         for slot in self._ring.unheld():
             finished(slot.event)
             finished(slot.released)
@@ -260,15 +240,15 @@ class Pipeline:
             if self._released:
                 return
             self._released = True
+        if self._pool is not None:
+            self._pool.close()  # joins its threads once every job ran
         self._ring.close()
         self.handoff.close()  # a consumer waiting in another task or thread sees the close
         # the state made now: the last plan (its keys, their file map) is not kept, nor
         # the plans made ahead (no filler plans any more)
         self._resume = self.resume_state
         self._ahead.clear()
-        self._started.clear()  # (their rows written: the slots' events were waited for)
-        if self._pool is not None:
-            self._pool.close()  # joins its threads (every job ran)
+        self._started.clear()  # (their rows written: the pool was joined)
         self.batches.close()
 
     @property
@@ -641,24 +621,30 @@ class Pipeline:
         chunks while fewer than one a filler are started and the ring has slots free.
         Never waits."""
         started = self._started
-        while started and started[0].deferral.query():  # type: ignore[union-attr]
-            self._collect(started.popleft())
-        while (
-            self._here
-            and len(started) < self._here_depth
-            # room is likely only when a chunk's slots are free (asked without a lock);
-            # without it, a chunk is tried only when nothing else brings the next batch
-            and (self._ring.free_now() >= self._here_chunk or not (started or self.handoff.ready()))
-            and self._start_chunk()
-        ):
-            pass
+        with self._pumping:
+            while started and started[0].deferral.query():  # type: ignore[union-attr]
+                self._collect(started.popleft())
+            while (
+                self._here
+                and len(started) < self._here_depth
+                # room is likely only when a chunk's slots are free (asked without a
+                # lock); without it, a chunk is tried only when nothing else brings the
+                # next batch
+                and (
+                    self._ring.free_now() >= self._here_chunk
+                    or not (started or self.handoff.ready())
+                )
+                and self._start_chunk()
+            ):
+                pass
 
     def wait_started(self) -> bool:
         """The next batch is not in the hand-off: wait for the rows of the first chunk the
         consumer started (the GIL released) and post it. False when none is started."""
-        if not self._started:
-            return False
-        self._collect(self._started.popleft())
+        with self._pumping:
+            if not self._started:
+                return False
+            self._collect(self._started.popleft())
         return True
 
     def started_event(self) -> Event | None:
@@ -668,7 +654,7 @@ class Pipeline:
             return None
         deferral = self._started[0].deferral
         assert deferral is not None  # (a chunk without jobs is posted at once)
-        return _RowsWritten(deferral)
+        return RowsWritten(deferral)
 
     def _start_chunk(self) -> bool:
         """Plan a chunk of batches into free slots (taken first: the consumer never waits
@@ -711,22 +697,22 @@ class Pipeline:
             filled, failed, deferral = _chunk.start_chunk(self.batches, plans, arrays, self._pool)
             error = failed or error
         if deferral is not None and deferral.jobs:
-            written = _RowsWritten(deferral)
+            written = RowsWritten(deferral)
             for slot in slots[:filled]:
                 slot.event = written  # the close waits for the pool's writes
-        elif filled:  # filled here: not rows the pool can write
+        elif filled and error is None:  # filled here: not rows the pool can write
             self._leave_here(deferrable=False)
         if want == 1:  # large batches: the fillers fill them
             self._leave_here(deferrable=True)
         self.counters.filled(time.perf_counter() - t0)
-        started = _Started(numbered, slots, filled, error, deferral, stop)
+        started = Started(numbered, slots, filled, error, deferral, stop)
         if deferral is not None and deferral.jobs:
             self._started.append(started)
         else:  # nothing left to wait for
             self._collect(started)
         return error is None and (stop is None or isinstance(stop[1], End))
 
-    def _collect(self, started: _Started) -> None:
+    def _collect(self, started: Started) -> None:
         """Post a started chunk's batches once their rows are written (waiting for them,
         the GIL released), a failure in place of the first that failed, then what
         ended planning after them."""
@@ -804,25 +790,3 @@ class Pipeline:
             extra = {name: slot.extra[name] for name, _ in plan.extra}
             return Batch(src, slot.label, plan, lease, extra=extra)
         return Batch(src, slot.label, plan, lease)
-
-
-# Pipelines still open: closed by an atexit hook, so that no filler thread is inside
-# native code (OpenCV, NumPy) while the interpreter finalizes.
-_open_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
-_exit_hook = threading.Lock()
-_exit_hooked = False
-
-
-def _close_at_exit(pipeline: Pipeline) -> None:
-    global _exit_hooked
-    _open_pipelines.add(pipeline)
-    with _exit_hook:
-        if not _exit_hooked:
-            atexit.register(_close_open_pipelines)
-            _exit_hooked = True
-
-
-def _close_open_pipelines() -> None:
-    for pipeline in list(_open_pipelines):
-        with contextlib.suppress(Exception):  # exiting: close what can be closed
-            pipeline.close()
