@@ -1,0 +1,169 @@
+"""Who plans small batches, paired in one process: the consumer (its rows written by the
+row kernel's native threads) against the fillers, and both against ``Batches`` alone.
+
+Run: ``python bench/bench_planners.py [--workloads W1,W2] [--point NAME ...] [--rounds N]
+[--data-dir DIR] [--quick]``
+
+For each workload (``bench_workloads.py``'s databases and recipes; default W1 and W2, the
+small-record ones) or sweep point (``--point``, ``bench_sweep.py``'s name), one process
+opens two Loaders on the same database (2 workers, device "cpu", the blocking form): one
+as it is, whose consumer plans small raw batches (``docs/design.md``, "Small raw batches
+are planned by the consumer"), and one whose consumer never does (the fillers fill the
+chunks, as where the row kernel is not built), and drives ``Batches`` in one thread as the
+pairing benchmark does. Each round runs a later epoch of each, in an order reversed every
+other round, reading each batch's data on the host. It prints the medians of µs a batch
+and the medians of the per-round ratios: ``Batches`` over each Loader (above 1: the
+Loader is faster) and the fillers over the consumer (above 1: the consumer's planning is
+faster). In one process both planners see the same drift of the machine's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import blobpipe
+
+ROUNDS = 9
+
+
+def later_epoch(run: Callable[[], int]) -> float:
+    """µs a batch of one epoch of ``run`` (which returns the batches it made)."""
+    t0 = time.perf_counter()
+    n = run()
+    return (time.perf_counter() - t0) / max(n, 1) * 1e6
+
+
+def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[], int]], list[Any]]:
+    """The three ways to read an epoch of ``db``, and what to close after."""
+    loaders = {}
+    for name, here in (("consumer", True), ("fillers", False)):
+        loader = blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options)
+        if not here:
+            loader._pipe._here_ok = False  # the fillers fill the chunks
+        loader.__enter__()
+        loaders[name] = loader
+
+    def of(loader: Any) -> Callable[[], int]:
+        def epoch() -> int:
+            n = 0
+            for batch in loader:
+                batch.data.cpu_data()
+                n += 1
+            return n
+
+        return epoch
+
+    batches = blobpipe.Batches(db, mode="epoch", **options)
+    label = np.empty(options["batch_size"], np.float32)
+    data: list[np.ndarray] = []
+
+    def alone() -> int:
+        n = 0
+        while (plan := batches.next_plan()) is not None:
+            if not data or data[0].shape != plan.data_shape:
+                data[:] = [np.empty(plan.data_shape, plan.dtype)]
+            batches.fill(plan, data[0], label[: len(plan)])
+            n += 1
+        return n
+
+    runs = {
+        "Batches": alone,
+        "consumer": of(loaders["consumer"]),
+        "fillers": of(loaders["fillers"]),
+    }
+    return runs, [*loaders.values(), batches]
+
+
+def measure(db: str, options: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    runs, opened = contenders(db, options)
+    try:
+        for run in runs.values():
+            run()  # the first epoch: opened, indexed, every slot filled
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(rounds):
+            order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                times[name].append(later_epoch(runs[name]))
+        return times
+    finally:
+        for thing in opened:
+            thing.close()
+
+
+def ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def options_of(recipe: Any, mean_file: Path | None) -> dict[str, Any]:
+    """A workload's or point's recipe as Loader and Batches options."""
+    return {
+        "batch_size": recipe.batch,
+        "phase": recipe.phase,
+        "order": "shuffle" if recipe.shuffle else "key",
+        "transform": blobpipe.Transform(
+            scale=recipe.scale,
+            mirror=recipe.mirror,
+            crop_size=recipe.crop,
+            mean_file=None if mean_file is None else str(mean_file),
+            mean_value=list(recipe.mean_value),
+            dtype=recipe.dtype,
+            layout=recipe.layout,
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W1,W2", help="W1,W2 by default")
+    parser.add_argument("--point", action="append", default=[], help="a bench_sweep point")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
+    args = parser.parse_args(argv)
+    from _workloads_data import prepare, warm_page_cache
+    from bench_sweep import db_spec, point_from_name
+    from bench_workloads import Workload, workloads
+
+    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    chosen = [(w, True) for w in workloads(args.quick) if w.name in wanted]
+    for name in args.point:
+        p = point_from_name(name)
+        chosen.append(
+            (
+                Workload(p.name, p.name, db_spec(p, args.quick), p.recipe),
+                p.recipe.mean_file is not None,
+            )
+        )
+    rounds = 3 if args.quick else args.rounds
+    print(f"planners paired in one process, {rounds} rounds, later epochs, µs a batch (medians)")
+    print(
+        "| case | Batches | consumer | fillers | Batches / consumer | Batches / fillers "
+        "| fillers / consumer |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for w, mean in chosen:
+        pre = prepare(w.db, args.data_dir)
+        options = options_of(w.recipe, pre.mean_file if mean else None)
+        warm_page_cache(pre)
+        t = measure(str(pre.path), options, rounds)
+        med = {k: statistics.median(v) for k, v in t.items()}
+        print(
+            f"| {w.name} | {med['Batches']:.1f} | {med['consumer']:.1f} | {med['fillers']:.1f} | "
+            f"{ratio(t['Batches'], t['consumer']):.2f}× | {ratio(t['Batches'], t['fillers']):.2f}× "
+            f"| {ratio(t['fillers'], t['consumer']):.2f}× |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
