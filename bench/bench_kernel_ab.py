@@ -84,7 +84,7 @@ def record(db: Path, mean: Path | None, batch: int, phase: str, kw: dict[str, An
     kw = {k: (str(mean) if v == "MEAN" else v) for k, v in kw.items()}
     calls: list[tuple[Any, ...]] = []
 
-    def grab(buffer, offsets, shape, out, geometry, spec):  # type: ignore[no-untyped-def]
+    def grab(buffer, offsets, shape, out, geometry, spec, defer=None):  # type: ignore[no-untyped-def]
         args = _kernels.kernel_args(out, geometry, spec)
         if args is None:
             return False

@@ -456,15 +456,7 @@ class Pipeline:
         wake-up of the consumer), a failure in place of the batch that failed (the
         slots of it and those after it back to the ring); False when one failed."""
         t0 = time.perf_counter()
-        arrays: list[_chunk.Arrays] = []
-        error: Exception | None = None
-        try:
-            for slot, (_, plan) in zip(slots, numbered, strict=True):
-                slot.event.synchronize()  # device work still reading the slot's buffers
-                data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
-                arrays.append((data, label, geometry))
-        except Exception as exc:  # delivered to the consumer, in order
-            error = self._ring.explain(exc)
+        arrays, error = self._prepare_chunk(numbered, slots)
         filled = 0
         if arrays:
             plans = [plan for _, plan in numbered[: len(arrays)]]
@@ -472,6 +464,21 @@ class Pipeline:
             error = failed or error
         self._filled(time.perf_counter() - t0, len(numbered), chunk_batches(numbered[0][1]))
         return self._post_chunk(numbered, slots, filled, error)
+
+    def _prepare_chunk(
+        self, numbered: list[tuple[int, BatchPlan]], slots: list[Slot]
+    ) -> tuple[list[_chunk.Arrays], Exception | None]:
+        """The host arrays of a chunk's batches in their slots (each slot's device work
+        done first), and the error that stopped it before the end (or None)."""
+        arrays: list[_chunk.Arrays] = []
+        try:
+            for slot, (_, plan) in zip(slots, numbered, strict=True):
+                slot.event.synchronize()  # device work still reading the slot's buffers
+                data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
+                arrays.append((data, label, geometry))
+        except Exception as exc:  # delivered to the consumer, in order
+            return arrays, self._ring.explain(exc)
+        return arrays, None
 
     def _post_chunk(
         self,
@@ -682,15 +689,7 @@ class Pipeline:
         slots = slots[: len(numbered)]
         if want > 1:  # room for the chunks started while the consumer is on another
             self._ring.grow((self._here_depth + 1) * want + 1)
-        arrays: list[_chunk.Arrays] = []
-        error: Exception | None = None
-        try:
-            for slot, (_, plan) in zip(slots, numbered, strict=True):
-                slot.event.synchronize()  # device work still reading the slot's buffers
-                data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
-                arrays.append((data, label, geometry))
-        except Exception as exc:  # delivered to the consumer, in order
-            error = self._ring.explain(exc)
+        arrays, error = self._prepare_chunk(numbered, slots)
         filled, deferral = 0, None
         if arrays:
             plans = [plan for _, plan in numbered[: len(arrays)]]
