@@ -51,11 +51,10 @@ import numpy.typing as npt
 from .._errors import (
     ArgumentError,
     DataError,
-    ShapeError,
     StateError,
     UnsupportedOperationError,
 )
-from ._fill import Part, RecordSource, part_of
+from ._fill import RecordSource, part_of
 from ._kernels import Deferral, Geometry, check_geometry_out
 from ._lmdb import LmdbReader
 from ._options import (
@@ -69,6 +68,7 @@ from ._options import (
     with_options_doc,
 )
 from ._order import EpochOrder
+from ._outputs import check_outputs, checked_extra, checked_parts
 from ._plan import ArrayBatch, BatchPlan, Run, advance, inner_count, key_source, row_arrays
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
@@ -618,34 +618,20 @@ class Batches:
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
             raise ArgumentError(f"rows [{start}:{stop}] are outside the plan's {n} rows")
-        _check_outputs(plan, n, data_out, label_out, "data_out", "label_out")
+        check_outputs(plan, n, data_out, label_out, "data_out", "label_out")
         if geometry_out is not None:
             check_geometry_out(geometry_out, n)
-        outs: list[tuple[Any, BatchPlan, np.ndarray]] = []  # (filler, part, out)
-        if plan.extra:
-            given = dict(extra_out or {})
-            for (name, part), src in zip(plan.extra, self._sources[1:], strict=True):
-                out = given.pop(name, None)
-                if out is None:
-                    raise ShapeError(f"extra_out has no array for the source {name!r}")
-                if out.shape != part.data_shape or out.dtype != part.dtype:
-                    raise ShapeError(
-                        f"extra_out[{name!r}] has shape {out.shape} dtype {out.dtype}; the "
-                        f"plan needs shape {part.data_shape} dtype {part.dtype}"
-                    )
-                outs.append((src.filler, part, out))
-            if given:
-                raise ShapeError(f"extra_out names {sorted(given)}, which are not sources")
+        extra = checked_extra(plan, extra_out)
         if start == stop:
             return
         self._check_open()
         self._filler.fill(plan, start, [part_of(data_out, label_out, start, stop, geometry_out)])
         if not plan.has_label:
             label_out[start:stop] = 0
-        if outs:
+        if extra:
             scratch = np.empty(n, plan.label_dtype)  # other sources' labels: not delivered
-            for filler, part, out in outs:
-                filler.fill(part, start, [part_of(out, scratch, start, stop, None)])
+            for src, (part, out) in zip(self._sources[1:], extra, strict=True):
+                src.filler.fill(part, start, [part_of(out, scratch, start, stop, None)])
 
     def fill_parts(
         self, plan: BatchPlan, parts: Sequence[tuple[np.ndarray, np.ndarray, Geometry | None]]
@@ -696,22 +682,7 @@ class Batches:
         parts: Sequence[tuple[np.ndarray, np.ndarray, Geometry | None]],
         defer: Deferral | None,
     ) -> None:
-        if plan.extra:
-            raise ArgumentError(
-                "fill_parts: a plan with other sources read in lockstep is filled with fill"
-            )
-        if sum(len(label) for _, label, _ in parts) != len(plan):
-            raise ArgumentError(
-                f"fill_parts: the parts hold {sum(len(label) for _, label, _ in parts)} rows; "
-                f"the plan has {len(plan)}"
-            )
-        checked = []
-        for k, (data, label, geometry) in enumerate(parts):
-            m = len(label)
-            _check_outputs(plan, m, data, label, f"parts[{k}] data", f"parts[{k}] label array")
-            if geometry is not None:
-                check_geometry_out(geometry, m)
-            checked.append(Part(data, label, geometry))
+        checked = checked_parts(plan, parts)
         if len(plan) == 0:
             return
         self._check_open()
@@ -795,28 +766,6 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_outputs(
-    plan: BatchPlan, rows: int, data: np.ndarray, label: np.ndarray, data_name: str,
-    label_name: str,
-) -> None:  # fmt: skip
-    """Refuse arrays for ``rows`` rows of ``plan`` of another shape or element type.
-
-    Raises:
-        ShapeError: names the array (``data_name``, ``label_name``) and what it needs.
-    """
-    shape = (rows, *plan.data_shape[1:])
-    if data.shape != shape or data.dtype != plan.dtype:
-        raise ShapeError(
-            f"{data_name} has shape {data.shape} dtype {data.dtype}; the plan needs shape "
-            f"{shape} dtype {plan.dtype}"
-        )
-    if label.shape != (rows,) or label.dtype != plan.label_dtype:
-        raise ShapeError(
-            f"{label_name} has shape {label.shape} dtype {label.dtype}; the plan needs "
-            f"shape ({rows},) dtype {plan.label_dtype}"
-        )
 
 
 def _reopened(

@@ -308,8 +308,7 @@ class Ring:
             waiting = False
             try:
                 while not self._stopped:
-                    while len(self._free) < n and len(self.slots) < self._limit():
-                        self._new_slot()
+                    self._make_room(n)
                     if len(self._free) >= n:
                         break
                     if not waiting:
@@ -335,11 +334,16 @@ class Ring:
         frees."""
         with self._lock:
             n = max(1, min(n, self._size))
-            while len(self._free) < n and len(self.slots) < self._limit():
-                self._new_slot()
+            self._make_room(n)
             if self._stopped or not self._free:
                 return None
             return [self._free.popleft() for _ in range(min(n, len(self._free)))]
+
+    def _make_room(self, n: int) -> None:
+        """Under the lock: new free slots until ``n`` are free or the ring has as many as
+        it keeps room for (:meth:`_limit`)."""
+        while len(self._free) < n and len(self.slots) < self._limit():
+            self._new_slot()
 
     def put(self, slot: Slot) -> None:
         """Give back a slot a filler took and did not fill."""
