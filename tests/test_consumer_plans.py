@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import pytest
 import blobpipe
 from blobpipe import Batches, DataError, Loader
 from blobpipe._io import _fill, _kernels
+from blobpipe._loader import _async
+from blobpipe._loader._chunk import RowsWritten
 from tests._helpers import encoded_db, raw_db
 from tests.conftest import make_backend
 from tests.test_loader import Got, PoolWatch, assert_matches, collect, expected, fillers_plan
@@ -109,6 +112,49 @@ def test_a_pool_checks_the_call_when_it_starts_and_refuses_after_close() -> None
         kernel.Pool(0)
 
 
+def test_a_job_waits_at_most_the_time_given() -> None:
+    """``job.wait(seconds)``: False while the job has not run (it waited about that
+    long), True once it ran, the rows written; ``Deferral.wait(seconds)`` over its
+    jobs."""
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(2)
+    pool = kernel.Pool(1)
+    big = _rows_args(rng, 64, (3, 256, 256), 0)
+    src, offsets, h_off, w_off, mirror, mean, _ = big
+    big_out = np.empty((64, 3, 256, 256), np.float32)
+    small = _rows_args(rng, 4, (3, 8, 8), 0)
+    small_out = np.full((4, 3, 8, 8), np.nan, np.float32)
+    # one thread: the small job is queued behind the big one (milliseconds of rows)
+    first = pool.start(src, offsets, (3, 256, 256), h_off, w_off, mirror, mean, 1.0,
+                       big_out, 0, 0)  # fmt: skip
+    s_src, s_off, s_h, s_w, s_mirror, s_mean, _ = small
+    job = pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out, 0, 0)
+    assert job.wait(0) is False
+    t0 = time.monotonic()
+    assert job.wait(0.001) is False
+    assert time.monotonic() - t0 >= 0.0009  # it waited, not returned at once
+    assert job.wait(60) is True
+    assert first.wait(0) is True and job.query()
+    want = np.empty_like(small_out)
+    kernel.transform_rows(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, want, 0, 0)
+    assert small_out.tobytes() == want.tobytes()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="seconds"):
+            job.wait(bad)
+    with pytest.raises(TypeError):
+        job.wait("1")
+    # a deferral waits for all its jobs within the time given
+    deferral = _kernels.Deferral(pool)
+    deferral.jobs.append(pool.start(src, offsets, (3, 256, 256), h_off, w_off, mirror, mean,
+                                    1.0, big_out, 0, 0))  # fmt: skip
+    deferral.jobs.append(
+        pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out, 0, 0)
+    )
+    assert deferral.wait(0) is False and not deferral.query()
+    assert deferral.wait(60) is True and deferral.query()
+    pool.close()
+
+
 def _start_in_child(pool: Any, queue: Any) -> None:
     src = np.zeros(48, np.uint8)
     z = np.zeros(1, np.intp)
@@ -191,6 +237,63 @@ def test_small_raw_batches_are_planned_by_the_consumer(
     # the fillers filled the first batches, then stood aside
     assert 1 <= sum(name.startswith("blobpipe-filler") for name in names) <= 4
     watch.assert_returned()
+
+
+@pytest.mark.parametrize("spent", [False, True])
+def test_async_for_waits_for_its_chunks_rows_in_the_loops_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spent: bool
+) -> None:
+    """``async for`` waits for the rows of a chunk it started in the event loop's
+    thread (the GIL released, up to YIELD_EVERY), not through a worker thread. Rows
+    here are never written before someone waits for them (a slow pool), so every
+    chunk is waited for; the batches are Batches'. ``spent``: YIELD_EVERY is always
+    spent when a wait begins, so each wait follows a turn of the loop."""
+    if spent:
+        monkeypatch.setattr(_async, "YIELD_EVERY", 1e-9)
+    kept: list[_kernels.Deferral] = []  # (kept alive: their ids stay theirs)
+    waited: set[int] = set()
+    timed: list[float] = []
+    query, wait = _kernels.Deferral.query, _kernels.Deferral.wait
+
+    def slow_query(self: _kernels.Deferral) -> bool:
+        return id(self) in waited and query(self)
+
+    def recorded_wait(self: _kernels.Deferral, seconds: float | None = None) -> bool:
+        if seconds is not None:
+            timed.append(seconds)
+        done = wait(self, seconds)
+        if done:
+            kept.append(self)
+            waited.add(id(self))
+        return done
+
+    monkeypatch.setattr(_kernels.Deferral, "query", slow_query)
+    monkeypatch.setattr(_kernels.Deferral, "wait", recorded_wait)
+    through_worker: list[object] = []
+    wait_event = _async.wait_event
+
+    async def counted(event: Any, raising: bool = True) -> None:
+        if isinstance(event, RowsWritten):
+            through_worker.append(event)
+        await wait_event(event, raising=raising)
+
+    monkeypatch.setattr(_async, "wait_event", counted)
+    db = raw_db(tmp_path / "db", 300)
+    n = 2 * 300 // 4
+
+    async def run() -> list[Got]:
+        async with Loader(db, 4, device="cpu", workers=2, mode="wrap", phase="test") as loader:
+            got = await collect(loader, n)
+            assert loader._pipe._here
+            return got
+
+    got = anyio.run(run)
+    assert_matches(got, expected(db, n, batch_size=4, phase="test"))
+    if spent:  # (a wait of a nanosecond may time out: then in a worker thread)
+        return
+    assert len(timed) >= 5, timed  # a chunk's rows waited for in the loop's thread ...
+    assert all(0 < seconds <= _async.YIELD_EVERY for seconds in timed)
+    assert len(through_worker) < len(timed) / 2  # ... not in a worker thread
 
 
 def test_encoded_batches_go_back_to_the_fillers(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ are done one row at a time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -384,10 +385,15 @@ class Deferral:
         """Whether every call ran (without waiting)."""
         return all(job.query() for job in self.jobs)
 
-    def wait(self) -> None:
-        """Block until every call ran (the GIL released while waiting)."""
-        for job in self.jobs:
-            job.synchronize()
+    def wait(self, seconds: float | None = None) -> bool:
+        """Block until every call ran, or at most ``seconds`` (None: no limit), the GIL
+        released while waiting; whether every call ran."""
+        if seconds is None:
+            for job in self.jobs:
+                job.synchronize()
+            return True
+        deadline = time.perf_counter() + seconds
+        return all(job.wait(max(0.0, deadline - time.perf_counter())) for job in self.jobs)
 
     def finish(self) -> None:
         """:meth:`wait`, then the checks, in order.

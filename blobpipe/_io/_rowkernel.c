@@ -66,8 +66,10 @@
 
 #include "_kernel.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -183,7 +185,9 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  * pool.start(*transform_rows arguments) -> Job: the call checked at once (the same
  * errors as transform_rows, raised here), queued, and run by a pool thread.
  * job.query() -> bool: whether it ran; job.synchronize(): wait until it ran, the GIL
- * released. A job's buffers stay held (exported: a NumPy array cannot be resized, an
+ * released; job.wait(seconds) -> bool: wait at most that long (the GIL released),
+ * whether it ran (the pool's clock for it is CLOCK_MONOTONIC where the condition
+ * variable can take it: a change of the wall clock neither cuts nor stretches it). A job's buffers stay held (exported: a NumPy array cannot be resized, an
  * mmap not closed) until query or synchronize first finds it done, or until it is
  * freed, which waits for it first. pool.close(): the threads finish the queued jobs
  * and end (joined, the GIL released); start raises after it. A pool's threads touch
@@ -193,6 +197,14 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  * pool made in another process is neither joined nor its lock touched when freed. */
 
 typedef struct JobObject JobObject;
+
+/* The clock of a timed wait for a job (job.wait): pool->done's. */
+#if defined(CLOCK_MONOTONIC) && !defined(__APPLE__)
+#define POOL_MONOTONIC 1
+#define POOL_CLOCK CLOCK_MONOTONIC
+#else
+#define POOL_CLOCK CLOCK_REALTIME
+#endif
 
 typedef struct {
     PyObject_HEAD
@@ -254,7 +266,13 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->work, NULL);
-    pthread_cond_init(&pool->done, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+#ifdef POOL_MONOTONIC
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+#endif
+    pthread_cond_init(&pool->done, &attr);
+    pthread_condattr_destroy(&attr);
     pool->threads = threads;
     pool->pid = getpid();
     return (PyObject *)pool;
@@ -372,6 +390,43 @@ static PyObject *job_synchronize(JobObject *job, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* job.wait(seconds): wait at most `seconds` (>= 0; the GIL released while waiting);
+ * True once it ran (its buffers then let go, as after synchronize), else False. */
+static PyObject *job_timed_wait(JobObject *job, PyObject *arg) {
+    const double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(seconds >= 0.0)) { /* NaN too */
+        PyErr_SetString(PyExc_ValueError, "Job.wait: seconds must be >= 0");
+        return NULL;
+    }
+    if (job->released) Py_RETURN_TRUE;
+    int ran = job_ran(job);
+    if (!ran && seconds > 0.0) {
+        PoolObject *pool = job->pool;
+        struct timespec deadline;
+        clock_gettime(POOL_CLOCK, &deadline);
+        const double capped = seconds < 1e9 ? seconds : 1e9; /* no overflow of tv_sec */
+        const time_t whole = (time_t)capped;                 /* (truncated: >= 0) */
+        deadline.tv_sec += whole;
+        deadline.tv_nsec += (long)((capped - (double)whole) * 1e9);
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec += 1;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        Py_BEGIN_ALLOW_THREADS;
+        pthread_mutex_lock(&pool->mu);
+        while (!job->ran) {
+            if (pthread_cond_timedwait(&pool->done, &pool->mu, &deadline) == ETIMEDOUT) break;
+        }
+        ran = job->ran;
+        pthread_mutex_unlock(&pool->mu);
+        Py_END_ALLOW_THREADS;
+    }
+    if (!ran) Py_RETURN_FALSE;
+    job_wait(job);
+    Py_RETURN_TRUE;
+}
+
 static void job_dealloc(JobObject *job) {
     if (job->pool != NULL) {
         if (job->pool->pid == getpid()) job_wait(job);
@@ -396,6 +451,8 @@ static PyMethodDef job_methods[] = {
     {"query", (PyCFunction)job_query, METH_NOARGS, "Whether the job ran."},
     {"synchronize", (PyCFunction)job_synchronize, METH_NOARGS,
      "Wait until the job ran, the GIL released."},
+    {"wait", (PyCFunction)job_timed_wait, METH_O,
+     "wait(seconds) -> bool: wait at most `seconds` (the GIL released); whether it ran."},
     {NULL, NULL, 0, NULL},
 };
 

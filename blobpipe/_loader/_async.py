@@ -175,8 +175,20 @@ class AsyncForm:
         handoff = pipe.handoff
         started = pipe.started_event()
         if started is not None:  # the consumer's own chunk: its rows, then it is posted
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            if not started.query():
+            # Its rows are waited for in this thread, the GIL released, for up to
+            # YIELD_EVERY since the loop last ran other tasks (after a turn of the loop,
+            # when that time is spent: cheaper than a worker thread's wake-up), then in
+            # a worker thread. A cancellation at either checkpoint loses nothing: the
+            # chunk stays started, and the next call waits for it.
+            here = YIELD_EVERY - (time.perf_counter() - self._yielded)
+            if started.query() or here > 0:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await anyio.lowlevel.checkpoint()
+                self._yielded = time.perf_counter()
+                here = YIELD_EVERY
+                pipe.lifecycle.check_iterable()  # (closed meanwhile by another task)
+            if not started.query() and not started.wait(here):
                 await wait_event(started, raising=False)
                 self._yielded = time.perf_counter()
             pipe.pump()

@@ -87,6 +87,10 @@ class RowsWritten(Event):
     def synchronize(self) -> None:
         self.deferral.wait()
 
+    def wait(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` (the GIL released); whether the rows are written."""
+        return self.deferral.wait(seconds)
+
 
 def chunk_batches(plan: BatchPlan) -> int:
     """How many batches like ``plan`` one chunk holds (1: no chunk; always for a plan

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .._backends import Backend, Event, Stream, finished
+from .._backends import Backend, Stream, finished
 from .._errors import StateError
 from .._io._batches import Batches, BatchPlan
 from .._io._kernels import row_pool
@@ -654,7 +654,7 @@ class Pipeline:
             self._collect(self._started.popleft())
         return True
 
-    def started_event(self) -> Event | None:
+    def started_event(self) -> RowsWritten | None:
         """What completes when the first chunk the consumer started has its rows (the
         async form awaits it); None when none is started."""
         if not self._started:
