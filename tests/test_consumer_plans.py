@@ -22,7 +22,7 @@ import pytest
 import blobpipe
 from blobpipe import Batches, DataError, Loader
 from blobpipe._io import _fill, _kernels
-from blobpipe._loader import _async
+from blobpipe._loader import _async, _pipeline
 from blobpipe._loader._chunk import RowsWritten
 from tests._helpers import encoded_db, raw_db
 from tests.conftest import make_backend
@@ -294,6 +294,48 @@ def test_async_for_waits_for_its_chunks_rows_in_the_loops_thread(
     assert len(timed) >= 5, timed  # a chunk's rows waited for in the loop's thread ...
     assert all(0 < seconds <= _async.YIELD_EVERY for seconds in timed)
     assert len(through_worker) < len(timed) / 2  # ... not in a worker thread
+
+
+@pytest.mark.parametrize("device", ["host", "emulated"])
+def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_back(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of odd epochs are too large to chunk (a chunk holds one), of even epochs
+    small: the consumer plans the small ones, hands the large ones to the fillers when
+    it plans the first of them, and takes over again once a filler found batches small.
+    Every batch is Batches', in order, and every block returns to its pool."""
+    original = _pipeline.chunk_batches
+
+    def by_epoch(plan: Any) -> int:
+        return 1 if int(plan.epochs[0]) % 2 else original(plan)
+
+    monkeypatch.setattr(_pipeline, "chunk_batches", by_epoch)
+    switches: list[str] = []
+    plan_here, leave_here = _pipeline.Pipeline._plan_here, _pipeline.Pipeline._leave_here
+
+    def planning(self: Any, chunk: int) -> None:
+        was = self._here
+        plan_here(self, chunk)
+        if self._here and not was:
+            switches.append("consumer")
+
+    def leaving(self: Any, deferrable: bool) -> None:
+        switches.append("fillers" if deferrable else "fillers for good")
+        leave_here(self, deferrable)
+
+    monkeypatch.setattr(_pipeline.Pipeline, "_plan_here", planning)
+    monkeypatch.setattr(_pipeline.Pipeline, "_leave_here", leaving)
+    db = raw_db(tmp_path / "db", 120)
+    n = 6 * 120 // 4  # six epochs, wrapping
+    backend = make_backend(device)
+    watch = PoolWatch(backend)
+    with Loader(db, 4, device=backend, workers=2, mode="wrap", phase="test") as loader:
+        got = [Got.of(b) for _, b in zip(range(n), loader, strict=False)]
+    assert_matches(got, expected(db, n, batch_size=4, phase="test"))
+    # the consumer took over in each even epoch, the fillers in each odd one
+    assert switches.count("consumer") >= 3, switches
+    assert switches.count("fillers") >= 2 and "fillers for good" not in switches, switches
+    watch.assert_returned()
 
 
 def test_encoded_batches_go_back_to_the_fillers(tmp_path: Path) -> None:
