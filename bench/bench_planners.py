@@ -10,11 +10,15 @@ opens two Loaders on the same database (2 workers, device "cpu", the blocking fo
 as it is, whose consumer plans small raw batches (``docs/design.md``, "Small raw batches
 are planned by the consumer"), and one whose consumer never does (the fillers fill the
 chunks, as where the row kernel is not built), and drives ``Batches`` in one thread as the
-pairing benchmark does. Each round runs a later epoch of each, in an order reversed every
-other round, reading each batch's data on the host. It prints the medians of µs a batch
-and the medians of the per-round ratios: ``Batches`` over each Loader (above 1: the
-Loader is faster) and the fillers over the consumer (above 1: the consumer's planning is
-faster). In one process both planners see the same drift of the machine's speed.
+pairing benchmark does, and a second Loader whose consumer plans, as the A/A control.
+Each round runs a later epoch of each, in an order reversed every other round, reading
+each batch's data on the host. It prints the medians of µs a batch and the medians of
+the per-round ratios: ``Batches`` over each Loader (above 1: the Loader is faster), the
+fillers over the consumer (above 1: the consumer's planning is faster), and the control
+over the consumer with its 90% bootstrap interval (``bench_pairs.py``'s). In one process
+every contender sees the same drift of the machine's speed. A row reads item 2's target
+(the Loader with 2 workers ≥ 1.5× ``Batches`` in one thread) as PASS or MISS, resolved
+when the control's interval lies within ±5% of 1×, as ``bench_pairs.py`` reads it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def later_epoch(run: Callable[[], int]) -> float:
 def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[], int]], list[Any]]:
     """The three ways to read an epoch of ``db``, and what to close after."""
     loaders = {}
-    for name, here in (("consumer", True), ("fillers", False)):
+    for name, here in (("consumer", True), ("fillers", False), ("again", True)):
         loader = blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options)
         if not here:
             loader._pipe._here_ok = False  # the fillers fill the chunks
@@ -80,6 +84,7 @@ def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[],
         "Batches": alone,
         "consumer": of(loaders["consumer"]),
         "fillers": of(loaders["fillers"]),
+        "again": of(loaders["again"]),  # the A/A control
     }
     return runs, [*loaders.values(), batches]
 
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
     args = parser.parse_args(argv)
     from _workloads_data import prepare, warm_page_cache
+    from bench_pairs import PIPELINE_TARGET, RESOLUTION, interval
     from bench_sweep import db_spec, point_from_name
     from bench_workloads import Workload, workloads
 
@@ -148,19 +154,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"planners paired in one process, {rounds} rounds, later epochs, µs a batch (medians)")
     print(
         "| case | Batches | consumer | fillers | Batches / consumer | Batches / fillers "
-        "| fillers / consumer |"
+        f"| fillers / consumer | A/A (90%) | consumer ≥ {PIPELINE_TARGET:.2f}× Batches |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for w, mean in chosen:
         pre = prepare(w.db, args.data_dir)
         options = options_of(w.recipe, pre.mean_file if mean else None)
         warm_page_cache(pre)
         t = measure(str(pre.path), options, rounds)
         med = {k: statistics.median(v) for k, v in t.items()}
+        # the control: the consumer's speed over its twin's (as bench_pairs' rates)
+        aa = [b / a for a, b in zip(t["again"], t["consumer"], strict=True)]
+        lo, hi = interval(aa)
+        resolved = lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+        speed = ratio(t["Batches"], t["consumer"])
+        verdict = "PASS" if speed >= PIPELINE_TARGET else "MISS"
         print(
             f"| {w.name} | {med['Batches']:.1f} | {med['consumer']:.1f} | {med['fillers']:.1f} | "
-            f"{ratio(t['Batches'], t['consumer']):.2f}× | {ratio(t['Batches'], t['fillers']):.2f}× "
-            f"| {ratio(t['fillers'], t['consumer']):.2f}× |",
+            f"{speed:.2f}× | {ratio(t['Batches'], t['fillers']):.2f}× "
+            f"| {ratio(t['fillers'], t['consumer']):.2f}× "
+            f"| {statistics.median(aa):.2f}× ({lo:.2f}–{hi:.2f}) "
+            f"| {verdict}{'' if resolved else ' (unresolved)'} |",
             flush=True,
         )
 
