@@ -417,6 +417,28 @@ def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) ->
         ), row
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_chunk_bytes_pairs_the_consumers_chunk_limits_in_one_process(
+    tmp_path: Path,
+) -> None:
+    """The current chunk limits against others on one Loader, a row a case with both
+    times, the ratio and the A/A control's, each with its interval; the limits are
+    the module's again afterwards (the run is in a subprocess: its own)."""
+    proc = run_quick(
+        "bench_chunk_bytes.py", tmp_path, "--workloads", "W2", "--point",
+        "raw 3x32x32 TEST, scale", "--against", "8,4",
+    )  # fmt: skip
+    assert "other 8 MiB, over 4 MiB alone" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| (W2|raw) ", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["W2", "raw 3×32×32 TEST, scale"]
+    for row in rows:
+        assert re.search(
+            r"(\| [\d.]+ ){2}\| [\d.]+× \([\d.]+–[\d.]+\)( \*)? \| [\d.]+× \([\d.]+–[\d.]+\) \|$",
+            row,
+        ), row
+
+
 def _has_cupy() -> bool:
     import importlib.util
 

@@ -306,8 +306,8 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
     Every batch is Batches', in order, and every block returns to its pool."""
     original = _pipeline.chunk_batches
 
-    def by_epoch(plan: Any) -> int:
-        return 1 if int(plan.epochs[0]) % 2 else original(plan)
+    def by_epoch(plan: Any, consumer: bool = False) -> int:
+        return 1 if int(plan.epochs[0]) % 2 else original(plan, consumer)
 
     monkeypatch.setattr(_pipeline, "chunk_batches", by_epoch)
     switches: list[str] = []

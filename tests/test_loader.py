@@ -140,6 +140,12 @@ def fillers_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blobpipe._loader._pipeline, "row_pool", lambda threads: None)
 
 
+def chunk_bytes(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """Chunks of at most ``nbytes`` of output, the fillers' and the consumer's (0: none)."""
+    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", nbytes)
+    monkeypatch.setattr(blobpipe._loader._chunk, "HERE_CHUNK_BYTES", nbytes)
+
+
 class FillProbe:
     """Wraps ``Batches.fill`` and ``Batches.fill_parts``: counts calls, the batches
     filled, the calls in flight.
@@ -1193,17 +1199,25 @@ def test_batches_turning_small_and_large_again_arrive_in_order(
 def test_a_chunk_takes_as_many_batches_as_its_bytes_hold(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A chunk holds as many batches as CHUNK_BYTES does (at most CHUNK_BATCHES); a
-    batch of more than half of it goes alone."""
+    """A fillers' chunk holds as many batches as CHUNK_BYTES does (at most
+    CHUNK_BATCHES), a batch of more than half of it alone; the consumer's as many as
+    HERE_CHUNK_BYTES does, a batch of more than HERE_ALONE_BYTES alone."""
     with Batches(db30, 4) as batches:
         plan = batches.next_plan()
     assert plan is not None
+    chunk = blobpipe._loader._chunk
     nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
     assert chunk_batches(plan) == min(CHUNK_BATCHES, CHUNK_BYTES // nbytes)
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 3 * nbytes - 1)
-    assert chunk_batches(plan) == 2
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 2 * nbytes - 1)
-    assert chunk_batches(plan) == 1
+    assert chunk_batches(plan, consumer=True) == CHUNK_BATCHES
+    monkeypatch.setattr(chunk, "CHUNK_BYTES", 3 * nbytes - 1)
+    monkeypatch.setattr(chunk, "HERE_CHUNK_BYTES", 4 * nbytes)
+    assert chunk_batches(plan) == 2 and chunk_batches(plan, consumer=True) == 4
+    monkeypatch.setattr(chunk, "CHUNK_BYTES", 2 * nbytes - 1)
+    assert chunk_batches(plan) == 1 and chunk_batches(plan, consumer=True) == 4
+    monkeypatch.setattr(chunk, "HERE_ALONE_BYTES", nbytes)  # not more than it: chunked
+    assert chunk_batches(plan, consumer=True) == 4
+    monkeypatch.setattr(chunk, "HERE_ALONE_BYTES", nbytes - 1)
+    assert chunk_batches(plan, consumer=True) == 1
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, CHUNK_BATCHES])
@@ -1220,7 +1234,7 @@ def test_small_batches_are_planned_whole_chunks_at_a_time(
         plan = batches.next_plan()
     assert plan is not None
     nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", chunk * nbytes)
+    chunk_bytes(monkeypatch, chunk * nbytes)
     counts: list[int] = []
     original = Batches.next_plans
 
@@ -1257,7 +1271,10 @@ async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
     filling such batches at once, a batch each."""
     probe = FillProbe(monkeypatch)
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
-    monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)  # one batch a chunk
+    if limit == "CHUNK_BYTES":  # one batch a chunk
+        chunk_bytes(monkeypatch, 1)
+    else:
+        monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)
     async with Loader(db30, 4, device="cpu", prefetch=4, workers=2, mode="wrap") as loader:
         got = await collect(loader, 12)  # past the first fills, where a pipeline narrows
         # the ring full again (3 slots ahead of the consumer's), no fill under way
@@ -1420,7 +1437,7 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
     YIELD_EVERY (0: not at all), then through the event loop, where other tasks run:
     here the batch comes only once another task has run 20 times while it waits."""
     monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", budget)
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 0)  # a fill a batch
+    chunk_bytes(monkeypatch, 0)  # a fill a batch
     probe = FillProbe(monkeypatch)
     opened_by: list[str] = []
 
@@ -1749,7 +1766,7 @@ async def test_aclose_waits_for_the_fillers_in_the_loop_thread_only_briefly(
     """``aclose`` waits for fillers that return at once in the loop's thread (no worker
     thread started); a filler still busy after YIELD_EVERY is waited for in a worker
     thread, other tasks running meanwhile."""
-    monkeypatch.setattr(blobpipe._loader._chunk, "CHUNK_BYTES", 0)  # a fill a batch
+    chunk_bytes(monkeypatch, 0)  # a fill a batch
     probe = FillProbe(monkeypatch)
     threads: list[object] = []
     run_sync = anyio.to_thread.run_sync

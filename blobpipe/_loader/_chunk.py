@@ -44,6 +44,8 @@ __all__ = [
     "CHUNK_BATCHES",
     "CHUNK_BYTES",
     "CHUNK_ROWS",
+    "HERE_ALONE_BYTES",
+    "HERE_CHUNK_BYTES",
     "RowsWritten",
     "Started",
     "chunk_batches",
@@ -52,8 +54,20 @@ __all__ = [
     "start_chunk",
 ]
 
-#: The most output bytes filled in one chunk (the ring holds two chunks' slots).
+#: The most output bytes filled in one of the fillers' chunks (the ring holds two chunks'
+#: slots); a batch of more than half of it goes alone (each filler fills one).
 CHUNK_BYTES = 4 << 20
+#: The same for the consumer's chunks (raw rows started on the row pool; the ring holds
+#: three chunks' slots while it plans). A chunk's fixed costs on the consumer's thread
+#: (the merged plan, locating its records, one kernel call started: about 100 µs) are
+#: paid once per chunk: at 4 MiB, CIFAR's 1.2 MB batches went 3 to a chunk, and 16 MiB
+#: made W2 1.25× faster (docs/performance.md, "Chunk bytes").
+HERE_CHUNK_BYTES = 16 << 20
+#: A batch of more output bytes than this the consumer does not chunk (the fillers fill
+#: it, each one batch). Measured on both sides: batches of 3.1 MB (64 records of
+#: 3×64×64) were 1.23× faster in the consumer's chunks than alone, batches of 7 MB
+#: (3×96×96) 0.89× as fast.
+HERE_ALONE_BYTES = 4 << 20
 #: The most rows filled in one chunk.
 CHUNK_ROWS = 1024
 #: The most batches in one chunk (beyond this the per-batch costs outside the fill
@@ -92,15 +106,19 @@ class RowsWritten(Event):
         return self.deferral.wait(seconds)
 
 
-def chunk_batches(plan: BatchPlan) -> int:
-    """How many batches like ``plan`` one chunk holds (1: no chunk; always for a plan
-    with other sources read in lockstep, which go into their slots directly, and for
-    a batch of more than half :data:`CHUNK_BYTES`)."""
+def chunk_batches(plan: BatchPlan, consumer: bool = False) -> int:
+    """How many batches like ``plan`` one chunk holds, a fillers' chunk or (``consumer``)
+    the consumer's (1: no chunk; always for a plan with other sources read in lockstep,
+    which go into their slots directly, and for a batch of more than half
+    :data:`CHUNK_BYTES`, or the consumer's: more than :data:`HERE_ALONE_BYTES`)."""
     if plan.extra:
         return 1
     nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
+    limit = HERE_CHUNK_BYTES if consumer else CHUNK_BYTES
+    if consumer and nbytes > HERE_ALONE_BYTES:
+        return 1
     rows = max(len(plan), 1)
-    return max(1, min(CHUNK_BYTES // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
+    return max(1, min(limit // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
 
 
 def planned_together(chunk: int) -> int:

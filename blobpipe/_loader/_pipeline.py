@@ -392,7 +392,7 @@ class Pipeline:
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, self._ring.explain(exc))[1]
         finally:
-            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan))
+            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan, self._here_ok))
         return self._issue(slot, number, plan)
 
     def _issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
@@ -462,7 +462,8 @@ class Pipeline:
             plans = [plan for _, plan in numbered[: len(arrays)]]
             filled, failed = _chunk.fill_chunk(self.batches, plans, arrays)
             error = failed or error
-        self._filled(time.perf_counter() - t0, len(numbered), chunk_batches(numbered[0][1]))
+        chunk = chunk_batches(numbered[0][1], self._here_ok)
+        self._filled(time.perf_counter() - t0, len(numbered), chunk)
         return self._post_chunk(numbered, slots, filled, error)
 
     def _prepare_chunk(
@@ -681,7 +682,7 @@ class Pipeline:
                     self.handoff.post(number, planned)
                 return isinstance(planned, End)
             numbered = [(number, planned)]
-            want = chunk_batches(planned)
+            want = chunk_batches(planned, consumer=True)
             self._here_chunk = want
             self._chunk_ahead = planned_together(want)
             stop = self._plan_more(numbered, min(want, len(slots)))

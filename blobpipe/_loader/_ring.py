@@ -11,7 +11,8 @@ Invariants:
   nothing the caller can reach shows its buffers.
 * The ring has ``size + 1`` slots: ``size`` (``prefetch``; for small batches
   handed over a chunk at a time it grows to ``2 * chunk + 1``, at most 33; to
-  ``3 * chunk + 1``, at most 49, while the consumer plans them) for the
+  ``3 * chunk + 1``, at most 49 and 48 MiB and a batch, while the consumer plans
+  them) for the
   batches filled ahead and the one the caller is on, and one for the previous
   batch, which a loop variable still holds while the next one is asked for. A
   loop that keeps nothing therefore never waits for its own memory and allocates

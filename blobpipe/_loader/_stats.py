@@ -32,10 +32,9 @@ class LoaderStatistics:
         device_pool: the device pool's statistics (None without a device).
         slots: batch slots in the ring for the fillers and the caller's batch:
             ``prefetch``, or more while batches are small (handed over a chunk at a
-            time, at most ``2 * 16 + 1`` slots of batches under 4 MiB together, see
-            the Loader's ``prefetch``). The ring has one slot more for the previous
-            batch while the next is asked for, and one more for each further batch
-            the caller keeps.
+            time: at most ``3 * 16 + 1`` slots, see the Loader's ``prefetch``). The
+            ring has one slot more for the previous batch while the next is asked
+            for, and one more for each further batch the caller keeps.
         held_batches: batches the caller still references (the batch, its Blobs,
             an array or export taken from them); their memory is not reused.
         held_bytes: bytes of host and device memory those batches hold.

@@ -1,0 +1,130 @@
+"""The consumer's chunk limits, paired in one process: the current ones against others.
+
+Run: ``python bench/bench_chunk_bytes.py [--workloads W1,W2] [--point NAME ...]
+[--against CHUNK_MIB,ALONE_MIB] [--rounds N] [--data-dir DIR] [--quick]``
+
+While the consumer plans small raw batches, a chunk holds up to ``HERE_CHUNK_BYTES`` of
+output, and a batch of more than ``HERE_ALONE_BYTES`` goes alone, to the fillers
+(``blobpipe/_loader/_chunk.py``). This benchmark opens one Loader a case (2 workers,
+device "cpu", the blocking form; ``bench_workloads.py``'s workloads, default W1 and W2,
+or ``bench_sweep.py``'s points by name) and runs its later epochs under the current
+limits, under ``--against``'s (default 4,2: the fillers' 4 MiB chunks, batches of more
+than 2 MiB alone), and under the current ones again as the A/A control, switching the
+limits between epochs (each switch followed by one untimed epoch that settles the ring),
+in an order reversed every other round. It prints the medians of µs a batch and of the
+per-round ratios, other over current (above 1: the current limits are faster) and the
+control's, each with its 90% bootstrap interval (``bench_pairs.py``'s); a ratio is
+resolved when the control's interval lies within ±5% of 1×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import blobpipe
+from blobpipe._loader import _chunk
+
+ROUNDS = 20
+
+
+def epoch(loader: Any) -> float:
+    """µs a batch of one epoch of ``loader``, each batch's data read on the host."""
+    t0 = time.perf_counter()
+    n = 0
+    for batch in loader:
+        batch.data.cpu_data()
+        n += 1
+    return (time.perf_counter() - t0) / max(n, 1) * 1e6
+
+
+def measure(
+    db: str, options: dict[str, Any], limits: dict[str, tuple[int, int]], rounds: int
+) -> dict[str, list[float]]:
+    """Each setting's µs a batch, a round each, on one Loader."""
+    saved = _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES
+    loader = blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options)
+    try:
+        with loader:
+            for name in limits:  # opened, indexed, every slot of each setting filled
+                _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = limits[name]
+                epoch(loader)
+                epoch(loader)
+            times: dict[str, list[float]] = {name: [] for name in limits}
+            for r in range(rounds):
+                order = list(limits) if r % 2 == 0 else list(limits)[::-1]
+                for name in order:
+                    _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = limits[name]
+                    epoch(loader)  # the ring settles under these limits
+                    times[name].append(epoch(loader))
+            return times
+    finally:
+        _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W1,W2", help="W1,W2 by default")
+    parser.add_argument("--point", action="append", default=[], help="a bench_sweep point")
+    parser.add_argument("--against", default="4,2", help="CHUNK_MIB,ALONE_MIB (default 4,2)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
+    args = parser.parse_args(argv)
+    from _workloads_data import prepare, warm_page_cache
+    from bench_pairs import RESOLUTION, interval
+    from bench_planners import options_of
+    from bench_sweep import db_spec, point_from_name
+    from bench_workloads import Workload, workloads
+
+    chunk_mib, alone_mib = (float(x) for x in args.against.split(","))
+    current = (_chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES)
+    limits = {
+        "current": current,
+        "other": (int(chunk_mib * (1 << 20)), int(alone_mib * (1 << 20))),
+        "again": current,  # the A/A control
+    }
+    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    chosen = [(w, True) for w in workloads(args.quick) if w.name in wanted]
+    for name in args.point:
+        p = point_from_name(name)
+        spec = db_spec(p, args.quick)
+        chosen.append((Workload(p.name, p.name, spec, p.recipe), p.recipe.mean_file is not None))
+    rounds = 3 if args.quick else args.rounds
+    mib = 1 << 20
+    print(
+        f"the consumer's chunk limits paired in one process, {rounds} rounds, later epochs: "
+        f"current {current[0] / mib:g} MiB chunks, batches over {current[1] / mib:g} MiB "
+        f"alone; other {chunk_mib:g} MiB, over {alone_mib:g} MiB alone"
+    )
+    print("| case | current µs a batch | other µs a batch | other / current (90%) | A/A (90%) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for w, mean in chosen:
+        pre = prepare(w.db, args.data_dir)
+        options = options_of(w.recipe, pre.mean_file if mean else None)
+        warm_page_cache(pre)
+        t = measure(str(pre.path), options, limits, rounds)
+        cells = []
+        for name in ("other", "again"):
+            ratios = [b / a for a, b in zip(t["current"], t[name], strict=True)]
+            lo, hi = interval(ratios)
+            cells.append(f"{statistics.median(ratios):.2f}× ({lo:.2f}–{hi:.2f})")
+        lo, hi = interval([b / a for a, b in zip(t["current"], t["again"], strict=True)])
+        resolved = lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+        print(
+            f"| {w.name} | {statistics.median(t['current']):.1f} "
+            f"| {statistics.median(t['other']):.1f} | {cells[0]}{'' if resolved else ' *'} "
+            f"| {cells[1]} |",
+            flush=True,
+        )
+    print("(*: unresolved, the A/A interval is not within ±5% of 1×)")
+
+
+if __name__ == "__main__":
+    main()
