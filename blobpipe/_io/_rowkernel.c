@@ -186,9 +186,10 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  * errors as transform_rows, raised here), queued, and run by a pool thread.
  * job.query() -> bool: whether it ran; job.synchronize(): wait until it ran, the GIL
  * released; job.wait(seconds) -> bool: wait at most that long (the GIL released),
- * whether it ran (the pool's clock for it is CLOCK_MONOTONIC where the condition
- * variable can take it: a change of the wall clock neither cuts nor stretches it). A job's buffers stay held (exported: a NumPy array cannot be resized, an
- * mmap not closed) until query or synchronize first finds it done, or until it is
+ * whether it ran (timed on CLOCK_MONOTONIC where the condition variable can take it:
+ * a change of the wall clock neither cuts nor stretches it). A job's buffers stay
+ * held (exported: a NumPy array cannot be resized, an mmap not closed) until query,
+ * synchronize or wait first finds it done, or until it is
  * freed, which waits for it first. pool.close(): the threads finish the queued jobs
  * and end (joined, the GIL released); start raises after it. A pool's threads touch
  * no Python object: queued jobs hold their buffers, and the pool holds no reference
