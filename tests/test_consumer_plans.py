@@ -306,8 +306,8 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
     Every batch is Batches', in order, and every block returns to its pool."""
     original = _pipeline.chunk_batches
 
-    def by_epoch(plan: Any, consumer: bool = False) -> int:
-        return 1 if int(plan.epochs[0]) % 2 else original(plan, consumer)
+    def by_epoch(plan: Any, consumer: bool = False, later: bool = False) -> int:
+        return 1 if int(plan.epochs[0]) % 2 else original(plan, consumer, later)
 
     monkeypatch.setattr(_pipeline, "chunk_batches", by_epoch)
     switches: list[str] = []
@@ -335,6 +335,41 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
     # the consumer took over in each even epoch, the fillers in each odd one
     assert switches.count("consumer") >= 3, switches
     assert switches.count("fillers") >= 2 and "fillers for good" not in switches, switches
+    watch.assert_returned()
+
+
+@pytest.mark.parametrize("device", ["host", "emulated"])
+def test_the_consumers_chunks_grow_after_the_first_epoch(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the first epoch the consumer's chunks are the fillers' size (the ring stays
+    small: a short first epoch does not pay for memory it cannot use); from the second
+    on they take HERE_CHUNK_BYTES (the ring grows to 3 chunks and one). The batches are
+    Batches' throughout, and every block returns to its pool."""
+    db = raw_db(tmp_path / "db", 240)
+    with Batches(db, 4) as batches:
+        plan = batches.next_plan()
+    assert plan is not None
+    nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize  # float32 rows
+    chunk = blobpipe._loader._chunk
+    monkeypatch.setattr(chunk, "CHUNK_BYTES", 2 * nbytes)  # chunks of 2 in the first epoch
+    monkeypatch.setattr(chunk, "HERE_CHUNK_BYTES", 8 * nbytes)  # of 8 later
+    assert chunk.chunk_batches(plan, True) == 2 and chunk.chunk_batches(plan, True, True) == 8
+    backend = make_backend(device)
+    watch = PoolWatch(backend)
+    per_epoch = 240 // 4
+    got: list[Got] = []
+    # (no device transform: the host fills float32 rows, as Batches' plan says)
+    with Loader(
+        db, 4, device=backend, workers=2, mode="wrap", phase="test", device_transform=False
+    ) as loader:
+        got += [Got.of(b) for _, b in zip(range(20), loader, strict=False)]
+        assert loader._pipe._here
+        first = loader.statistics().slots  # (planned ahead, but within the first epoch)
+        got += [Got.of(b) for _, b in zip(range(2 * per_epoch), loader, strict=False)]
+        later = loader.statistics().slots
+    assert first <= 3 * 2 + 2 < 3 * 8 + 1 <= later, (first, later)
+    assert_matches(got, expected(db, len(got), batch_size=4, phase="test"))
     watch.assert_returned()
 
 

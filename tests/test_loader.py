@@ -1200,24 +1200,26 @@ def test_a_chunk_takes_as_many_batches_as_its_bytes_hold(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fillers' chunk holds as many batches as CHUNK_BYTES does (at most
-    CHUNK_BATCHES), a batch of more than half of it alone; the consumer's as many as
-    HERE_CHUNK_BYTES does, a batch of more than HERE_ALONE_BYTES alone."""
+    CHUNK_BATCHES), a batch of more than half of it alone; the consumer's in the first
+    epoch as well, later as many as HERE_CHUNK_BYTES does, a batch of more than
+    HERE_ALONE_BYTES alone."""
     with Batches(db30, 4) as batches:
         plan = batches.next_plan()
     assert plan is not None
     chunk = blobpipe._loader._chunk
     nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
     assert chunk_batches(plan) == min(CHUNK_BATCHES, CHUNK_BYTES // nbytes)
-    assert chunk_batches(plan, consumer=True) == CHUNK_BATCHES
+    assert chunk_batches(plan, True, later=True) == CHUNK_BATCHES
     monkeypatch.setattr(chunk, "CHUNK_BYTES", 3 * nbytes - 1)
     monkeypatch.setattr(chunk, "HERE_CHUNK_BYTES", 4 * nbytes)
-    assert chunk_batches(plan) == 2 and chunk_batches(plan, consumer=True) == 4
+    assert chunk_batches(plan) == 2 and chunk_batches(plan, True, later=True) == 4
+    assert chunk_batches(plan, True) == 2 and chunk_batches(plan, False, later=True) == 2
     monkeypatch.setattr(chunk, "CHUNK_BYTES", 2 * nbytes - 1)
-    assert chunk_batches(plan) == 1 and chunk_batches(plan, consumer=True) == 4
+    assert chunk_batches(plan) == 1 and chunk_batches(plan, True, later=True) == 4
     monkeypatch.setattr(chunk, "HERE_ALONE_BYTES", nbytes)  # not more than it: chunked
-    assert chunk_batches(plan, consumer=True) == 4
+    assert chunk_batches(plan, True, later=True) == 4
     monkeypatch.setattr(chunk, "HERE_ALONE_BYTES", nbytes - 1)
-    assert chunk_batches(plan, consumer=True) == 1
+    assert chunk_batches(plan, True, later=True) == 1
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, CHUNK_BATCHES])

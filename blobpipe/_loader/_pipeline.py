@@ -98,6 +98,7 @@ class Pipeline:
         # (:meth:`_next_planned`)
         self._ahead: deque[BatchPlan | None] = deque()
         self._chunk_ahead = 1
+        self._first_epoch, self._grown = -1, False  # first delivered epoch; chunks grow past it
         # set while batches take SMALL_FILL or more to fill: every filler runs;
         # clear (small batches): each filler a chunk at a time (see _filler)
         self._wide = threading.Event()
@@ -382,6 +383,10 @@ class Pipeline:
             self._ahead.extend(self.batches.next_plans(ahead))
         return self._ahead.popleft()
 
+    def _chunk_of(self, plan: BatchPlan, consumer: bool) -> int:
+        """:func:`chunk_batches`; the consumer's larger ones once it is past its first epoch."""
+        return chunk_batches(plan, consumer, self._grown)
+
     def _fill_and_issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
         """Fill ``plan`` into ``slot`` and start its device work: the filled batch,
         or the failure in its place."""
@@ -392,7 +397,7 @@ class Pipeline:
         except Exception as exc:  # delivered to the consumer, in order
             return self._failed(number, self._ring.explain(exc))[1]
         finally:
-            self._filled(time.perf_counter() - t0, 1, chunk_batches(plan, self._here_ok))
+            self._filled(time.perf_counter() - t0, 1, self._chunk_of(plan, self._here_ok))
         return self._issue(slot, number, plan)
 
     def _issue(self, slot: Slot, number: int, plan: BatchPlan) -> Item:
@@ -462,7 +467,7 @@ class Pipeline:
             plans = [plan for _, plan in numbered[: len(arrays)]]
             filled, failed = _chunk.fill_chunk(self.batches, plans, arrays)
             error = failed or error
-        chunk = chunk_batches(numbered[0][1], self._here_ok)
+        chunk = self._chunk_of(numbered[0][1], self._here_ok)
         self._filled(time.perf_counter() - t0, len(numbered), chunk)
         return self._post_chunk(numbered, slots, filled, error)
 
@@ -682,7 +687,7 @@ class Pipeline:
                     self.handoff.post(number, planned)
                 return isinstance(planned, End)
             numbered = [(number, planned)]
-            want = chunk_batches(planned, consumer=True)
+            want = self._chunk_of(planned, True)
             self._here_chunk = want
             self._chunk_ahead = planned_together(want)
             stop = self._plan_more(numbered, min(want, len(slots)))
@@ -778,6 +783,9 @@ class Pipeline:
         """Account for the batch whose device work completed and hand it out."""
         self.counters.delivered(plan.valid, time.perf_counter() - t0, self.device.elapsed(slot))
         self._resume = plan  # its state is made when asked for
+        if not self._grown:
+            first = self._first_epoch = plan.epoch if self._first_epoch < 0 else self._first_epoch
+            self._grown = plan.epoch > first
         src = slot.out if self.device.on_device else slot.host
         # the consumer's stream: the named one, else the one current here
         stream = self._stream
