@@ -61,11 +61,11 @@ CHUNK_BYTES = 4 << 20
 #: three chunks' slots while it plans). A chunk's fixed costs on the consumer's thread
 #: (the merged plan, locating its records, one kernel call started: about 100 µs) are
 #: paid once per chunk: at 4 MiB, CIFAR's 1.2 MB batches went 3 to a chunk, and 16 MiB
-#: made W2 1.21× faster (docs/performance.md, "Chunk bytes").
+#: made W2 1.17× faster (docs/performance.md, "Chunk bytes").
 HERE_CHUNK_BYTES = 16 << 20
 #: A batch of more output bytes than this the consumer does not chunk (the fillers fill
 #: it, each one batch). Measured on both sides: batches of 3.1 MB (64 records of
-#: 3×64×64) were 1.07× faster in the consumer's chunks than alone, batches of 7 MB
+#: 3×64×64) were 1.15× faster in the consumer's chunks than alone, batches of 7 MB
 #: (3×96×96) 1.09× faster alone.
 HERE_ALONE_BYTES = 4 << 20
 #: The most rows filled in one chunk.

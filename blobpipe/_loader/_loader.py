@@ -60,12 +60,12 @@ class Loader(AsyncForm, BlockingForm):
             are filled a chunk of up to 16 at a time straight into their slots and
             handed over together: of raw records (from the second epoch on, batches
             of up to 4 MiB, a chunk up to 16 MiB), the consumer's thread plans each
-            chunk when it asks for a batch (no filler's Python competes with it for the GIL) and native
-            threads write the rows meanwhile, up to two chunks ahead; the ring then
-            grows to ``3 * chunk + 1`` slots (up to 48 MiB and a batch). Where the
-            fillers fill the chunks (other records, or no compiled row kernel: a
-            few batches together under 4 MiB), to ``2 * chunk + 1``
-            (``statistics().slots``).
+            chunk when it asks for a batch (no filler's Python competes with it for
+            the GIL) and native threads write the rows meanwhile, up to two chunks
+            ahead; the ring then grows to ``3 * chunk + 1`` slots (up to 48 MiB and
+            a batch). Where the fillers fill the chunks (other records, or no
+            compiled row kernel: a few batches together under 4 MiB), to ``2 * chunk
+            + 1`` (``statistics().slots``).
         order: "key" (Caffe), "shuffle", "buffer" (with ``buffer_size``) or "quasi".
         shuffle: shorthand for ``order="shuffle"``.
         workers: the worker-thread limit (default: the CPU count): ``min(workers,
