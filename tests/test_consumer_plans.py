@@ -373,6 +373,60 @@ def test_the_consumers_chunks_grow_after_the_first_epoch(
     watch.assert_returned()
 
 
+def test_cancelling_async_for_while_it_waits_for_its_chunk_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``anext`` called cancelled, before each real call, while the consumer's chunks
+    are started and their rows not written (a slow pool; YIELD_EVERY always spent, so a
+    wait for a chunk begins with a turn of the loop, where the cancellation lands):
+    every batch still comes, in order, none twice, and every block returns to its pool."""
+    monkeypatch.setattr(_async, "YIELD_EVERY", 1e-9)
+    query = _kernels.Deferral.query
+    waited: set[int] = set()
+    kept: list[_kernels.Deferral] = []  # (kept alive: their ids stay theirs)
+
+    def slow_query(self: _kernels.Deferral) -> bool:  # written only once waited for
+        return id(self) in waited and query(self)
+
+    wait = _kernels.Deferral.wait
+
+    def recorded_wait(self: _kernels.Deferral, seconds: float | None = None) -> bool:
+        done = wait(self, seconds)
+        if done:
+            kept.append(self)
+            waited.add(id(self))
+        return done
+
+    monkeypatch.setattr(_kernels.Deferral, "query", slow_query)
+    monkeypatch.setattr(_kernels.Deferral, "wait", recorded_wait)
+    db = raw_db(tmp_path / "db", 200)
+    n = 2 * 200 // 4
+    backend = make_backend("host")
+    watch = PoolWatch(backend)
+    cancelled_waits = 0
+
+    async def run() -> list[Got]:
+        nonlocal cancelled_waits
+        got: list[Got] = []
+        async with Loader(db, 4, device=backend, workers=2, mode="wrap", phase="test") as loader:
+            pipe = loader._pipe
+            while len(got) < n:
+                waiting = pipe._here and bool(pipe._started) and not pipe.handoff.ready()
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    got.append(Got.of(await anext(loader)))  # (never: cancelled first)
+                assert scope.cancelled_caught
+                cancelled_waits += waiting
+                got.append(Got.of(await anext(loader)))
+            assert pipe._here
+        return got
+
+    got = anyio.run(run)
+    assert cancelled_waits >= 5, cancelled_waits  # cancelled in a wait for a started chunk
+    assert_matches(got, expected(db, len(got), batch_size=4, phase="test"))
+    watch.assert_returned()
+
+
 def test_encoded_batches_go_back_to_the_fillers(tmp_path: Path) -> None:
     """A chunk whose rows the pool cannot write (JPEGs) is filled on the consumer's
     thread once; the fillers fill chunks from then on, and the batches are Batches'."""
