@@ -239,6 +239,30 @@ def test_small_raw_batches_are_planned_by_the_consumer(
     watch.assert_returned()
 
 
+def slow_pool(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """A slow pool: a chunk's rows read as written only once someone waited for them
+    (``Deferral.query`` says False until then), so the consumer always waits for its
+    chunks. Returns the list that the timed waits' limits are appended to."""
+    query, wait = _kernels.Deferral.query, _kernels.Deferral.wait
+    waited: set[_kernels.Deferral] = set()  # (by identity)
+    timed: list[float] = []
+
+    def slow_query(self: _kernels.Deferral) -> bool:
+        return self in waited and query(self)
+
+    def recorded_wait(self: _kernels.Deferral, seconds: float | None = None) -> bool:
+        if seconds is not None:
+            timed.append(seconds)
+        done = wait(self, seconds)
+        if done:
+            waited.add(self)
+        return done
+
+    monkeypatch.setattr(_kernels.Deferral, "query", slow_query)
+    monkeypatch.setattr(_kernels.Deferral, "wait", recorded_wait)
+    return timed
+
+
 @pytest.mark.parametrize("spent", [False, True])
 def test_async_for_waits_for_its_chunks_rows_in_the_loops_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spent: bool
@@ -250,25 +274,7 @@ def test_async_for_waits_for_its_chunks_rows_in_the_loops_thread(
     spent when a wait begins, so each wait follows a turn of the loop."""
     if spent:
         monkeypatch.setattr(_async, "YIELD_EVERY", 1e-9)
-    kept: list[_kernels.Deferral] = []  # (kept alive: their ids stay theirs)
-    waited: set[int] = set()
-    timed: list[float] = []
-    query, wait = _kernels.Deferral.query, _kernels.Deferral.wait
-
-    def slow_query(self: _kernels.Deferral) -> bool:
-        return id(self) in waited and query(self)
-
-    def recorded_wait(self: _kernels.Deferral, seconds: float | None = None) -> bool:
-        if seconds is not None:
-            timed.append(seconds)
-        done = wait(self, seconds)
-        if done:
-            kept.append(self)
-            waited.add(id(self))
-        return done
-
-    monkeypatch.setattr(_kernels.Deferral, "query", slow_query)
-    monkeypatch.setattr(_kernels.Deferral, "wait", recorded_wait)
+    timed = slow_pool(monkeypatch)
     through_worker: list[object] = []
     wait_event = _async.wait_event
 
@@ -381,24 +387,7 @@ def test_cancelling_async_for_while_it_waits_for_its_chunk_loses_nothing(
     wait for a chunk begins with a turn of the loop, where the cancellation lands):
     every batch still comes, in order, none twice, and every block returns to its pool."""
     monkeypatch.setattr(_async, "YIELD_EVERY", 1e-9)
-    query = _kernels.Deferral.query
-    waited: set[int] = set()
-    kept: list[_kernels.Deferral] = []  # (kept alive: their ids stay theirs)
-
-    def slow_query(self: _kernels.Deferral) -> bool:  # written only once waited for
-        return id(self) in waited and query(self)
-
-    wait = _kernels.Deferral.wait
-
-    def recorded_wait(self: _kernels.Deferral, seconds: float | None = None) -> bool:
-        done = wait(self, seconds)
-        if done:
-            kept.append(self)
-            waited.add(id(self))
-        return done
-
-    monkeypatch.setattr(_kernels.Deferral, "query", slow_query)
-    monkeypatch.setattr(_kernels.Deferral, "wait", recorded_wait)
+    slow_pool(monkeypatch)
     db = raw_db(tmp_path / "db", 200)
     n = 2 * 200 // 4
     backend = make_backend("host")
