@@ -101,6 +101,9 @@ __all__ = [
 ]
 
 WORKERS = 2
+#: MiB of huge pages each first epoch's fresh process touches and unmaps before its
+#: clock (``_fresh.prefault``: a VM host's faults out of the fresh memory's cost; 0: none)
+PREFAULT_MIB = 0
 
 
 # -- the user's own caffe_pb2.Datum ----------------------------------------------------------
@@ -904,6 +907,7 @@ def _first_in_fresh_process(contender: Contender, keep: bool) -> Sample:
             "recipe": contender.recipe.to_doc(),
             "out_shape": list(contender.out_shape),
             "batch": str(batch) if keep else None,
+            "prefault": PREFAULT_MIB,
         }
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("_make.py")), json.dumps(spec)],

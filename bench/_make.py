@@ -24,6 +24,7 @@ from _contenders import (
     close_shared_envs,
 )
 from _dali import DaliPipeline
+from _fresh import prefault
 
 __all__ = ["make"]
 
@@ -82,6 +83,7 @@ def _child(argv: list[str]) -> int:
     if spec["key"].startswith("dali"):
         import nvidia.dali  # noqa: F401
     host = AsyncHost() if spec["key"] == "async" else None
+    prefault(spec.get("prefault", 0))  # after the imports and the event loop, before the clock
     try:
         contender = make(spec["key"], files, recipe, tuple(spec["out_shape"]), host)
         sample = contender.first_here(spec["batch"] is not None)

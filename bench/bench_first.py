@@ -2,7 +2,7 @@
 stage by stage, against what the plain loop pays.
 
 Run: ``python bench/bench_first.py [--quick] [--rounds N] [--points SUBSTR,...]
-[--point NAME ...] [--cold-index] [--data-dir DIR] [--json OUT] [--markdown]``
+[--point NAME ...] [--cold-index] [--prefault MIB] [--data-dir DIR] [--json OUT] [--markdown]``
 
 The sweep (``bench_sweep.py``) gives a first epoch's ratio to the plain loop; on its
 small databases (a few thousand records, tens of milliseconds an epoch) the costs a
@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _fresh as fresh_memory
 import bench_sweep as bs
 import bench_workloads as bw
 from _workloads_data import DATA_DIR, prepare, warm_page_cache
@@ -79,11 +80,12 @@ import numpy.random  # noqa: F401  (as the sweep's first epochs: imported before
 sys.path.insert(0, sys.argv[2])
 import _contenders as cs
 import blobpipe
+from _fresh import prefault
 
 spec = json.loads(sys.argv[1])
 recipe = cs.Recipe.from_doc(spec["recipe"])
 db = spec["db"]
-out = {}
+out = {"prefault": prefault(spec["prefault"])}
 
 
 def faults():
@@ -203,7 +205,12 @@ def points(args: argparse.Namespace) -> list[bs.Point]:
 
 
 def measure(
-    point: bs.Point, root: Path, rounds: int, cold_index: bool, quick: bool = False
+    point: bs.Point,
+    root: Path,
+    rounds: int,
+    cold_index: bool,
+    quick: bool = False,
+    prefault: int = 0,
 ) -> dict[str, list[dict[str, float]]]:
     prepared = prepare(bs.db_spec(point, quick), root)
     warm_page_cache(prepared)
@@ -214,6 +221,7 @@ def measure(
         "count": prepared.count,
         "recipe": recipe.to_doc(),
         "out_shape": list(recipe.out_shape(*point.shape)),
+        "prefault": prefault,
     }
     samples: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
     samples["headroom"] = []
@@ -257,10 +265,19 @@ HEADER = (
     "fixed",
     "fresh MiB",
     "faults",
+    "prefault ms/MiB",
     "CPU plain / Loader",
     "first: plain / Loader",
     "A/A",
 )
+
+
+def _prefaulted(samples: dict[str, list[dict[str, float]]]) -> str:
+    """The prefault's cost a MiB (median and range over every process), or "—"."""
+    got = [r["prefault"] for k in KINDS for r in samples[k] if r.get("prefault")]
+    if not got:
+        return "—"
+    return f"{statistics.median(got):.2f} ({min(got):.2f}–{max(got):.2f})"
 
 
 def table(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[tuple[str, ...]]:
@@ -291,6 +308,7 @@ def table(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[tuple[s
                 f"{_med(ld, 'epoch') - _med(ld, 'later'):.1f}",
                 f"{_med(ld, 'fresh', 2**-20):.1f}",
                 f"{_med(ld, 'faults', 1):.0f}",
+                _prefaulted(s),
                 f"{_med(p, 'cpu') / _med(ld, 'cpu'):.2f}×",
                 f"{statistics.median(mine):.2f}× ({min(mine):.2f}–{max(mine):.2f})",
                 f"{statistics.median(aa):.2f}× ({min(aa):.2f}–{max(aa):.2f})",
@@ -312,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every process with an empty index cache (a user's first open of a database)",
     )
+    fresh_memory.add_option(ap)
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every sample to OUT")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -320,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.prefault < 0:
+        ap.error("--prefault must be >= 0")
     try:
         chosen = points(args)
     except ValueError as exc:
@@ -329,13 +350,16 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     results = {}
     for point in chosen:
-        results[point.name] = measure(point, root, args.rounds, args.cold_index, args.quick)
+        results[point.name] = measure(
+            point, root, args.rounds, args.cold_index, args.quick, args.prefault
+        )
         print(
             f"[{time.perf_counter() - t0:6.1f} s] {len(results)}/{len(chosen)} {point.name}",
             file=sys.stderr,
             flush=True,
         )
     cache = "empty (walked, written)" if args.cold_index else "as earlier opens left it"
+    fresh = f"; {note}" if (note := fresh_memory.note(args.prefault)) else ""
     used = sorted(
         {str(Path(r["blobpipe"]).parent.parent) for s in results.values() for r in s["loader"]}
     )
@@ -343,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         f"blobpipe first epochs: {len(results)} points, {args.rounds} interleaved rounds, "
         f"medians (ms; fresh memory in MiB); index cache {cache}; "
         f"machine: {os.cpu_count()} CPU cores, load average {load0:.2f} at start; "
-        f"{time.perf_counter() - t0:.0f} s; blobpipe from {', '.join(used)}"
+        f"{time.perf_counter() - t0:.0f} s; blobpipe from {', '.join(used)}{fresh}"
     )
     print(bw.render(HEADER, table(results), args.markdown, set(range(1, len(HEADER)))))
     if args.json is not None:
@@ -355,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds": args.rounds,
                     "quick": args.quick,
                     "cold_index": args.cold_index,
+                    "prefault": args.prefault,
                     "points": results,
                 },
                 indent=2,

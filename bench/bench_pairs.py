@@ -1,8 +1,8 @@
 """Paired measurements at the small-record points, resolved against an A/A control.
 
 Run: ``python bench/bench_pairs.py [--quick] [--rounds N] [--points SUBSTR,...]
-[--json OUT] [--data-dir DIR] [--markdown] [--check]`` (``--quick``: a smoke test, two
-points on tiny databases, 3 rounds)
+[--json OUT] [--data-dir DIR] [--markdown] [--check] [--prefault MIB]`` (``--quick``: a
+smoke test, two points on tiny databases, 3 rounds; ``--prefault``: ``_fresh.py``)
 
 Small records are where the pipeline's own Python decides (``docs/design.md``, "The GIL
 budget"), so these are the points where a few microseconds a batch move a ratio by a few
@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
+import _fresh as fresh_memory
 import bench_sweep as sweep
 import bench_workloads as bw
 from _workloads_data import DATA_DIR, prepare, warm_page_cache
@@ -132,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--check", action="store_true", help="exit 1 on a resolved miss")
+    fresh_memory.add_option(ap)
     args = ap.parse_args(argv)
+    if args.prefault < 0:
+        ap.error("--prefault must be >= 0")
+    cs.PREFAULT_MIB = args.prefault
     if args.rounds is None:
         args.rounds = 3 if args.quick else ROUNDS
     if args.rounds < 3:
@@ -165,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"blobpipe pairs: {len(runs)} small-record points, {args.rounds} interleaved rounds "
         f"each, medians of per-round ratios; {os.cpu_count()} CPU cores, load "
-        f"average {load0:.2f} at start; {time.perf_counter() - t0:.0f} s\n"
+        f"average {load0:.2f} at start; {time.perf_counter() - t0:.0f} s"
     )
+    if note := fresh_memory.note(args.prefault):
+        print(f"fresh memory: {note}")
+    print()
     lines, resolved_count, misses = [], 0, 0
     for run in runs:
         line, missed, ok = row(run)
@@ -182,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "benchmark": "bench_pairs",
             "quick": args.quick,
+            "prefault": args.prefault,
             "rounds": args.rounds,
             "loadavg_start": load0,
             "points": [

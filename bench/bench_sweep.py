@@ -1,7 +1,8 @@
 """The Loader against the plain loop over a grid of record shapes, kinds and recipes.
 
 Run: ``python bench/bench_sweep.py [--quick] [--rounds N] [--points SUBSTR,...]
-[--point NAME ...] [--json OUT] [--plot OUT.png] [--data-dir DIR] [--markdown] [--check]``
+[--point NAME ...] [--json OUT] [--plot OUT.png] [--data-dir DIR] [--markdown] [--check]
+[--prefault MIB]``
 
 The workload benchmark (``bench_workloads.py``) measures five workloads; this one
 measures the space around them, with the same harness (its contenders, its
@@ -66,6 +67,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
+import _fresh as fresh_memory
 import bench_workloads as bw
 from _make import make
 from _workloads_data import DATA_DIR, DbSpec, prepare, warm_page_cache
@@ -504,7 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    fresh_memory.add_option(ap)
     args = ap.parse_args(argv)
+    if args.prefault < 0:
+        ap.error("--prefault must be >= 0")
+    cs.PREFAULT_MIB = args.prefault
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
     if args.rounds < 1:
@@ -553,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         f'{args.rounds} interleaved round(s) each, medians; Loader device="cpu", '
         'mode="epoch"'
     )
+    if note := fresh_memory.note(args.prefault):
+        print(f"fresh memory: {note}")
     print(
         f"machine: {os.cpu_count()} CPU cores, load average {load0:.2f} at start, parallel "
         f"headroom {headroom:.2f}× (2.00× = two idle cores); time: data {t_data:.1f} s, "
@@ -578,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "benchmark": "bench_sweep",
             "quick": args.quick,
+            "prefault": args.prefault,
             "rounds": args.rounds,
             "loadavg_start": load0,
             "parallel_headroom": headroom,

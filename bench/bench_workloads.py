@@ -1,7 +1,8 @@
 """The Loader on the workloads Caffe users run, against a plain loop and PyTorch's recipe.
 
 Run: ``python bench/bench_workloads.py [--quick] [--rounds N] [--workloads W1,W3,...]
-[--json OUT] [--data-dir DIR] [--markdown] [--check] [--no-torch] [--no-dali]``
+[--json OUT] [--data-dir DIR] [--markdown] [--check] [--no-torch] [--no-dali]
+[--prefault MIB]``
 
 Workloads (LMDBs generated once and cached under ``bench/_data/``, see
 ``_workloads_data.py``; batch sizes from Caffe's example prototxts):
@@ -95,6 +96,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _contenders as cs
+import _fresh as fresh_memory
 from _dali import DaliPipeline, dali_version
 from _make import make
 from _workloads_data import DbSpec, Prepared, imagenet_raw, prepare, warm_page_cache
@@ -1005,6 +1007,7 @@ def json_doc(
         "benchmark": "bench_workloads",
         "format": FORMAT,
         "quick": args.quick,
+        "prefault": args.prefault,
         "rounds": args.rounds,
         "workers": cs.WORKERS,
         "device": "cpu",
@@ -1036,7 +1039,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch recipe")
     ap.add_argument("--no-dali", action="store_true", help="skip NVIDIA DALI's pipelines")
+    fresh_memory.add_option(ap)
     args = ap.parse_args(argv)
+    if args.prefault < 0:
+        ap.error("--prefault must be >= 0")
+    cs.PREFAULT_MIB = args.prefault
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
@@ -1083,6 +1090,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} interleaved round(s), medians; Loader workers={cs.WORKERS}, "
         f'device="cpu", mode="epoch"'
     )
+    if note := fresh_memory.note(args.prefault):
+        print(f"fresh memory: {note}")
     print(
         f"machine: {os.cpu_count()} CPU cores, load average {load0:.2f} at start; parallel "
         f"headroom {statistics.median(headroom):.2f}× (sha256 on 2 threads vs 1; 2.00× = two "
