@@ -16,12 +16,18 @@ clock starts: the maps made after it take those blocks, backed on the host again
 the first epoch then pays the zeroing a machine without such a balloon pays, and its
 figure says what fresh memory cost at that moment. Imports nothing of the project (the
 first-epoch children import it from any checkout).
+
+``python bench/_fresh.py [--mib 40] [--rounds 6] [--gap 3]`` shows it: fresh processes,
+each touching ``--mib`` MiB of huge pages, started back to back and ``--gap`` seconds
+apart, then with a prefault of twice that before the touch (ms a MiB, per process).
 """
 
 from __future__ import annotations
 
 import argparse
 import mmap
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,3 +88,46 @@ def note(mib: int) -> str:
     if (reporting := page_reporting()) is not None:
         parts.append(reporting)
     return "; ".join(parts)
+
+
+def _child(mib: int, pre: int) -> float:
+    if pre:
+        prefault(pre)
+    return prefault(mib)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="What fresh huge pages cost a fresh process.")
+    ap.add_argument("--mib", type=int, default=40, help="MiB each process touches (40)")
+    ap.add_argument("--rounds", type=int, default=6, help="processes per row (6)")
+    ap.add_argument("--gap", type=float, default=3.0, help="seconds between processes (3)")
+    args = ap.parse_args(argv)
+    if args.mib < 1 or args.rounds < 1 or args.gap < 0:
+        ap.error("--mib and --rounds must be >= 1, --gap >= 0")
+    here = str(Path(__file__).resolve().parent)
+    print(page_reporting() or "no free page reporting to a host")
+    rows = (
+        ("back to back", 0.0, 0),
+        (f"{args.gap:g} s apart", args.gap, 0),
+        (f"{args.gap:g} s apart, {2 * args.mib} MiB prefaulted", args.gap, 2 * args.mib),
+    )
+    for label, gap, pre in rows:
+        got = []
+        for _ in range(args.rounds):
+            time.sleep(gap)
+            code = f"import sys; sys.path.insert(0, {here!r}); import _fresh; "
+            code += f"print(_fresh._child({args.mib}, {pre}))"
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            got.append(float(out.stdout))
+        got.sort()
+        print(
+            f"{args.mib} MiB touched, {label}: ms a MiB, median {got[len(got) // 2]:.3f} "
+            f"(" + ", ".join(f"{g:.3f}" for g in got) + ")"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

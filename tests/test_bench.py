@@ -315,6 +315,21 @@ def test_gil_releases_counts_each_sample_s_caller_within_the_window() -> None:
     assert json.loads(proc.stdout) == {"transform_rows": 2, "acquire_timed": 1}
 
 
+def test_prefault_touches_fresh_memory_and_says_what_it_did() -> None:
+    """``_fresh.prefault`` (the first-epoch benchmarks' ``--prefault``): MiB touched and
+    unmapped, its cost a MiB; none asked, none done; the header's note says so."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _fresh
+    finally:
+        sys.path.remove(str(BENCH))
+    assert _fresh.prefault(0) == 0.0
+    assert _fresh.prefault(4) > 0.0
+    assert _fresh.note(16).startswith("16 MiB prefaulted before each first epoch's clock")
+    reporting = _fresh.page_reporting()
+    assert _fresh.note(0) == ("" if reporting is None else reporting)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_first_quick(tmp_path: Path) -> None:
@@ -322,10 +337,14 @@ def test_bench_first_quick(tmp_path: Path) -> None:
     row each, both sides' stages, the ring's fresh memory, the ratio and the A/A
     control; the JSON holds every sample."""
     out = tmp_path / "first.json"
-    proc = run_quick("bench_first.py", tmp_path, "--json", str(out), "--markdown")
+    proc = run_quick(
+        "bench_first.py", tmp_path, "--json", str(out), "--markdown", "--prefault", "8"
+    )
     assert "| point | records | plain open | 1st batch | first | close |" in proc.stdout
+    assert "8 MiB prefaulted before each first epoch's clock" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_first" and doc["quick"] and doc["rounds"] == 1
+    assert doc["prefault"] == 8
     names = ["raw 3×48×48 TEST, scale", "raw 3×80×80 TRAIN, crop 64, mirror, mean file"]
     assert list(doc["points"]) == names
     for name, samples in doc["points"].items():
@@ -335,6 +354,8 @@ def test_bench_first_quick(tmp_path: Path) -> None:
             assert loader[stage] > 0, stage
         assert loader["fresh"] > 0 and loader["images"] == samples["records"][0]["count"]
         assert samples["plain"][0]["later"] > 0 and len(samples["again"]) == 1
+        # every process touched its 8 MiB before its clock, and timed it
+        assert all(r["prefault"] > 0 for k in ("plain", "loader", "again") for r in samples[k])
 
 
 @pytest.mark.slow

@@ -1483,6 +1483,31 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
 
 
 @pytest.mark.anyio
+async def test_the_first_batch_after_open_is_waited_for_in_the_loops_thread(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening is a turn of the event loop, so the first batch (here 50 ms late) is
+    waited for in the loop's thread while YIELD_EVERY lasts, as a later one is: no
+    wake-up through the event loop (in a fresh process the first one costs
+    milliseconds)."""
+    monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", 2.0)
+    chunk_bytes(monkeypatch, 0)  # a fill a batch
+    probe = FillProbe(monkeypatch, sleep=0.05)
+    wakes: list[object] = []
+    real = blobpipe._loader._async.threadsafe_caller
+
+    def counted() -> Any:
+        call = real()
+        return lambda fn: (wakes.append(fn), call(fn))[1]
+
+    monkeypatch.setattr(blobpipe._loader._async, "threadsafe_caller", counted)
+    async with Loader(db30, 4, device="cpu", prefetch=1, workers=1) as loader:
+        got = [Got.of(await anext(loader))]
+    assert probe.calls >= 1 and wakes == []
+    assert_matches(got, expected(db30, 4, batch_size=4)[:1])
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("device", ["host", "emulated"])
 async def test_open_is_a_checkpoint_and_starts_nothing_when_cancelled(
     db30: Path, device: str

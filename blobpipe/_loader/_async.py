@@ -65,7 +65,8 @@ class AsyncForm:
     _pipe: Pipeline  # the Loader's, made before this __init__ runs
 
     def __init__(self) -> None:
-        self._yielded = 0.0  # when __anext__ last let the event loop run other tasks
+        # when this loader last let the event loop run other tasks (__anext__, open)
+        self._yielded = 0.0
         # (event loop token, its thread-safe caller) of the last event loop that waited
         self._caller: tuple[object, Callable[[Callable[[], object]], object]] | None = None
 
@@ -104,6 +105,9 @@ class AsyncForm:
         else:  # nothing to warm up: no worker thread (a first epoch pays for one)
             await anyio.lowlevel.checkpoint()
         pipe.start()
+        # the loop ran other tasks just now: the first batch is waited for in this thread
+        # while YIELD_EVERY lasts, as any other (a wake-up through the loop costs more)
+        self._yielded = time.perf_counter()
 
     async def aclose(self) -> None:
         """Stop the pipeline: no thread left running, every block back in the pool.
