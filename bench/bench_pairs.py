@@ -1,8 +1,10 @@
 """Paired measurements at the small-record points, resolved against an A/A control.
 
 Run: ``python bench/bench_pairs.py [--quick] [--rounds N] [--points SUBSTR,...]
-[--json OUT] [--data-dir DIR] [--markdown] [--check] [--prefault MIB]`` (``--quick``: a
-smoke test, two points on tiny databases, 3 rounds; ``--prefault``: ``_fresh.py``)
+[--workloads W1,W3,...] [--json OUT] [--data-dir DIR] [--markdown] [--check] [--prefault
+MIB]`` (``--quick``: a smoke test, two points on tiny databases, 3 rounds; ``--workloads``:
+``bench_workloads.py``'s workloads, with the same contenders, instead of the points;
+``--prefault``: ``_fresh.py``)
 
 Small records are where the pipeline's own Python decides (``docs/design.md``, "The GIL
 budget"), so these are the points where a few microseconds a batch move a ratio by a few
@@ -53,6 +55,8 @@ FIRST_TARGET = 1.2
 RESOLUTION = 0.05  # the A/A interval must lie within 1 ± this
 MAX_PIXELS = 3 * 80 * 80  # the small-record points: records of at most this many pixels
 RESAMPLES = 2000
+#: the contenders a workload's run keeps (``--workloads``): those the checks read
+PAIRED = ("plain", "memcpy", "batches", "async", "blocking", "again")
 
 
 def per_round(run: bw.Run, key: str, kind: str, against: str) -> list[float]:
@@ -95,10 +99,15 @@ HEADER = (
 
 
 def row(run: bw.Run) -> tuple[tuple[str, ...], list[str], bool]:
-    """The table row, the targets missed, and whether the point is resolved."""
+    """The table row, the targets missed, and whether the point is resolved (a check
+    whose contenders the run has not, W5's plain loop: "—")."""
     ok = resolved(run)
     cells, missed = [], []
+    keys = {r.contender.key for r in run.rows}
     for name, key, kind, against, target in CHECKS:
+        if not {key, against} <= keys:
+            cells.append("—")
+            continue
         got = statistics.median(per_round(run, key, kind, against))
         cells.append(f"{got:.2f}×")
         if got < target:
@@ -129,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two points, tiny databases, 3 rounds")
     ap.add_argument("--rounds", type=int, help=f"rounds (default {ROUNDS}, quick 3)")
     ap.add_argument("--points", metavar="SUBSTR,...", help="only points whose name contains one")
+    ap.add_argument(
+        "--workloads",
+        metavar="W1,W3,...",
+        help="bench_workloads.py's workloads instead of the small-record points",
+    )
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every sample to OUT")
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -152,23 +166,35 @@ def main(argv: list[str] | None = None) -> int:
         points = [p for p in points if any(t in p.name for t in wanted)]
     if args.quick:
         points = points[:2]
+    chosen = bw.select(bw.workloads(args.quick), args.workloads) if args.workloads else []
     root = DATA_DIR if args.data_dir is None else args.data_dir
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     host = cs.AsyncHost()
     runs = []
+
+    def measured(run: bw.Run) -> None:
+        sweep.measure_point(run, args.rounds)
+        runs.append(run)
+        name = run.workload.name
+        print(f"[{time.perf_counter() - t0:6.1f} s] {name}", file=sys.stderr, flush=True)
+
     try:
-        for p in points:
+        for w in chosen:  # the same contenders as at a point (no torch, no DALI)
+            pre = prepare(w.db, root)
+            warm_page_cache(pre)
+            run = bw.build(w, pre, host, False, False)
+            run.rows = [r for r in run.rows if r.contender.key in PAIRED]
+            measured(run)
+        for p in [] if chosen else points:
             pre = prepare(sweep.db_spec(p, args.quick), root)
             warm_page_cache(pre)
-            run = sweep.build(p, pre, host)
-            sweep.measure_point(run, args.rounds)
-            runs.append(run)
-            print(f"[{time.perf_counter() - t0:6.1f} s] {p.name}", file=sys.stderr, flush=True)
+            measured(sweep.build(p, pre, host))
     finally:
         host.close()
     print(
-        f"blobpipe pairs: {len(runs)} small-record points, {args.rounds} interleaved rounds "
+        f"blobpipe pairs: {len(runs)} {'workloads' if chosen else 'small-record points'}, "
+        f"{args.rounds} interleaved rounds "
         f"each, medians of per-round ratios; {os.cpu_count()} CPU cores, load "
         f"average {load0:.2f} at start; {time.perf_counter() - t0:.0f} s"
     )

@@ -223,6 +223,29 @@ def test_bench_pairs_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_pairs_workloads_quick(tmp_path: Path) -> None:
+    """``--workloads``: the workloads' databases and recipes, the points' contenders (W5's
+    baseline is the memcpy: no plain loop, its first-epoch check shown as "—"), and the
+    prefault noted."""
+    out = tmp_path / "pairs.json"
+    proc = run_quick(
+        "bench_pairs.py", tmp_path, "--json", str(out), "--markdown",
+        "--workloads", "W1,W5", "--prefault", "8",
+    )  # fmt: skip
+    text = proc.stdout
+    assert "blobpipe pairs: 2 workloads, 3 interleaved rounds" in text
+    assert "8 MiB prefaulted before each first epoch's clock" in text
+    doc = json.loads(out.read_text())
+    assert [p["name"] for p in doc["points"]] == ["W1", "W5"] and doc["prefault"] == 8
+    w1, w5 = doc["points"]
+    assert set(w1["rates"]) == {"plain", "batches", "async", "blocking", "again"}
+    assert set(w5["rates"]) == {"memcpy", "batches", "async", "blocking", "again"}
+    (line,) = [row for row in text.splitlines() if row.startswith("| W5 | 3 |")]
+    assert line.split(" | ")[5] == "—"  # first epoch / plain: no plain loop
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_sweep_quick(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
