@@ -247,6 +247,23 @@ def test_bench_pairs_workloads_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_bench_async_pairs_the_two_forms_in_one_process(tmp_path: Path) -> None:
+    """``bench_async.py --quick``: a row a workload, both forms' µs a batch, the ratio and
+    the A/A control with their intervals, and item 3's verdict."""
+    proc = run_quick("bench_async.py", tmp_path, "--workloads", "W1,W5")
+    text = proc.stdout
+    assert "async for against for, paired in one process, 3 rounds, later epochs" in text
+    for name in ("W1", "W5"):
+        (line,) = [row for row in text.splitlines() if row.startswith(f"| {name} |")]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0
+        assert re.fullmatch(r"[\d.]+× \([\d.]+–[\d.]+\)", cells[3]), cells[3]
+        assert re.fullmatch(r"[\d.]+× \([\d.]+–[\d.]+\)", cells[4]), cells[4]
+        assert re.fullmatch(r"(PASS|MISS)( \(unresolved\))?", cells[5]), cells[5]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_bench_sweep_quick(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     png = tmp_path / "sweep.png"
