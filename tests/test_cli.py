@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -430,6 +431,44 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     records, upto, resume = map(int, at.groups())
     assert upto == resume == marker["next_index"]
     assert records == resume - len(marker["skipped"])
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interruption_at_a_commit_reports_what_the_marker_on_disk_resumes_from(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    when: str,
+) -> None:
+    """A Ctrl-C landing just before or just after a commit's marker is written: the
+    message's line and records are the marker's on disk, what a rerun resumes from (a
+    count kept in memory beside it said 2 records of 4 lines once)."""
+    import blobpipe._tools._convert as convert
+
+    real = convert.write_marker
+    written: list[int] = []
+
+    def interrupted(partial: Path, marker: dict[str, Any]) -> None:
+        if len(written) == 2:  # the empty marker, the first commit: now the second
+            if when == "after":
+                real(partial, marker)
+            raise KeyboardInterrupt
+        real(partial, marker)
+        written.append(int(marker["next_index"]))
+
+    monkeypatch.setattr(convert, "write_marker", interrupted)
+    argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(tmp_path / "db")]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    marker = read_marker(tmp_path / "db.partial")
+    assert marker is not None
+    at = re.search(r"(\d+) records \(list lines up to (\d+) of 50\).*resume at line (\d+)", err)
+    assert at is not None, err
+    records, upto, resume = map(int, at.groups())
+    assert upto == resume == marker["next_index"]
+    # before: the first commit's marker stays; after: the second's replaced it
+    assert (upto == written[-1]) if when == "before" else (upto > written[-1])
+    assert records == upto - len(marker["skipped"]) > 0
 
 
 # -- Caffe's own scripts ------------------------------------------------------------------

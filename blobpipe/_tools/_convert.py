@@ -446,10 +446,9 @@ def convert_imageset(
         Progress(len(entries), "convert", quiet=quiet) as bar,
     ):
         bar.skip(start)
-        committed = writer.entries()  # the records the marker accounts for
 
         def commit(next_index: int) -> None:
-            nonlocal pending_bytes, committed
+            nonlocal pending_bytes
             writer.put_many(pending)
             pending.clear()
             pending_bytes = 0
@@ -461,7 +460,6 @@ def convert_imageset(
             except OSError as exc:
                 full = disk_full(exc, partial, "the records committed before are kept")
                 raise exc if full is None else full from exc
-            committed = writer.entries()
 
         def notice(message: str) -> None:
             bar.clear()
@@ -515,11 +513,15 @@ def convert_imageset(
             what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
             fix = "" if isinstance(exc, KeyboardInterrupt) else "fix the problem and "
             bar.stop()  # nothing is drawn after this message
-            # what the marker records is what a rerun resumes from
+            # What a rerun resumes from is the marker on disk, whenever the interruption
+            # came (before, during or after its write): every line before its next index
+            # is a record or one of its skipped lines.
+            kept = read_marker(partial) or marker
+            upto = int(kept["next_index"])
             say(
-                f"{what}: {committed} records (list lines up to {marker['next_index']} of "
+                f"{what}: {upto - len(kept['skipped'])} records (list lines up to {upto} of "
                 f"{len(entries)}) are committed in {str(partial)!r}; {fix}rerun the same "
-                f"command to resume at line {marker['next_index']}"
+                f"command to resume at line {upto}"
             )
             raise
         records = writer.entries()
