@@ -92,24 +92,16 @@ def measure(db: str, options: dict[str, Any], rounds: int, seed: int = 0) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench_planners import case_arguments
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W5", help="all by default")
-    parser.add_argument("--point", action="append", default=[], help="a bench_sweep point")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--data-dir", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
+    case_arguments(parser, "W1,W2,W3,W4,W5", ROUNDS)
     args = parser.parse_args(argv)
     from _workloads_data import prepare, warm_page_cache
     from bench_pairs import ASYNC_TARGET, RESOLUTION, interval
-    from bench_planners import options_of
-    from bench_sweep import db_spec, point_from_name
-    from bench_workloads import Workload, select, workloads
+    from bench_planners import cases, options_of
 
-    chosen = [(w, True) for w in select(workloads(args.quick), args.workloads)]
-    for name in args.point:
-        p = point_from_name(name)
-        workload = Workload(p.name, p.name, db_spec(p, args.quick), p.recipe)
-        chosen.append((workload, p.recipe.mean_file is not None))
+    chosen = cases(args.workloads, args.point, args.quick)
     rounds = 3 if args.quick else args.rounds
     if rounds < 3:
         parser.error("--rounds must be >= 3 (an interval needs rounds)")

@@ -127,29 +127,37 @@ def options_of(recipe: Any, mean_file: Path | None) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="W1,W2", help="W1,W2 by default")
+def case_arguments(parser: argparse.ArgumentParser, workloads: str, rounds: int) -> None:
+    """The options of a benchmark run case by case (:func:`cases`)."""
+    parser.add_argument("--workloads", default=workloads, help=f"{workloads} by default")
     parser.add_argument("--point", action="append", default=[], help="a bench_sweep point")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
+
+
+def cases(names: str, points: list[str], quick: bool) -> list[tuple[Any, bool]]:
+    """The workloads named (``bench_workloads.select``: W3 is W3 and W3-test) and the sweep
+    points, each with whether its recipe uses the database's mean file."""
+    from bench_sweep import db_spec, point_from_name
+    from bench_workloads import Workload, select, workloads
+
+    chosen = [(w, True) for w in select(workloads(quick), names)]
+    for name in points:
+        p = point_from_name(name)
+        workload = Workload(p.name, p.name, db_spec(p, quick), p.recipe)
+        chosen.append((workload, p.recipe.mean_file is not None))
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    case_arguments(parser, "W1,W2", ROUNDS)
     args = parser.parse_args(argv)
     from _workloads_data import prepare, warm_page_cache
     from bench_pairs import PIPELINE_TARGET, RESOLUTION, interval
-    from bench_sweep import db_spec, point_from_name
-    from bench_workloads import Workload, workloads
 
-    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
-    chosen = [(w, True) for w in workloads(args.quick) if w.name in wanted]
-    for name in args.point:
-        p = point_from_name(name)
-        chosen.append(
-            (
-                Workload(p.name, p.name, db_spec(p, args.quick), p.recipe),
-                p.recipe.mean_file is not None,
-            )
-        )
+    chosen = cases(args.workloads, args.point, args.quick)
     rounds = 3 if args.quick else args.rounds
     print(f"planners paired in one process, {rounds} rounds, later epochs, µs a batch (medians)")
     print(

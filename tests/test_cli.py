@@ -423,14 +423,21 @@ def test_ctrl_c_reports_what_is_committed_and_exits_130(tmp_path: Path) -> None:
     assert err.startswith("blobpipe convert-imageset: interrupted: ")
     assert "rerun the same command to resume" in err
     assert not out.exists()
-    # the message says what the rerun resumes from: the marker's line, and its records
-    marker = read_marker(tmp_path / "db.partial")
+    resumes_from(err, tmp_path / "db.partial")
+
+
+def resumes_from(err: str, partial: Path) -> int:
+    """The line an interrupted conversion's message says a rerun resumes at, checked
+    against the marker on disk: its next line, and its records (the lines before it less
+    those it skipped)."""
+    marker = read_marker(partial)
     assert marker is not None
     at = re.search(r"(\d+) records \(list lines up to (\d+) of 50\).*resume at line (\d+)", err)
     assert at is not None, err
     records, upto, resume = map(int, at.groups())
     assert upto == resume == marker["next_index"]
-    assert records == resume - len(marker["skipped"])
+    assert records == resume - len(marker["skipped"]) > 0
+    return resume
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -459,16 +466,9 @@ def test_an_interruption_at_a_commit_reports_what_the_marker_on_disk_resumes_fro
     monkeypatch.setattr(convert, "write_marker", interrupted)
     argv = ["convert-imageset", "-q", "--commit-every", "2", ROOT, LIST, str(tmp_path / "db")]
     assert main(argv) == 130
-    err = capsys.readouterr().err
-    marker = read_marker(tmp_path / "db.partial")
-    assert marker is not None
-    at = re.search(r"(\d+) records \(list lines up to (\d+) of 50\).*resume at line (\d+)", err)
-    assert at is not None, err
-    records, upto, resume = map(int, at.groups())
-    assert upto == resume == marker["next_index"]
+    resume = resumes_from(capsys.readouterr().err, tmp_path / "db.partial")
     # before: the first commit's marker stays; after: the second's replaced it
-    assert (upto == written[-1]) if when == "before" else (upto > written[-1])
-    assert records == upto - len(marker["skipped"]) > 0
+    assert (resume == written[-1]) if when == "before" else (resume > written[-1])
 
 
 # -- Caffe's own scripts ------------------------------------------------------------------
