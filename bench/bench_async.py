@@ -21,6 +21,7 @@ processes: ``bench_pairs.py --workloads``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -42,15 +43,15 @@ def measure(db: str, options: dict[str, Any], rounds: int, seed: int = 0) -> dic
     import _contenders as cs
     from bench_workloads import settle
 
-    host = cs.AsyncHost()
-    loaders = {
-        k: blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options) for k in KEYS
-    }
-    kept = host.portal.wrap_async_context_manager(loaders["async"])
-    try:
-        kept.__enter__()
+    with contextlib.ExitStack() as opened:  # closed in reverse, the event loop last
+        host = cs.AsyncHost()
+        opened.callback(host.close)
+        loaders = {
+            k: blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options) for k in KEYS
+        }
+        opened.enter_context(host.portal.wrap_async_context_manager(loaders["async"]))
         for key in ("for", "again"):
-            loaders[key].__enter__()
+            opened.enter_context(loaders[key])
 
         def blocking(loader: blobpipe.Loader) -> float:
             t0, n = time.perf_counter(), 0
@@ -84,11 +85,6 @@ def measure(db: str, options: dict[str, Any], rounds: int, seed: int = 0) -> dic
                 times[key].append(runs[key]())
                 settle()
         return times
-    finally:
-        kept.__exit__(None, None, None)
-        for key in ("for", "again"):
-            loaders[key].close()
-        host.close()
 
 
 def main(argv: list[str] | None = None) -> None:
