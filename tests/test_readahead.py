@@ -73,10 +73,17 @@ def mapped(path: Path) -> Iterator[np.ndarray]:
 
 
 def cached(path: Path) -> float:
-    """The share of ``path``'s pages in the page cache."""
-    at = np.arange(0, path.stat().st_size, PAGE, dtype=np.int64)
+    """The share of ``path``'s pages in the page cache (``mincore`` through ``ctypes``,
+    apart from the code under test)."""
+    import ctypes
+
+    call = ctypes.PyDLL(None).mincore
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-path.stat().st_size // PAGE)
+    vec = np.zeros(pages, np.uint8)
     with mapped(path) as array:
-        return 1.0 - float(missing(array, at, np.full(len(at), PAGE, np.int64)).mean())
+        assert call(array.ctypes.data, len(array), vec.ctypes.data) == 0
+    return float((vec & 1).mean())
 
 
 @pytest.fixture
@@ -159,7 +166,86 @@ def test_the_window_follows_the_memory_available() -> None:
     assert available is None or available > 0
 
 
-def test_missing_tells_cached_pages(cold_file: Path) -> None:
+@pytest.fixture(params=["compiled", "ctypes"])
+def lookup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Pages looked up through the compiled row kernel's ``resident``, or (as where it
+    is not built) a ``ctypes`` call of ``mincore`` a page."""
+    from blobpipe._io import _readahead
+
+    if request.param == "compiled":
+        kernel = _readahead.row_kernel()
+        if kernel is None or not hasattr(kernel, "resident"):
+            pytest.skip("the compiled row kernel (Linux) is not built here")
+    else:
+        monkeypatch.setattr(_readahead, "row_kernel", lambda: None)
+    return str(request.param)
+
+
+def test_resident_pages_the_compiled_lookup_and_ctypes_agree(
+    cold_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page by page, cached or not, inside the map or outside it (either side, and the
+    partial last page), as ``mincore`` tells it."""
+    from blobpipe._io import _readahead
+
+    kernel = _readahead.row_kernel()
+    if kernel is None or not hasattr(kernel, "resident"):
+        pytest.skip("the compiled row kernel (Linux) is not built here")
+    size = cold_file.stat().st_size
+    with open(cold_file, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+        os.pread(f.fileno(), 3 * PAGE, 5 * PAGE)  # pages 5, 6, 7 cached
+        os.pread(f.fileno(), PAGE, 100 * PAGE)  # and page 100
+    last = (size - 1) // PAGE
+    spans = [
+        (-1, 0),
+        (0, 0),
+        (4, 4),
+        (5, 5),
+        (5, 7),
+        (4, 7),
+        (5, 8),
+        (7, 5),
+        (last, last),
+        (last, last + 1),
+        (last + 1, last + 1),
+        (1 << 40, 1 << 40),
+    ]
+    want = [False, False, False, True, True, False, False, False, False, False, False, False]
+    first = np.array([f for f, _ in spans], np.intp)
+    final = np.array([g for _, g in spans], np.intp)
+    with mapped(cold_file) as array:
+        compiled = _readahead.resident(array, first, final)
+        assert compiled is not None and compiled.tolist() == want
+        # a span of more than 32 pages: its first and last pages looked at
+        long = _readahead.resident(array, np.array([5, 8], np.intp), np.array([100, 100], np.intp))
+        assert long is not None and long.tolist() == [True, False]
+        monkeypatch.setattr(_readahead, "row_kernel", lambda: None)
+        by_ctypes = _readahead.resident(array, first, final)
+        assert by_ctypes is not None and by_ctypes.tolist() == [
+            False,
+            False,
+            False,
+            True,
+            True,
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+        ]
+        with pytest.raises(ValueError, match="page boundary"):
+            kernel.resident(array[1:], first, final)
+        with pytest.raises(ValueError, match="first must be intp"):
+            kernel.resident(array, first.astype(np.int32), final)
+        with pytest.raises(ValueError, match="one length"):
+            kernel.resident(array, first, final[:-1])
+        assert kernel.resident(array, first[:0], final[:0]) == b""
+
+
+def test_missing_tells_cached_pages(cold_file: Path, lookup: str) -> None:
     size = cold_file.stat().st_size
     with open(cold_file, "rb") as f:
         os.pread(f.fileno(), 64 << 10, 1 << 20)  # cache [1 MiB, 1 MiB + 64 KiB)

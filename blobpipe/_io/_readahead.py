@@ -37,6 +37,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ._kernels import row_kernel
 from ._pid import pid
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "evict_file",
     "missing",
     "pieces",
+    "resident",
     "uncached",
     "whole_limit",
     "will_need",
@@ -339,47 +341,67 @@ def _mincore_call() -> Callable[[int, int, int], int] | None:
     return _mincore
 
 
+def resident(
+    mapped: npt.NDArray[np.uint8], first: npt.NDArray[np.intp], last: npt.NDArray[np.intp]
+) -> np.ndarray | None:
+    """Per span of pages ``[first[i], last[i]]`` of ``mapped`` (a map of a file,
+    starting at a page boundary), whether it lies inside the map and its pages are in
+    the page cache (``mincore``; of a span of more than 32 pages, its first and last).
+    One call of the compiled row kernel (``_rowkernel.resident``: a ``mincore`` call a
+    span, ~1 µs each on a VM) where it is built; else ``ctypes``, a call a page (2-10
+    µs each), first and last page. None where the system has no ``mincore``."""
+    first = np.ascontiguousarray(first, np.intp)
+    last = np.ascontiguousarray(last, np.intp)
+    kernel = row_kernel()
+    compiled = getattr(kernel, "resident", None) if kernel is not None else None
+    if compiled is not None:
+        return np.frombuffer(compiled(mapped, first, last), np.bool_)
+    call = _mincore_call()
+    if call is None:
+        return None
+    base = int(mapped.ctypes.data)
+    end = (len(mapped) - 1) // _PAGE
+    vec = np.zeros(1, np.uint8)
+    address = int(vec.ctypes.data)
+
+    def cached(page: int) -> bool:
+        if not 0 <= page <= end or call(base + page * _PAGE, _PAGE, address):
+            return False
+        return bool(vec[0] & 1)
+
+    spans = zip(first.tolist(), last.tolist(), strict=True)
+    return np.array([f <= g and cached(f) and cached(g) for f, g in spans], np.bool_)
+
+
 def missing(
     mapped: npt.NDArray[np.uint8],
     offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
 ) -> npt.NDArray[np.bool_]:
     """Per range ``[offsets[i], offsets[i] + lengths[i])`` of the file ``mapped`` (a
-    map of it), whether its first or its last page is not in the page cache
-    (``mincore``, which looks pages up and faults nothing in: a file cut short meanwhile
-    is no hazard). A range past the file's end, or where ``mincore`` is missing, counts
-    as missing. The kernel's cost is per page looked up (~0.2 µs: a 400 MB span would
-    take 20 ms), so two pages a range, and of more than :data:`SAMPLE` ranges only
-    that many, spread over them: all cached (a warm epoch), all are taken to be; else
-    none is (a hint too many costs a lookup in the thread, a hint too few a wait)."""
+    map of it), whether a page of it is not in the page cache (:func:`resident`: its
+    pages, or of a range of more than 32 pages its first and last; ``mincore`` looks
+    pages up and faults nothing in, so a file cut short meanwhile is no hazard). A
+    range past the file's end, or where ``mincore`` is missing, counts as missing. Of
+    more than :data:`SAMPLE` ranges only that many are looked at, spread over them: all
+    cached (a warm epoch), all are taken to be; else none is (a hint too many costs a
+    lookup in the thread, a hint too few a wait)."""
     n = len(offsets)
     out = np.ones(n, np.bool_)
-    call = _mincore_call()
     size = len(mapped)
-    if call is None or not n or not size or int(mapped.ctypes.data) % _PAGE:
+    if not n or not size or int(mapped.ctypes.data) % _PAGE:
         return out
-    base = int(mapped.ctypes.data)
-    vec = np.zeros(1, np.uint8)
-    address = int(vec.ctypes.data)
     # the ranges looked at: all, or SAMPLE spread over them (only their pages computed)
-    picks = np.arange(n) if n <= SAMPLE else np.linspace(0, n - 1, SAMPLE).astype(np.int64)
+    picks = np.arange(n) if n <= SAMPLE else np.arange(SAMPLE) * (n - 1) // (SAMPLE - 1)
     at = np.asarray(offsets, np.int64)[picks]
     head = at // _PAGE
     tail = (np.minimum(at + np.asarray(lengths, np.int64)[picks], size) - 1) // _PAGE
-    end = (size - 1) // _PAGE
-
-    def absent(k: int) -> bool:
-        for page in {int(head[k]), int(tail[k])}:
-            if page > end or page < 0 or call(base + page * _PAGE, _PAGE, address):
-                return True
-            if not vec[0] & 1:
-                return True
-        return False
-
+    found = resident(mapped, head, tail)
+    if found is None:
+        return out
     if n <= SAMPLE:
-        for i in range(n):
-            out[i] = absent(i)
-    elif not any(absent(k) for k in range(SAMPLE)):
+        out[:] = ~found
+    elif found.all():
         out[:] = False
     return out
 
