@@ -1508,6 +1508,58 @@ async def test_the_first_batch_after_open_is_waited_for_in_the_loops_thread(
 
 
 @pytest.mark.anyio
+async def test_a_batch_late_past_yield_every_is_waited_for_in_the_loops_thread_after_a_turn(
+    db30: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch not there when YIELD_EVERY is spent: one turn of the event loop (other
+    tasks run), then a YIELD_EVERY more in the loop's thread, where it comes: no wake-up
+    through the event loop (a first epoch's batches, a few ms apart, each paid one)."""
+    monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", 0.5)
+    chunk_bytes(monkeypatch, 0)  # a fill a batch
+    probe = FillProbe(monkeypatch)
+    probe.gate.clear()  # the first fill waits until 0.75 s from now
+    opener = threading.Timer(0.75, probe.gate.set)
+    wakes: list[object] = []
+    real = blobpipe._loader._async.threadsafe_caller
+
+    def counted() -> Any:
+        call = real()
+        return lambda fn: (wakes.append(fn), call(fn))[1]
+
+    monkeypatch.setattr(blobpipe._loader._async, "threadsafe_caller", counted)
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1  # a step of this task
+            await anyio.lowlevel.checkpoint()
+
+    opener.start()
+    try:
+        async with (
+            anyio.create_task_group() as tg,
+            Loader(db30, 4, device="cpu", prefetch=1, workers=1) as loader,
+        ):
+            tg.start_soon(heartbeat)  # (its first step at the next turn of the loop)
+            t0 = time.perf_counter()
+            got = [Got.of(await anext(loader))]
+            waited = time.perf_counter() - t0
+            # (trio runs a turn's tasks in random order: this one's step may come first)
+            await anyio.lowlevel.checkpoint()
+            seen = ticks
+            tg.cancel_scope.cancel()
+    finally:
+        opener.cancel()
+        probe.gate.set()
+    assert probe.calls >= 1 and wakes == []
+    # past YIELD_EVERY, one turn of the loop, not a wait through it (where the other
+    # task would have stepped all the time)
+    assert waited > 0.5 and 1 <= seen <= 3
+    assert_matches(got, expected(db30, 4, batch_size=4)[:1])
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("device", ["host", "emulated"])
 async def test_open_is_a_checkpoint_and_starts_nothing_when_cancelled(
     db30: Path, device: str

@@ -154,7 +154,7 @@ class AsyncForm:
             pipe.lifecycle.check_iterable()
         item = handoff.take()
         if item is None:
-            item = await self._wait(pipe, t0)
+            item = await self._wait(pipe)
         made = pipe.arrived(item, t0)
         if made is None:
             raise StopAsyncIteration
@@ -172,10 +172,11 @@ class AsyncForm:
             raise
         return pipe.deliver(*made, t0)
 
-    async def _wait(self, pipe: Pipeline, t0: float) -> Item:
+    async def _wait(self, pipe: Pipeline) -> Item:
         """The next batch (or end, or failure), which was not there: waited for in
         the event loop's thread while the loop's YIELD_EVERY lasts (one wake-up of
-        this thread), then through the event loop (a checkpoint)."""
+        this thread; when it is spent, after a turn of the loop, for a YIELD_EVERY
+        more), then through the event loop (a checkpoint)."""
         handoff = pipe.handoff
         started = pipe.started_event()
         if started is not None:  # the consumer's own chunk: its rows, then it is posted
@@ -199,11 +200,22 @@ class AsyncForm:
             item = handoff.take()
             if item is not None:
                 return item
-        here = YIELD_EVERY - (t0 - self._yielded)
+        # Waited for in this thread, the GIL released, for what is left of YIELD_EVERY
+        # since the loop last ran other tasks; when that is spent, after a turn of the
+        # loop (other tasks run, a cancellation is seen, nothing is taken yet), for a
+        # YIELD_EVERY more: a wake-up through the loop costs more than the turn (a
+        # first epoch's batches, 2-5 ms apart, each came through the loop). Past that,
+        # through the event loop.
+        here = YIELD_EVERY - (time.perf_counter() - self._yielded)
         if here > 0:
             await anyio.lowlevel.checkpoint_if_cancelled()
             if handoff.wait(here):
                 return pipe.taken()
+        await anyio.lowlevel.checkpoint()
+        self._yielded = time.perf_counter()
+        pipe.lifecycle.check_iterable()  # (closed meanwhile by another task)
+        if YIELD_EVERY > 0 and handoff.wait(YIELD_EVERY):
+            return pipe.taken()
         event = anyio.Event()
         call_soon = self._threadsafe_caller()
         item = handoff.take(lambda: call_soon(event.set))
