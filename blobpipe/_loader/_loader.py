@@ -43,9 +43,11 @@ class Loader(AsyncForm, BlockingForm):
     A Loader never entered opens on first use (``for``, ``async for``, ``next``,
     ``anext``) and runs until :meth:`close` / :meth:`aclose`, garbage collection or
     the interpreter's exit; ``with`` releases its threads and memory at a known point.
-    ``async for`` waits for a batch that is not there yet at a checkpoint (cancellable),
-    and hands out a batch that is there without one for up to 5 ms of the caller's
-    time, then with one: a body that never awaits is still cancelled within 5 ms.
+    ``async for`` waits for a batch that is not there yet in the event loop's thread
+    for up to 5 ms at a time with a turn of the loop (a checkpoint: cancellable)
+    between, then through the loop; it hands out a batch that is there without a
+    checkpoint for up to 5 ms of the caller's time, then with one: a body that never
+    awaits is still cancelled within 5 ms.
 
     Args:
         source: an LMDB or LevelDB path (or an open :class:`~blobpipe.LmdbReader`,
