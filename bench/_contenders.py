@@ -738,12 +738,14 @@ class BatchesLoop(Contender):
 
 
 class LoaderAsync(Contender):
-    """``async with blobpipe.Loader(...)`` / ``async for``, on the :class:`AsyncHost`."""
+    """``async with blobpipe.Loader(...)`` / ``async for``, on the :class:`AsyncHost`; a
+    first epoch without one (``host`` None: a fresh process's) in an event loop of the
+    calling thread (``anyio.run``), as a training script's ``asyncio.run(main())``."""
 
     key = "async"
     label = f"Loader, async for ({WORKERS} workers)"
 
-    def __init__(self, files: Files, recipe: Recipe, host: AsyncHost) -> None:
+    def __init__(self, files: Files, recipe: Recipe, host: AsyncHost | None) -> None:
         self.files = files
         self.recipe = recipe
         self.host = host
@@ -768,17 +770,25 @@ class LoaderAsync(Contender):
         return Sample(images, seconds, batch, budget, epochs + 1)
 
     def first_here(self, keep: bool = False) -> Sample:
-        sample: Sample = self.host.portal.call(self._first, keep)
+        sample: Sample
+        if self.host is None:
+            sample = anyio.run(self._first, keep)
+        else:
+            sample = self.host.portal.call(self._first, keep)
         return sample
+
+    def _portal(self) -> Any:
+        assert self.host is not None, "later epochs run on an AsyncHost"
+        return self.host.portal
 
     def start(self) -> None:
         loader = _make_loader(self.files.loader, self.recipe)
-        self.kept = self.host.portal.wrap_async_context_manager(loader)
+        self.kept = self._portal().wrap_async_context_manager(loader)
         self.loader = self.kept.__enter__()
-        self.host.portal.call(_consume_async, self.loader, False)
+        self._portal().call(_consume_async, self.loader, False)
 
     def later(self, keep: bool = False, epochs: int = 1) -> Sample:
-        sample: Sample = self.host.portal.call(self._later, keep, epochs)
+        sample: Sample = self._portal().call(self._later, keep, epochs)
         return sample
 
     def close(self) -> None:
