@@ -1482,6 +1482,20 @@ async def test_waiting_for_a_batch_keeps_other_tasks_waiting_at_most_yield_every
     assert_matches(got, expected(db30, 4, batch_size=4))
 
 
+def count_wakes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The callbacks ``async for`` has an event loop call from another thread (each a
+    wake-up through the loop), recorded as they are scheduled."""
+    wakes: list[object] = []
+    real = blobpipe._loader._async.threadsafe_caller
+
+    def counted() -> Any:
+        call = real()
+        return lambda fn: (wakes.append(fn), call(fn))[1]
+
+    monkeypatch.setattr(blobpipe._loader._async, "threadsafe_caller", counted)
+    return wakes
+
+
 @pytest.mark.anyio
 async def test_the_first_batch_after_open_is_waited_for_in_the_loops_thread(
     db30: Path, monkeypatch: pytest.MonkeyPatch
@@ -1493,14 +1507,7 @@ async def test_the_first_batch_after_open_is_waited_for_in_the_loops_thread(
     monkeypatch.setattr(blobpipe._loader._async, "YIELD_EVERY", 2.0)
     chunk_bytes(monkeypatch, 0)  # a fill a batch
     probe = FillProbe(monkeypatch, sleep=0.05)
-    wakes: list[object] = []
-    real = blobpipe._loader._async.threadsafe_caller
-
-    def counted() -> Any:
-        call = real()
-        return lambda fn: (wakes.append(fn), call(fn))[1]
-
-    monkeypatch.setattr(blobpipe._loader._async, "threadsafe_caller", counted)
+    wakes = count_wakes(monkeypatch)
     async with Loader(db30, 4, device="cpu", prefetch=1, workers=1) as loader:
         got = [Got.of(await anext(loader))]
     assert probe.calls >= 1 and wakes == []
@@ -1519,14 +1526,7 @@ async def test_a_batch_late_past_yield_every_is_waited_for_in_the_loops_thread_a
     probe = FillProbe(monkeypatch)
     probe.gate.clear()  # the first fill waits until 0.75 s from now
     opener = threading.Timer(0.75, probe.gate.set)
-    wakes: list[object] = []
-    real = blobpipe._loader._async.threadsafe_caller
-
-    def counted() -> Any:
-        call = real()
-        return lambda fn: (wakes.append(fn), call(fn))[1]
-
-    monkeypatch.setattr(blobpipe._loader._async, "threadsafe_caller", counted)
+    wakes = count_wakes(monkeypatch)
     ticks = 0
 
     async def heartbeat() -> None:
