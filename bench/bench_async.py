@@ -93,31 +93,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     case_arguments(parser, "W1,W2,W3,W4,W5", ROUNDS)
     args = parser.parse_args(argv)
-    from _workloads_data import prepare, warm_page_cache
-    from bench_pairs import ASYNC_TARGET, RESOLUTION, interval
-    from bench_planners import cases, options_of
+    from bench_pairs import ASYNC_TARGET, interval, within
+    from bench_planners import prepared, rounds_of
 
-    chosen = cases(args.workloads, args.point, args.quick)
-    rounds = 3 if args.quick else args.rounds
-    if rounds < 3:
-        parser.error("--rounds must be >= 3 (an interval needs rounds)")
+    rounds = rounds_of(parser, args)
     print(f"async for against for, paired in one process, {rounds} rounds, later epochs")
     print(
         "| case | for µs a batch | async for µs a batch | async / for (90%) | A/A (90%) "
         f"| async ≥ {ASYNC_TARGET:.2f}× for |"
     )
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    for w, mean in chosen:
-        pre = prepare(w.db, args.data_dir)
-        warm_page_cache(pre)
-        t = measure(str(pre.path), options_of(w.recipe, pre.mean_file if mean else None), rounds)
+    for w, path, options in prepared(args):
+        t = measure(path, options, rounds)
         cells = []
         for key in ("async", "again"):  # speed over for's: above 1, faster
             ratios = [f / x for f, x in zip(t["for"], t[key], strict=True)]
             lo, hi = interval(ratios)
             cells.append((statistics.median(ratios), lo, hi))
         (speed, *_), (_, lo, hi) = cells
-        resolved = lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+        resolved = within(lo, hi)
         verdict = "PASS" if speed >= ASYNC_TARGET else "MISS"
         print(
             f"| {w.name} | {statistics.median(t['for']):.1f} "

@@ -69,19 +69,14 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench_planners import case_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="W1,W2", help="W1,W2 by default")
-    parser.add_argument("--point", action="append", default=[], help="a bench_sweep point")
+    case_arguments(parser, "W1,W2", ROUNDS)
     parser.add_argument("--against", default="4,2", help="CHUNK_MIB,ALONE_MIB (default 4,2)")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--data-dir", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="small databases, 3 rounds")
     args = parser.parse_args(argv)
-    from _workloads_data import prepare, warm_page_cache
-    from bench_pairs import RESOLUTION, interval
-    from bench_planners import options_of
-    from bench_sweep import db_spec, point_from_name
-    from bench_workloads import Workload, workloads
+    from bench_pairs import interval, within
+    from bench_planners import prepared, rounds_of
 
     chunk_mib, alone_mib = (float(x) for x in args.against.split(","))
     current = (_chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES)
@@ -90,13 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "other": (int(chunk_mib * (1 << 20)), int(alone_mib * (1 << 20))),
         "again": current,  # the A/A control
     }
-    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
-    chosen = [(w, True) for w in workloads(args.quick) if w.name in wanted]
-    for name in args.point:
-        p = point_from_name(name)
-        spec = db_spec(p, args.quick)
-        chosen.append((Workload(p.name, p.name, spec, p.recipe), p.recipe.mean_file is not None))
-    rounds = 3 if args.quick else args.rounds
+    rounds = rounds_of(parser, args)
     mib = 1 << 20
     print(
         f"the consumer's chunk limits paired in one process, {rounds} rounds, later epochs: "
@@ -105,18 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("| case | current µs a batch | other µs a batch | other / current (90%) | A/A (90%) |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for w, mean in chosen:
-        pre = prepare(w.db, args.data_dir)
-        options = options_of(w.recipe, pre.mean_file if mean else None)
-        warm_page_cache(pre)
-        t = measure(str(pre.path), options, limits, rounds)
+    for w, path, options in prepared(args):
+        t = measure(path, options, limits, rounds)
         cells = []
-        for name in ("other", "again"):
+        for name in ("other", "again"):  # (the A/A control last: its interval stays)
             ratios = [b / a for a, b in zip(t["current"], t[name], strict=True)]
             lo, hi = interval(ratios)
             cells.append(f"{statistics.median(ratios):.2f}× ({lo:.2f}–{hi:.2f})")
-        lo, hi = interval([b / a for a, b in zip(t["current"], t["again"], strict=True)])
-        resolved = lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+        resolved = within(lo, hi)
         print(
             f"| {w.name} | {statistics.median(t['current']):.1f} "
             f"| {statistics.median(t['other']):.1f} | {cells[0]}{'' if resolved else ' *'} "

@@ -73,10 +73,15 @@ def interval(ratios: list[float], seed: int = 0) -> tuple[float, float]:
     return medians[int(0.05 * RESAMPLES)], medians[int(0.95 * RESAMPLES) - 1]
 
 
+def within(lo: float, hi: float) -> bool:
+    """Whether an A/A control's interval ``[lo, hi]`` lies within ±RESOLUTION of 1×: the
+    ratios read beside it are resolved."""
+    return lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+
+
 def resolved(run: bw.Run) -> bool:
     return all(
-        lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
-        for lo, hi in (interval(per_round(run, "again", k, "blocking")) for k in ("first", "later"))
+        within(*interval(per_round(run, "again", k, "blocking"))) for k in ("first", "later")
     )
 
 

@@ -27,7 +27,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,31 +150,46 @@ def cases(names: str, points: list[str], quick: bool) -> list[tuple[Any, bool]]:
     return chosen
 
 
+def rounds_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The rounds :func:`case_arguments` asked for (3 with ``--quick``); at least 3, the
+    fewest a bootstrap interval is read from."""
+    rounds = 3 if args.quick else args.rounds
+    if rounds < 3:
+        parser.error("--rounds must be >= 3 (an interval needs rounds)")
+    return int(rounds)
+
+
+def prepared(args: argparse.Namespace) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+    """The cases the options of :func:`case_arguments` chose, each as its workload, its
+    database's path (generated if needed, its pages cached) and its Loader options."""
+    from _workloads_data import prepare, warm_page_cache
+
+    for w, mean in cases(args.workloads, args.point, args.quick):
+        pre = prepare(w.db, args.data_dir)
+        warm_page_cache(pre)
+        yield w, str(pre.path), options_of(w.recipe, pre.mean_file if mean else None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     case_arguments(parser, "W1,W2", ROUNDS)
     args = parser.parse_args(argv)
-    from _workloads_data import prepare, warm_page_cache
-    from bench_pairs import PIPELINE_TARGET, RESOLUTION, interval
+    from bench_pairs import PIPELINE_TARGET, interval, within
 
-    chosen = cases(args.workloads, args.point, args.quick)
-    rounds = 3 if args.quick else args.rounds
+    rounds = rounds_of(parser, args)
     print(f"planners paired in one process, {rounds} rounds, later epochs, µs a batch (medians)")
     print(
         "| case | Batches | consumer | fillers | Batches / consumer | Batches / fillers "
         f"| fillers / consumer | A/A (90%) | consumer ≥ {PIPELINE_TARGET:.2f}× Batches |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for w, mean in chosen:
-        pre = prepare(w.db, args.data_dir)
-        options = options_of(w.recipe, pre.mean_file if mean else None)
-        warm_page_cache(pre)
-        t = measure(str(pre.path), options, rounds)
+    for w, path, options in prepared(args):
+        t = measure(path, options, rounds)
         med = {k: statistics.median(v) for k, v in t.items()}
         # the control: the consumer's speed over its twin's (as bench_pairs' rates)
         aa = [b / a for a, b in zip(t["again"], t["consumer"], strict=True)]
         lo, hi = interval(aa)
-        resolved = lo >= 1 - RESOLUTION and hi <= 1 + RESOLUTION
+        resolved = within(lo, hi)
         speed = ratio(t["Batches"], t["consumer"])
         verdict = "PASS" if speed >= PIPELINE_TARGET else "MISS"
         print(
