@@ -1,15 +1,17 @@
 """The consumer's chunk limits, paired in one process: the current ones against others.
 
 Run: ``python bench/bench_chunk_bytes.py [--workloads W1,W2] [--point NAME ...]
-[--against CHUNK_MIB,ALONE_MIB] [--rounds N] [--data-dir DIR] [--quick]``
+[--against CHUNK_MIB,ALONE_MIB[,ROWS,BATCHES]] [--rounds N] [--data-dir DIR] [--quick]``
 
-While the consumer plans small raw batches, a chunk holds up to ``HERE_CHUNK_BYTES`` of
-output, and a batch of more than ``HERE_ALONE_BYTES`` goes alone, to the fillers
+While the consumer plans small raw batches, past its first epoch, a chunk holds up to
+``HERE_CHUNK_BYTES`` of output, ``HERE_CHUNK_ROWS`` rows and ``HERE_CHUNK_BATCHES``
+batches, and a batch of more than ``HERE_ALONE_BYTES`` goes alone, to the fillers
 (``blobpipe/_loader/_chunk.py``). This benchmark opens one Loader a case (2 workers,
 device "cpu", the blocking form; ``bench_workloads.py``'s workloads, default W1 and W2,
 or ``bench_sweep.py``'s points by name) and runs its later epochs under the current
 limits, under ``--against``'s (default 4,2: the fillers' 4 MiB chunks, batches of more
-than 2 MiB alone), and under the current ones again as the A/A control, switching the
+than 2 MiB alone; ROWS and BATCHES, when given, the rows and batches limits, else the
+current ones), and under the current ones again as the A/A control, switching the
 limits between epochs (each switch followed by one untimed epoch that settles the ring),
 in an order reversed every other round. It prints the medians of µs a batch and of the
 per-round ratios, other over current (above 1: the current limits are faster) and the
@@ -32,6 +34,19 @@ import blobpipe
 from blobpipe._loader import _chunk
 
 ROUNDS = 20
+#: the consumer's chunk limits this benchmark switches, in ``--against``'s order
+LIMITS = ("HERE_CHUNK_BYTES", "HERE_ALONE_BYTES", "HERE_CHUNK_ROWS", "HERE_CHUNK_BATCHES")
+Limits = tuple[int, int, int, int]
+
+
+def current_limits() -> Limits:
+    chunk, alone, rows, batches = (int(getattr(_chunk, name)) for name in LIMITS)
+    return chunk, alone, rows, batches
+
+
+def set_limits(limits: Limits) -> None:
+    for name, value in zip(LIMITS, limits, strict=True):
+        setattr(_chunk, name, value)
 
 
 def epoch(loader: Any) -> float:
@@ -45,27 +60,27 @@ def epoch(loader: Any) -> float:
 
 
 def measure(
-    db: str, options: dict[str, Any], limits: dict[str, tuple[int, int]], rounds: int
+    db: str, options: dict[str, Any], limits: dict[str, Limits], rounds: int
 ) -> dict[str, list[float]]:
     """Each setting's µs a batch, a round each, on one Loader."""
-    saved = _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES
+    saved = current_limits()
     loader = blobpipe.Loader(db, device="cpu", workers=2, mode="epoch", **options)
     try:
         with loader:
             for name in limits:  # opened, indexed, every slot of each setting filled
-                _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = limits[name]
+                set_limits(limits[name])
                 epoch(loader)
                 epoch(loader)
             times: dict[str, list[float]] = {name: [] for name in limits}
             for r in range(rounds):
                 order = list(limits) if r % 2 == 0 else list(limits)[::-1]
                 for name in order:
-                    _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = limits[name]
+                    set_limits(limits[name])
                     epoch(loader)  # the ring settles under these limits
                     times[name].append(epoch(loader))
             return times
     finally:
-        _chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES = saved
+        set_limits(saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,24 +88,35 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     case_arguments(parser, "W1,W2", ROUNDS)
-    parser.add_argument("--against", default="4,2", help="CHUNK_MIB,ALONE_MIB (default 4,2)")
+    parser.add_argument(
+        "--against",
+        default="4,2",
+        help="CHUNK_MIB,ALONE_MIB[,ROWS,BATCHES] (default 4,2 and the current rows and batches)",
+    )
     args = parser.parse_args(argv)
     from bench_pairs import interval, within
     from bench_planners import prepared, rounds_of
 
-    chunk_mib, alone_mib = (float(x) for x in args.against.split(","))
-    current = (_chunk.HERE_CHUNK_BYTES, _chunk.HERE_ALONE_BYTES)
-    limits = {
-        "current": current,
-        "other": (int(chunk_mib * (1 << 20)), int(alone_mib * (1 << 20))),
-        "again": current,  # the A/A control
-    }
-    rounds = rounds_of(parser, args)
+    current = current_limits()
+    values = args.against.split(",")
+    if len(values) not in (2, 4):
+        parser.error("--against takes CHUNK_MIB,ALONE_MIB or CHUNK_MIB,ALONE_MIB,ROWS,BATCHES")
     mib = 1 << 20
+    rows, batches = (int(v) for v in values[2:]) if len(values) == 4 else current[2:]
+    other = (int(float(values[0]) * mib), int(float(values[1]) * mib), rows, batches)
+    limits = {"current": current, "other": other, "again": current}  # (again: the A/A control)
+    rounds = rounds_of(parser, args)
+
+    def spell(limits: Limits) -> str:
+        chunk, alone, rows, batches = limits
+        return (
+            f"{chunk / mib:g} MiB chunks of at most {rows} rows and {batches} batches, "
+            f"batches over {alone / mib:g} MiB alone"
+        )
+
     print(
         f"the consumer's chunk limits paired in one process, {rounds} rounds, later epochs: "
-        f"current {current[0] / mib:g} MiB chunks, batches over {current[1] / mib:g} MiB "
-        f"alone; other {chunk_mib:g} MiB, over {alone_mib:g} MiB alone"
+        f"current {spell(current)}; other {spell(limits['other'])}"
     )
     print("| case | current µs a batch | other µs a batch | other / current (90%) | A/A (90%) |")
     print("| --- | ---: | ---: | ---: | ---: |")
