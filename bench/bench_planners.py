@@ -12,8 +12,11 @@ are planned by the consumer"), and one whose consumer never does (the fillers fi
 chunks, as where the row kernel is not built), and drives ``Batches`` in one thread as the
 pairing benchmark does, and a second Loader whose consumer plans, as the A/A control.
 Each round runs a later epoch of each, in an order reversed every other round, reading
-each batch's data on the host. It prints the medians of µs a batch and the medians of
-the per-round ratios: ``Batches`` over each Loader (above 1: the Loader is faster), the
+each batch's data on the host, each after an untimed epoch of the same contender (the
+one before it ran another, whose threads may still have been filling its ring then:
+they would slow this one and give the other a head start). It prints the medians of µs
+a batch and the medians of the per-round ratios: ``Batches`` over each Loader (above 1:
+the Loader is faster), the
 fillers over the consumer (above 1: the consumer's planning is faster), and the control
 over the consumer with its 90% bootstrap interval (``bench_pairs.py``'s). In one process
 every contender sees the same drift of the machine's speed. A row reads item 2's target
@@ -98,6 +101,7 @@ def measure(db: str, options: dict[str, Any], rounds: int) -> dict[str, list[flo
         for r in range(rounds):
             order = list(runs) if r % 2 == 0 else list(runs)[::-1]
             for name in order:
+                runs[name]()  # steady: what the others left running is done
                 times[name].append(later_epoch(runs[name]))
         return times
     finally:

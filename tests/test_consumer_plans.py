@@ -22,7 +22,7 @@ import pytest
 import blobpipe
 from blobpipe import Batches, DataError, Loader
 from blobpipe._io import _fill, _kernels
-from blobpipe._loader import _async, _chunk, _pipeline
+from blobpipe._loader import _async, _pipeline
 from blobpipe._loader._chunk import RowsWritten
 from tests._helpers import encoded_db, raw_db
 from tests.conftest import make_backend
@@ -316,9 +316,6 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
         return 1 if int(plan.epochs[0]) % 2 else original(plan, consumer, later)
 
     monkeypatch.setattr(_pipeline, "chunk_batches", by_epoch)
-    # chunks shorter than an epoch (30 batches), so that each epoch's first batches
-    # decide its chunks
-    monkeypatch.setattr(_chunk, "HERE_CHUNK_BATCHES", _chunk.CHUNK_BATCHES)
     switches: list[str] = []
     plan_here, leave_here = _pipeline.Pipeline._plan_here, _pipeline.Pipeline._leave_here
 

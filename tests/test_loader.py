@@ -1200,31 +1200,16 @@ def test_a_chunk_takes_as_many_batches_as_its_bytes_hold(
     db30: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fillers' chunk holds as many batches as CHUNK_BYTES does (at most
-    CHUNK_BATCHES, and CHUNK_ROWS rows), a batch of more than half of it alone; the
-    consumer's in the first epoch as well, later as many as HERE_CHUNK_BYTES does (at
-    most HERE_CHUNK_BATCHES, and HERE_CHUNK_ROWS rows), a batch of more than
+    CHUNK_BATCHES), a batch of more than half of it alone; the consumer's in the first
+    epoch as well, later as many as HERE_CHUNK_BYTES does, a batch of more than
     HERE_ALONE_BYTES alone."""
     with Batches(db30, 4) as batches:
         plan = batches.next_plan()
     assert plan is not None
     chunk = blobpipe._loader._chunk
     nbytes = int(np.prod(plan.data_shape)) * plan.dtype.itemsize
-    fillers = min(CHUNK_BATCHES, CHUNK_BYTES // nbytes)
-    assert chunk_batches(plan) == fillers
-    assert chunk.HERE_CHUNK_BATCHES * nbytes <= chunk.HERE_CHUNK_BYTES  # (the batches bind)
-    assert chunk_batches(plan, True, later=True) == chunk.HERE_CHUNK_BATCHES > CHUNK_BATCHES
-    # each limit binds the chunks it is for, and no other
-    monkeypatch.setattr(chunk, "HERE_CHUNK_BATCHES", 5)
-    assert chunk_batches(plan, True, later=True) == 5
-    monkeypatch.setattr(chunk, "HERE_CHUNK_ROWS", 3 * len(plan) + 1)
-    assert chunk_batches(plan, True, later=True) == 3
-    assert chunk_batches(plan) == chunk_batches(plan, True) == fillers
-    monkeypatch.setattr(chunk, "CHUNK_ROWS", 2 * len(plan))
-    assert chunk_batches(plan) == chunk_batches(plan, True) == 2
-    assert chunk_batches(plan, True, later=True) == 3
-    monkeypatch.setattr(chunk, "CHUNK_ROWS", 1 << 20)
-    monkeypatch.setattr(chunk, "HERE_CHUNK_ROWS", 1 << 20)
-    monkeypatch.setattr(chunk, "HERE_CHUNK_BATCHES", 1 << 20)
+    assert chunk_batches(plan) == min(CHUNK_BATCHES, CHUNK_BYTES // nbytes)
+    assert chunk_batches(plan, True, later=True) == CHUNK_BATCHES
     monkeypatch.setattr(chunk, "CHUNK_BYTES", 3 * nbytes - 1)
     monkeypatch.setattr(chunk, "HERE_CHUNK_BYTES", 4 * nbytes)
     assert chunk_batches(plan) == 2 and chunk_batches(plan, True, later=True) == 4
@@ -1290,9 +1275,8 @@ async def test_quick_batches_too_large_for_a_chunk_keep_every_filler_busy(
     monkeypatch.setattr(blobpipe._loader._pipeline, "SMALL_FILL", 60.0)  # all quick
     if limit == "CHUNK_BYTES":  # one batch a chunk
         chunk_bytes(monkeypatch, 1)
-    else:  # the fillers' and the consumer's
+    else:
         monkeypatch.setattr(blobpipe._loader._chunk, limit, 1)
-        monkeypatch.setattr(blobpipe._loader._chunk, f"HERE_{limit}", 1)
     async with Loader(db30, 4, device="cpu", prefetch=4, workers=2, mode="wrap") as loader:
         got = await collect(loader, 12)  # past the first fills, where a pipeline narrows
         # the ring full again (3 slots ahead of the consumer's), no fill under way

@@ -45,9 +45,7 @@ __all__ = [
     "CHUNK_BYTES",
     "CHUNK_ROWS",
     "HERE_ALONE_BYTES",
-    "HERE_CHUNK_BATCHES",
     "HERE_CHUNK_BYTES",
-    "HERE_CHUNK_ROWS",
     "RowsWritten",
     "Started",
     "chunk_batches",
@@ -63,24 +61,18 @@ CHUNK_BYTES = 4 << 20
 #: three chunks' slots while it plans). A chunk's fixed costs on the consumer's thread
 #: (the merged plan, locating its records, one kernel call started: about 100 µs) are
 #: paid once per chunk: at 4 MiB, CIFAR's 1.2 MB batches went 3 to a chunk, and 16 MiB
-#: made W2 1.17× faster (docs/performance.md, "Chunk bytes").
+#: made W2 1.11× faster (docs/performance.md, "Chunk bytes").
 HERE_CHUNK_BYTES = 16 << 20
 #: A batch of more output bytes than this the consumer does not chunk (the fillers fill
-#: it, each one batch). Measured on both sides: batches of 3.1 MB (64 records of
-#: 3×64×64) were 1.15× faster in the consumer's chunks than alone, batches of 7 MB
-#: (3×96×96) 1.09× faster alone.
+#: it, each one batch). Measured on both sides: batches of 3.1 MB (3×80×80 cropped to 64)
+#: were 1.17× faster in the consumer's chunks than alone (3×64×64, 1.02×), batches of
+#: 7 MB (3×96×96) 1.08× faster alone (4.9 MB, 3×96×96 cropped to 80: level).
 HERE_ALONE_BYTES = 4 << 20
-#: The most rows filled in one chunk (the fillers', the consumer's in its first epoch).
+#: The most rows filled in one chunk.
 CHUNK_ROWS = 1024
-#: The most batches in one chunk (the same chunks).
+#: The most batches in one chunk (beyond this the per-batch costs outside the fill
+#: dominate).
 CHUNK_BATCHES = 16
-#: The same for the consumer's chunks past its first epoch, which its bytes bound first
-#: from batches of 256 KiB up. Below that, the chunk's fixed costs (about 100 µs of
-#: planning and starting, ``Pool.start`` 20) are the consumer's per-batch bound: W1's
-#: 64-record MNIST batches (200 KB) went 16 to a chunk, 64 made it about 1.15× faster
-#: (docs/performance.md, "Chunk bytes"); the ring holds 3 × 64 + 1 of them (39 MB).
-HERE_CHUNK_ROWS = 4096
-HERE_CHUNK_BATCHES = 64
 
 Arrays = tuple[np.ndarray, np.ndarray, Geometry | None]  # a slot's data, labels, geometry
 
@@ -122,20 +114,16 @@ def chunk_batches(plan: BatchPlan, consumer: bool = False, later: bool = False) 
     the time: 3×48×48, 3,584 records, 53 against 21 ms). 1: no chunk;
     always for a plan with other sources read in lockstep, which go into their slots
     directly, and for a batch of more than half :data:`CHUNK_BYTES` (the consumer's,
-    later: more than :data:`HERE_ALONE_BYTES`). Else as many as the chunk's bytes, rows
-    and batches limits hold (``CHUNK_*``; the consumer's later: ``HERE_CHUNK_*``)."""
+    later: more than :data:`HERE_ALONE_BYTES`)."""
     if plan.extra:
         return 1
-    nbytes = max(math.prod(plan.data_shape) * plan.dtype.itemsize, 1)
+    nbytes = math.prod(plan.data_shape) * plan.dtype.itemsize
+    grown = consumer and later
+    limit = HERE_CHUNK_BYTES if grown else CHUNK_BYTES
+    if grown and nbytes > HERE_ALONE_BYTES:
+        return 1
     rows = max(len(plan), 1)
-    if consumer and later:
-        if nbytes > HERE_ALONE_BYTES:
-            return 1
-        return max(
-            1,
-            min(HERE_CHUNK_BYTES // nbytes, HERE_CHUNK_ROWS // rows, HERE_CHUNK_BATCHES),
-        )
-    return max(1, min(CHUNK_BYTES // nbytes, CHUNK_ROWS // rows, CHUNK_BATCHES))
+    return max(1, min(limit // max(nbytes, 1), CHUNK_ROWS // rows, CHUNK_BATCHES))
 
 
 def planned_together(chunk: int) -> int:
