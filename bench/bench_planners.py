@@ -16,10 +16,10 @@ each batch's data on the host, each after an untimed epoch of the same contender
 one before it ran another, whose threads may still have been filling its ring then:
 they would slow this one and give the other a head start). It prints the medians of µs
 a batch and the medians of the per-round ratios: ``Batches`` over each Loader (above 1:
-the Loader is faster), the
-fillers over the consumer (above 1: the consumer's planning is faster), and the control
-over the consumer with its 90% bootstrap interval (``bench_pairs.py``'s). In one process
-every contender sees the same drift of the machine's speed. A row reads item 2's target
+the Loader is faster), the fillers over the consumer (above 1: the consumer's planning
+is faster), and the control over the consumer with its 90% bootstrap interval
+(``bench_pairs.py``'s). In one process every contender sees the same drift of the
+machine's speed. A row reads item 2's target
 (the Loader with 2 workers ≥ 1.5× ``Batches`` in one thread) as PASS or MISS, resolved
 when the control's interval lies within ±5% of 1×, as ``bench_pairs.py`` reads it.
 """
