@@ -1058,6 +1058,48 @@ def test_fill_parts_fills_each_part_as_fill_does(tmp_path: Path, kind: str) -> N
         assert merged_fills > 0 or kind == "png-sizes"
 
 
+@pytest.mark.parametrize(
+    "kind",
+    ["raw", "raw-shuffled-crop", "raw-nhwc-uint8", "jpeg-crop", "png-sizes", "blobproto", "concat"],
+)
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_merged_plans_planned_together_are_the_joined_plan(
+    tmp_path: Path, kind: str, count: int
+) -> None:
+    """Plans made by one ``next_plans`` call merge as views of their one array of each
+    per-row field (no join): every consecutive run of them merges into the plan that
+    joining their fields makes, across epochs' ends, shuffles, random words and
+    sources of several shapes; a run that straddles two calls, or skips a plan, is
+    joined."""
+    from blobpipe._io import _plan
+
+    source, options = _parts_source(tmp_path, kind)
+    spanned = 0
+    with Batches(source, 4, **options) as b:
+        plans: list[Any] = []
+        for _ in range(5):  # 5 calls, past the end of the 30 records
+            made = [p for p in b.next_plans(count) if p is not None]
+            spanned += sum(_plan._SPANNED in p.__dict__ for p in made)
+            plans += made
+    runs = [plans[a:z] for a in range(len(plans)) for z in range(a + 1, len(plans) + 1)]
+    runs += [plans[a::2][:3] for a in range(len(plans))]  # not consecutive: joined
+    for run in runs:
+        got = merged(run)
+        # the same plans without their span: merged by joining their fields
+        bare = [p._replaced() for p in run]
+        assert all(_plan._SPANNED not in p.__dict__ for p in bare)
+        want = merged(bare)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        assert got is run[0] if len(run) == 1 else _plan._SPANNED not in got.__dict__
+        _same_plans(got, want)
+        assert got.valid == want.valid and got.state == run[-1].state
+    if kind in ("raw", "raw-shuffled-crop", "raw-nhwc-uint8", "jpeg-crop"):
+        assert spanned > 0  # the fast path was taken
+
+
 def test_fill_parts_checks_its_parts(tmp_path: Path, db10: Path) -> None:
     with Batches(db10, 4) as b:
         plan = b.next_plan()

@@ -69,7 +69,17 @@ from ._options import (
 )
 from ._order import EpochOrder
 from ._outputs import check_outputs, checked_extra, checked_parts
-from ._plan import ArrayBatch, BatchPlan, Run, advance, inner_count, key_source, row_arrays
+from ._plan import (
+    ArrayBatch,
+    BatchPlan,
+    RowSpan,
+    Run,
+    advance,
+    inner_count,
+    key_source,
+    row_arrays,
+    spanned_as,
+)
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
 from ._resume import check_state, make_state
@@ -410,13 +420,15 @@ class Batches:
             steps.append((*step, (self._epoch, self._pos, self._end_pending)))
         self._request_ahead([runs for runs, _, _ in steps])
         plans: list[BatchPlan | None] = []
-        rows = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
+        rows, whole = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
+        at = 0  # where the plan's rows start in ``whole``
         states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
         head = self._sources[0]
         if rows and head.filler.uniform_shape() is None:
             self._learn(rows, steps[-1][0][-1])
         same: tuple[int, ...] | None = None  # (asked once the first plan is made)
         like: BatchPlan | None = None
+        spanning: RowSpan | None = None  # the rows ``like`` and the plans made from it span
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
             if like is not None and same == like.record_shape and len(arrays[0]) == len(like):
                 indices, epochs, positions, words = arrays
@@ -424,6 +436,9 @@ class Batches:
                 if self._random:
                     words = head.words(words)
                 plan = like.with_rows(keys, indices, epochs, positions, words, valid, states[k])
+                if spanning is not None and words is arrays[3]:  # (merged: no join)
+                    spanned_as(plan, spanning, at, at + len(indices))
+                at += len(indices)
                 plans.append(plan)
                 continue
             try:
@@ -440,6 +455,12 @@ class Batches:
                 # every record's shape, known without a read (raw records of one shape,
                 # once the index has seen them all): the later plans read no record
                 same = head.filler.uniform_shape() if len(self._sources) == 1 else None
+                # the plans made from it are of its shape, so their rows merge as views
+                # of ``whole``'s, from here on while they are consecutive
+                spanning = whole if k == 0 and not plan.extra else None
+                if spanning is not None and plan.words is arrays[3]:
+                    spanned_as(plan, spanning, 0, len(arrays[0]))
+            at += len(arrays[0])
         if len(steps) < count:
             plans.append(None)
         return plans

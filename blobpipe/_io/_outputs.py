@@ -87,11 +87,20 @@ def checked_parts(
             f"fill_parts: the parts hold {sum(len(label) for _, label, _ in parts)} rows; "
             f"the plan has {len(plan)}"
         )
+    tail, dtype, label_dtype = plan.data_shape[1:], plan.dtype, plan.label_dtype
     checked = []
-    for k, (data, label, geometry) in enumerate(parts):
+    for k, part in enumerate(parts):
+        data, label, geometry = part
         m = len(label)
-        check_outputs(plan, m, data, label, f"parts[{k}] data", f"parts[{k}] label array")
+        # (check_outputs' checks, written out: a chunk of small batches has many parts)
+        if (
+            data.shape != (m, *tail)
+            or data.dtype != dtype
+            or label.shape != (m,)
+            or label.dtype != label_dtype
+        ):
+            check_outputs(plan, m, data, label, f"parts[{k}] data", f"parts[{k}] label array")
         if geometry is not None:
             check_geometry_out(geometry, m)
-        checked.append(Part(data, label, geometry))
+        checked.append(part if type(part) is Part else Part(data, label, geometry))
     return checked

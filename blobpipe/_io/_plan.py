@@ -27,6 +27,7 @@ __all__ = [
     "read_only",
     "row_arrays",
     "span",
+    "spanned_as",
 ]
 
 Run = tuple[int, int, int]  # (epoch, first position, stop position) in an epoch's order
@@ -204,13 +205,19 @@ class BatchPlan:
         """
         if len(indices) != len(self.indices) or self.extra:  # pragma: no cover - guarded
             raise ValueError("with_rows: a plan of one source and as many rows")
-        fields = self.__dict__.copy()
-        fields.pop("_keys", None)  # the caches of this plan's keys and state
-        fields.pop("_state", None)
-        fields.update(
+        return self._replaced(
             key_source=key_source, indices=indices, epochs=epochs, positions=positions,
             words=words, valid=valid, state_source=state_source, first_decoded=None,
         )  # fmt: skip
+
+    def _replaced(self, **changes: Any) -> BatchPlan:
+        """``dataclasses.replace(self, **changes)`` without ``__init__`` (no checks):
+        the caches of keys and state, and the rows' span, are not carried over."""
+        fields = self.__dict__.copy()
+        fields.pop("_keys", None)
+        fields.pop("_state", None)
+        fields.pop(_SPANNED, None)
+        fields.update(changes)
         plan = object.__new__(BatchPlan)
         object.__setattr__(plan, "__dict__", fields)
         return plan
@@ -289,6 +296,20 @@ def merged(plans: list[BatchPlan]) -> BatchPlan | None:
     not fit: to learn which batch a failure belongs to, fill the plans one by one.
     """
     head = plans[0]
+    if len(plans) > 1:
+        spanned = _spanned(plans)
+        if spanned is not None:  # planned together: their rows are one array's already
+            whole, a, b = spanned
+            return head._replaced(
+                key_source=_keys_of(plans),
+                indices=read_only(whole.indices[a:b]),
+                epochs=read_only(whole.epochs[a:b]),
+                positions=read_only(whole.positions[a:b]),
+                words=read_only(whole.words[a:b]),
+                valid=sum(p.valid for p in plans),
+                data_shape=(b - a, *head.data_shape[1:]),
+                state_source=plans[-1].state_source,
+            )
     for plan in plans[1:]:
         if (
             plan.extra
@@ -304,10 +325,9 @@ def merged(plans: list[BatchPlan]) -> BatchPlan | None:
     if len(plans) == 1:
         return head
     indices = joined([p.indices for p in plans])
-    sources = [p.key_source for p in plans]
     return dataclasses.replace(
         head,
-        key_source=lambda: tuple(k for source in sources for k in source()),
+        key_source=_keys_of(plans),
         indices=indices,
         epochs=joined([p.epochs for p in plans]),
         positions=joined([p.positions for p in plans]),
@@ -316,6 +336,49 @@ def merged(plans: list[BatchPlan]) -> BatchPlan | None:
         data_shape=(len(indices), *head.data_shape[1:]),
         state_source=plans[-1].state_source,
     )
+
+
+def _keys_of(plans: list[BatchPlan]) -> Callable[[], tuple[bytes, ...]]:
+    """A ``key_source`` of ``plans``' keys end to end."""
+    sources = [p.key_source for p in plans]
+    return lambda: tuple(k for source in sources for k in source())
+
+
+class RowSpan(NamedTuple):
+    """The per-row fields of consecutive batches planned together (:func:`row_arrays`),
+    one array of each, which each batch's fields are views of."""
+
+    indices: npt.NDArray[np.int64]
+    epochs: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    words: npt.NDArray[np.uint64]
+
+
+#: A plan's entry (in its ``__dict__``, beside the fields) for the :class:`RowSpan` its
+#: rows are ``[a:b]`` of, as ``(span, a, b)``: set by :meth:`Batches.next_plans` on
+#: plans of one shape (the first and those made from it by ``with_rows``), only there.
+_SPANNED = "_spanned"
+
+
+def spanned_as(plan: BatchPlan, rows: RowSpan, a: int, b: int) -> BatchPlan:
+    """``plan``, noted as rows ``[a:b]`` of ``rows`` (:data:`_SPANNED`)."""
+    plan.__dict__[_SPANNED] = (rows, a, b)
+    return plan
+
+
+def _spanned(plans: list[BatchPlan]) -> tuple[RowSpan, int, int] | None:
+    """The span and rows ``[a:b]`` of it that ``plans`` are end to end, when they
+    are consecutive rows of one span (planned together, of one shape); else None."""
+    first = plans[0].__dict__.get(_SPANNED)
+    if first is None:
+        return None
+    whole, a, b = first
+    for plan in plans[1:]:
+        at = plan.__dict__.get(_SPANNED)
+        if at is None or at[0] is not whole or at[1] != b:
+            return None
+        b = at[2]
+    return whole, a, b
 
 
 class Step(NamedTuple):
@@ -386,11 +449,13 @@ class EpochOrders(Protocol):
 
 def row_arrays(
     orders: EpochOrders, random: bool, batches: list[list[Run]]
-) -> list[tuple[np.ndarray, ...]]:
+) -> tuple[list[tuple[np.ndarray, ...]], RowSpan | None]:
     """Each batch's read-only ``(indices, epochs, positions, words)`` from its runs:
     views of one array of each where the batches are consecutive runs of one epoch
     (a batch within one epoch holds views of that epoch's order and words), else
-    joined per batch. ``random``: words from ``orders``, else zeros."""
+    joined per batch. ``random``: words from ``orders``, else zeros. Also the arrays
+    the views are of, where they are (``[0:b - a]`` of them are all the batches'
+    rows), else None."""
     firsts = [runs[0] for runs in batches]
     consecutive = all(len(runs) == 1 for runs in batches) and all(
         x[0] == y[0] and x[2] == y[1] for x, y in itertools.pairwise(firsts)
@@ -405,7 +470,7 @@ def row_arrays(
         views: list[tuple[np.ndarray, ...]] = [
             (order[a + i : a + j], epochs[i:j], positions[i:j], words[i:j]) for i, j in spans
         ]
-        return views
+        return views, RowSpan(order[a:b], epochs, positions, words)
     out: list[tuple[np.ndarray, ...]] = []
     for runs in batches:
         if len(runs) == 1:  # one run of one epoch (most batches): views, no joins
@@ -430,4 +495,4 @@ def row_arrays(
                 else shared_zeros(len(indices), np.uint64),
             )
         )
-    return out
+    return out, None

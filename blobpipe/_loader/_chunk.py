@@ -32,11 +32,10 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from .._backends import Event
 from .._io._batches import Batches, BatchPlan
-from .._io._kernels import Deferral, Geometry
+from .._io._fill import Part
+from .._io._kernels import Deferral
 from .._io._plan import merged
 from ._ring import Slot
 
@@ -74,7 +73,7 @@ CHUNK_ROWS = 1024
 #: dominate).
 CHUNK_BATCHES = 16
 
-Arrays = tuple[np.ndarray, np.ndarray, Geometry | None]  # a slot's data, labels, geometry
+Arrays = Part  # a slot's data, labels, geometry (as a fill's part: checked without a copy)
 
 
 class Started(NamedTuple):

@@ -481,7 +481,7 @@ class Pipeline:
             for slot, (_, plan) in zip(slots, numbered, strict=True):
                 slot.event.synchronize()  # device work still reading the slot's buffers
                 data, label, geometry, _ = slot.prepare(plan, self.device.out_shape(plan))
-                arrays.append((data, label, geometry))
+                arrays.append(_chunk.Arrays(data, label, geometry))
         except Exception as exc:  # delivered to the consumer, in order
             return arrays, self._ring.explain(exc)
         return arrays, None
