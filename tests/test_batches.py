@@ -27,7 +27,7 @@ from blobpipe._errors import (
 )
 from blobpipe._io._batches import ArrayBatch, Batches
 from blobpipe._io._kernels import Geometry
-from blobpipe._io._plan import merged
+from blobpipe._io._plan import BatchPlan, merged
 from blobpipe._io._prototxt import read_data_layer
 from blobpipe._io._transform import Transform
 from blobpipe._proto import caffe_pb2
@@ -1718,6 +1718,15 @@ def test_with_rows_is_replace(db10: Path) -> None:
     assert "_keys" not in made.__dict__ and "_state" not in made.__dict__
     _same_plans(made, want)
     assert made.keys == second.keys != first.keys and made.state == second.state
+    # rows_like: the same plans, many from one copy of the other fields
+    make = first.rows_like()
+    for _ in range(2):
+        again = make(
+            second.key_source, second.indices, second.epochs, second.positions, second.words,
+            second.valid, second.state_source,
+        )  # fmt: skip
+        assert set(again.__dict__) == {f.name for f in dataclasses.fields(BatchPlan)}
+        _same_plans(again, want)
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.valid = 1  # type: ignore[misc]
 

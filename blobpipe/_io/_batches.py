@@ -427,19 +427,26 @@ class Batches:
         if rows and head.filler.uniform_shape() is None:
             self._learn(rows, steps[-1][0][-1])
         same: tuple[int, ...] | None = None  # (asked once the first plan is made)
+        shape: tuple[int, ...] = ()
+        rows_like = 0
         like: BatchPlan | None = None
         spanning: RowSpan | None = None  # the rows ``like`` and the plans made from it span
+        make: Callable[..., BatchPlan] | None = None  # plans made from ``like``
         for k, ((_, valid, after), arrays) in enumerate(zip(steps, rows, strict=True)):
-            if like is not None and same == like.record_shape and len(arrays[0]) == len(like):
+            if make is not None and same == shape and len(arrays[0]) == rows_like:
                 indices, epochs, positions, words = arrays
                 keys = key_source(self._keys, indices)
                 if self._random:
                     words = head.words(words)
-                plan = like.with_rows(keys, indices, epochs, positions, words, valid, states[k])
-                if spanning is not None and words is arrays[3]:  # (merged: no join)
-                    spanned_as(plan, spanning, at, at + len(indices))
-                at += len(indices)
-                plans.append(plan)
+                n = len(indices)
+                # (noted as rows of the span: merged without a join)
+                spanned = (
+                    None if spanning is None or words is not arrays[3] else (spanning, at, at + n)
+                )
+                plans.append(
+                    make(keys, indices, epochs, positions, words, valid, states[k], spanned)
+                )
+                at += n
                 continue
             try:
                 plan = self._plan(valid, states[k], arrays, like)
@@ -452,6 +459,7 @@ class Batches:
             plans.append(plan)
             if like is None and len(steps) > 1:
                 like = plan
+                make, shape, rows_like = like.rows_like(), like.record_shape, len(like)
                 # every record's shape, known without a read (raw records of one shape,
                 # once the index has seen them all): the later plans read no record
                 same = head.filler.uniform_shape() if len(self._sources) == 1 else None

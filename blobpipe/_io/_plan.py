@@ -210,6 +210,44 @@ class BatchPlan:
             words=words, valid=valid, state_source=state_source, first_decoded=None,
         )  # fmt: skip
 
+    def rows_like(self) -> Callable[..., BatchPlan]:
+        """:meth:`with_rows` for many batches: a function of the same arguments (and
+        ``spanned``, the :data:`_SPANNED` entry to note, or None) that makes each
+        plan from one copy of this plan's other fields, taken now. The caller
+        guarantees the plan is of one source and each batch has as many rows."""
+        template = self.__dict__.copy()
+        for cache in ("_keys", "_state", _SPANNED):
+            template.pop(cache, None)
+        template["first_decoded"] = None
+        new = object.__new__
+        set_dict = object.__setattr__
+
+        def make(
+            key_source: Callable[[], tuple[bytes, ...]],
+            indices: npt.NDArray[np.int64],
+            epochs: npt.NDArray[np.int64],
+            positions: npt.NDArray[np.int64],
+            words: npt.NDArray[np.uint64],
+            valid: int,
+            state_source: Callable[[], dict[str, Any]],
+            spanned: tuple[RowSpan, int, int] | None = None,
+        ) -> BatchPlan:
+            fields = template.copy()
+            fields["key_source"] = key_source
+            fields["indices"] = indices
+            fields["epochs"] = epochs
+            fields["positions"] = positions
+            fields["words"] = words
+            fields["valid"] = valid
+            fields["state_source"] = state_source
+            if spanned is not None:
+                fields[_SPANNED] = spanned
+            plan: BatchPlan = new(BatchPlan)
+            set_dict(plan, "__dict__", fields)
+            return plan
+
+        return make
+
     def _replaced(self, **changes: Any) -> BatchPlan:
         """``dataclasses.replace(self, **changes)`` without ``__init__`` (no checks):
         the caches of keys and state, and the rows' span, are not carried over."""
