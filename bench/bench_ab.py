@@ -1,7 +1,9 @@
 """Paired A/B of blobpipe's batch work between two checkouts, on the workload databases.
 
 Run: ``python bench/bench_ab.py OTHER_CHECKOUT [--pairs N] [--epochs N] [--workloads W1,W2]
-[--point NAME ...] [--loader [blocking|async]] [--control] [--data-dir DIR] [--quick]``
+[--point NAME ...] [--loader [blocking|async]] [--control] [--data-dir DIR] [--quick]``, or
+``python bench/bench_ab.py OTHER_CHECKOUT --in-process [--rounds N] [--workloads ...]
+[--point NAME ...]``
 
 For each workload (W1–W5 and W3-test of ``bench_workloads.py``, the same databases and
 recipes; default W1–W4; ``--point`` adds a point of ``bench_sweep.py`` by name, its
@@ -32,19 +34,37 @@ speed change, and the A/A control, which repeats one layout, would not show it.
 The other checkout is put first on ``PYTHONPATH``, so its ``blobpipe`` is the one imported
 (e.g. ``git worktree add ../before HEAD~3``). Databases are made on first use and cached
 under ``bench/_data`` (as the workload benchmark's).
+
+``--in-process`` pairs Loaders in one process instead, for changes of a few percent to
+the per-batch Python, which fresh processes do not resolve: the other checkout's package
+is imported as ``blobpipe_other`` (a link to its ``blobpipe/`` folder; its imports are
+relative and its compiled modules load under any name; built with ``python setup.py
+build_ext --inplace`` there), and three Loaders (2 workers, device "cpu", the blocking
+form) are opened side by side: this checkout's, the other's (on the database's
+byte-identical copy: LMDB opens a file once a process) and this checkout's again, the A/A
+control. Each round times a later epoch of each, in an order reversed every other round,
+each after an untimed epoch of the same Loader (``bench_planners.py``'s method); it prints
+the medians of µs a batch and the median of the per-round ratios this / other (below 1.00:
+this checkout is faster) and this / again, each with its 90% bootstrap interval (
+``bench_pairs.py``'s): a ratio is resolved where the control's interval lies within ±5%.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -122,6 +142,77 @@ def _measure(checkout: Path, spec: dict[str, object]) -> dict[str, float]:
     return got
 
 
+def _other_package(checkout: Path) -> Any:
+    """The other checkout's ``blobpipe``, imported as ``blobpipe_other``."""
+    folder = Path(tempfile.mkdtemp(prefix="bench_ab_"))
+    (folder / "blobpipe_other").symlink_to((checkout / "blobpipe").resolve())
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("blobpipe_other")
+
+
+def in_process(other: Path, chosen: list[tuple[Any, bool]], rounds: int, data_dir: Any) -> None:
+    """The ``--in-process`` pairing (the module docstring), one table row per case."""
+    from _workloads_data import prepare, warm_page_cache
+    from bench_pairs import interval, within
+    from bench_planners import later_epoch, options_of
+
+    import blobpipe
+
+    theirs = _other_package(other)
+    print(f"in one process, {rounds} rounds, later epochs, µs a batch; other: {theirs.__file__}")
+    print("| case | this | other | again | this / other (90%) | A/A this / again (90%) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for w, mean in chosen:
+        pre = prepare(w.db, data_dir)
+        warm_page_cache(pre)
+        options = options_of(w.recipe, pre.mean_file if mean else None)
+        t = options["transform"]
+        fields = ("scale", "mirror", "crop_size", "mean_file", "mean_value", "dtype", "layout")
+        loaders = {}
+        with contextlib.ExitStack() as stack:
+            for name, package, path in (
+                ("this", blobpipe, pre.path),
+                ("other", theirs, pre.copy),
+                ("again", blobpipe, pre.path),
+            ):
+                own = dict(
+                    options, transform=package.Transform(**{f: getattr(t, f) for f in fields})
+                )
+                loader = package.Loader(str(path), device="cpu", workers=2, mode="epoch", **own)
+                loaders[name] = stack.enter_context(loader)
+
+            def epoch_of(loader: Any) -> Callable[[], int]:
+                def epoch() -> int:
+                    n = 0
+                    for batch in loader:
+                        batch.data.cpu_data()
+                        n += 1
+                    return n
+
+                return epoch
+
+            runs = {name: epoch_of(loader) for name, loader in loaders.items()}
+            for run in runs.values():
+                run()  # the first epoch: opened, indexed, every slot filled
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for r in range(rounds):
+                for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                    runs[name]()  # what the one before left running is done
+                    times[name].append(later_epoch(runs[name]))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ab = [a / b for a, b in zip(times["this"], times["other"], strict=True)]
+        aa = [a / b for a, b in zip(times["this"], times["again"], strict=True)]
+        (lo, hi), (alo, ahi) = interval(ab), interval(aa)
+        mark = "" if within(alo, ahi) else " *"
+        print(
+            f"| {w.name} | {med['this']:.1f} | {med['other']:.1f} | {med['again']:.1f} | "
+            f"{statistics.median(ab):.3f}× ({lo:.3f}–{hi:.3f}){mark} | "
+            f"{statistics.median(aa):.3f}× ({alo:.3f}–{ahi:.3f}) |",
+            flush=True,
+        )
+    print("(*: unresolved, the A/A interval is not within ±5% of 1×)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("other", type=Path, help="the other checkout (its root folder)")
@@ -148,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a point of bench_sweep.py by name, its database and recipe ('raw 3x48x48 TEST, "
         "scale'; repeatable; with only --point, no workloads)",
     )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="Loaders of both checkouts paired in one process (see the module docstring)",
+    )
+    ap.add_argument("--rounds", type=int, default=31, help="with --in-process (default 31)")
     ap.add_argument("--data-dir", type=Path, help="LMDB cache (default bench/_data)")
     ap.add_argument("--quick", action="store_true", help="tiny databases: a smoke test")
     ap.add_argument(
@@ -180,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         (Workload(p.name, p.name, db_spec(p, args.quick), p.recipe), p.recipe.mean_file is not None)
         for p in points
     ]
+    if args.in_process:
+        if args.rounds < 3:
+            ap.error("--rounds must be >= 3 (an interval needs rounds)")
+        in_process(args.other, chosen, 3 if args.quick else args.rounds, args.data_dir)
+        return 0
     figure = (
         f"Loader ({args.loader} form): process CPU s and wall s of the best later epoch, "
         "wall s of the first (open to close)"

@@ -438,6 +438,25 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_bench_ab_in_process_pairs_loaders_of_two_checkouts(tmp_path: Path) -> None:
+    """--in-process: the other checkout's package imported beside this one's, three
+    Loaders in one process; each row gives µs a batch, this / other and the A/A control,
+    each with an interval."""
+    root = BENCH.parent
+    proc = run_quick(
+        "bench_ab.py", tmp_path, str(root), "--in-process", "--workloads", "W1",
+        "--point", "raw 3x48x48 TEST, scale",
+    )  # fmt: skip
+    assert "blobpipe_other" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| (W1|raw) ", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["W1", "raw 3×48×48 TEST, scale"]
+    number = r"[\d.]+× \([\d.]+–[\d.]+\)"
+    for row in rows:  # µs: this, other, again; then this / other and this / again
+        assert re.search(rf"(\| [\d.]+ ){{3}}\| {number}( \*)? \| {number} \|$", row), row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_bench_kernel_ab_pairs_two_kernels_in_one_process(tmp_path: Path) -> None:
     """Both builds of the row kernel loaded side by side, their outputs compared first; a
     checkout without a built kernel is refused."""
