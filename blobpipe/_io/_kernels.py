@@ -383,7 +383,10 @@ class Deferral:
 
     def query(self) -> bool:
         """Whether every call ran (without waiting)."""
-        return all(job.query() for job in self.jobs)
+        jobs = self.jobs
+        if len(jobs) == 1:  # (a chunk's rows: asked once a batch while it runs)
+            return bool(jobs[0].query())
+        return all(job.query() for job in jobs)
 
     def wait(self, seconds: float | None = None) -> bool:
         """Block until every call ran, or at most ``seconds`` (None: no limit), the GIL

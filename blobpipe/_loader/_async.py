@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from .._backends import wait_event
+from .._backends import COMPLETED, wait_event
 from ._batch import Batch
 from ._handoff import threadsafe_caller
 from ._lifecycle import State
@@ -148,7 +148,7 @@ class AsyncForm:
         # is not there is a cancellation point at once (``_wait``).
         t0 = pipe.begin_next()
         handoff = pipe.handoff
-        if handoff.ready() and t0 - self._yielded >= YIELD_EVERY:
+        if t0 - self._yielded >= YIELD_EVERY and handoff.ready():
             await anyio.lowlevel.checkpoint()
             t0 = self._yielded = time.perf_counter()
             pipe.lifecycle.check_iterable()
@@ -159,6 +159,8 @@ class AsyncForm:
         if made is None:
             raise StopAsyncIteration
         done = made[0].event
+        if done is COMPLETED:  # (no device: nothing to wait for)
+            return pipe.deliver(*made, t0)
         try:
             if done.query():
                 done.synchronize()  # completed: returns at once, or raises what failed

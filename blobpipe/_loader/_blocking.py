@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
+from .._backends import COMPLETED
 from ._batch import Batch
 from ._lifecycle import State
 from ._pipeline import Pipeline
@@ -72,11 +73,13 @@ class BlockingForm:
         made = pipe.arrived(item, t0)
         if made is None:
             raise StopIteration
-        try:
-            made[0].event.synchronize()
-        except Exception as exc:  # its device work failed
-            pipe.device_failed(exc)
-            raise
+        done = made[0].event
+        if done is not COMPLETED:  # (no device: nothing to wait for)
+            try:
+                done.synchronize()
+            except Exception as exc:  # its device work failed
+                pipe.device_failed(exc)
+                raise
         return pipe.deliver(*made, t0)
 
     def _open(self) -> None:
