@@ -47,6 +47,10 @@ each after an untimed epoch of the same Loader (``bench_planners.py``'s method);
 the medians of µs a batch and the median of the per-round ratios this / other (below 1.00:
 this checkout is faster) and this / again, each with its 90% bootstrap interval (
 ``bench_pairs.py``'s): a ratio is resolved where the control's interval lies within ±5%.
+The control shares this checkout's code, not the other's place: Loaders differ by where
+their buffers land, so run this checkout against itself (``bench_ab.py . --in-process``)
+to see what the other's place alone reads (W1 0.99-1.00×, W2 1.00-1.03× on the
+development VM).
 """
 
 from __future__ import annotations
