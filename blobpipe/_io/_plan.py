@@ -70,12 +70,27 @@ def span(a: int, b: int) -> npt.NDArray[np.int64]:
     return np.arange(a, b, dtype=np.int64)
 
 
+#: the last arrays :func:`column` made, by ``(n, value)`` (read-only, so shared): a
+#: chunk's epochs are the same array chunk after chunk within an epoch
+_COLUMNS: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+_COLUMNS_KEPT = 8
+
+
 def column(n: int, value: int) -> npt.NDArray[np.int64]:
     """``n`` times ``value`` as a read-only int64 array: filled up to 500 (NumPy keeps the
-    GIL), else a broadcast of one item (a fill releases it; a broadcast costs a few µs)."""
-    if n <= len(_SPAN):
-        return read_only(np.full(n, value, np.int64))
-    return np.broadcast_to(np.int64(value), (n,))
+    GIL), else a broadcast of one item (a fill releases it; a broadcast costs a few µs);
+    the last few made are kept and handed out again."""
+    key = (n, value)
+    made = _COLUMNS.get(key)
+    if made is None:
+        if n <= len(_SPAN):
+            made = read_only(np.full(n, value, np.int64))
+        else:
+            made = np.broadcast_to(np.int64(value), (n,))
+        if len(_COLUMNS) >= _COLUMNS_KEPT:  # (any thread may clear it: a cache)
+            _COLUMNS.clear()
+        _COLUMNS[key] = made
+    return made
 
 
 def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
