@@ -66,7 +66,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +157,7 @@ def in_process(other: Path, chosen: list[tuple[Any, bool]], rounds: int, data_di
     """The ``--in-process`` pairing (the module docstring), one table row per case."""
     from _workloads_data import prepare, warm_page_cache
     from bench_pairs import interval, within
-    from bench_planners import later_epoch, options_of
+    from bench_planners import epoch_of, later_epoch, options_of
 
     import blobpipe
 
@@ -184,16 +183,6 @@ def in_process(other: Path, chosen: list[tuple[Any, bool]], rounds: int, data_di
                 )
                 loader = package.Loader(str(path), device="cpu", workers=2, mode="epoch", **own)
                 loaders[name] = stack.enter_context(loader)
-
-            def epoch_of(loader: Any) -> Callable[[], int]:
-                def epoch() -> int:
-                    n = 0
-                    for batch in loader:
-                        batch.data.cpu_data()
-                        n += 1
-                    return n
-
-                return epoch
 
             runs = {name: epoch_of(loader) for name, loader in loaders.items()}
             for run in runs.values():

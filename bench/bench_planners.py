@@ -50,6 +50,20 @@ def later_epoch(run: Callable[[], int]) -> float:
     return (time.perf_counter() - t0) / max(n, 1) * 1e6
 
 
+def epoch_of(loader: Any) -> Callable[[], int]:
+    """A later epoch of ``loader`` (its blocking form), reading each batch's data on the
+    host and keeping nothing, as a training loop does; returns the batches it made."""
+
+    def epoch() -> int:
+        n = 0
+        for batch in loader:
+            batch.data.cpu_data()
+            n += 1
+        return n
+
+    return epoch
+
+
 def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[], int]], list[Any]]:
     """The three ways to read an epoch of ``db``, and what to close after."""
     loaders = {}
@@ -59,16 +73,6 @@ def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[],
             loader._pipe._here_ok = False  # the fillers fill the chunks
         loader.__enter__()
         loaders[name] = loader
-
-    def of(loader: Any) -> Callable[[], int]:
-        def epoch() -> int:
-            n = 0
-            for batch in loader:
-                batch.data.cpu_data()
-                n += 1
-            return n
-
-        return epoch
 
     batches = blobpipe.Batches(db, mode="epoch", **options)
     label = np.empty(options["batch_size"], np.float32)
@@ -85,9 +89,9 @@ def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[],
 
     runs = {
         "Batches": alone,
-        "consumer": of(loaders["consumer"]),
-        "fillers": of(loaders["fillers"]),
-        "again": of(loaders["again"]),  # the A/A control
+        "consumer": epoch_of(loaders["consumer"]),
+        "fillers": epoch_of(loaders["fillers"]),
+        "again": epoch_of(loaders["again"]),  # the A/A control
     }
     return runs, [*loaders.values(), batches]
 

@@ -448,7 +448,7 @@ class Batches:
                     None if spanning is None or words is not arrays[3] else (spanning, at, at + n)
                 )
                 plans.append(
-                    make(keys, indices, epochs, positions, words, valid, states[k], spanned)
+                    make(keys, indices, epochs, positions, words, valid, states[k], spanned=spanned)
                 )
                 at += n
                 continue

@@ -226,8 +226,8 @@ class BatchPlan:
         )  # fmt: skip
 
     def rows_like(self) -> Callable[..., BatchPlan]:
-        """:meth:`with_rows` for many batches: a function of the same arguments (and
-        ``spanned``, the :data:`_SPANNED` entry to note, or None) that makes each
+        """:meth:`with_rows` for many batches: a function of its seven arguments, in its
+        order (and ``spanned=``, the :data:`_SPANNED` entry to note, or None) that makes each
         plan from one copy of this plan's other fields, taken now. The caller
         guarantees the plan is of one source and each batch has as many rows."""
         template = self.__dict__.copy()
@@ -237,24 +237,12 @@ class BatchPlan:
         new = object.__new__
         set_dict = object.__setattr__
 
-        def make(
-            key_source: Callable[[], tuple[bytes, ...]],
-            indices: npt.NDArray[np.int64],
-            epochs: npt.NDArray[np.int64],
-            positions: npt.NDArray[np.int64],
-            words: npt.NDArray[np.uint64],
-            valid: int,
-            state_source: Callable[[], dict[str, Any]],
-            spanned: tuple[RowSpan, int, int] | None = None,
-        ) -> BatchPlan:
+        def make(*rows: Any, spanned: tuple[RowSpan, int, int] | None = None) -> BatchPlan:
             fields = template.copy()
-            fields["key_source"] = key_source
-            fields["indices"] = indices
-            fields["epochs"] = epochs
-            fields["positions"] = positions
-            fields["words"] = words
-            fields["valid"] = valid
-            fields["state_source"] = state_source
+            (  # with_rows' arguments, in its order
+                fields["key_source"], fields["indices"], fields["epochs"], fields["positions"],
+                fields["words"], fields["valid"], fields["state_source"],
+            ) = rows  # fmt: skip
             if spanned is not None:
                 fields[_SPANNED] = spanned
             plan: BatchPlan = new(BatchPlan)
