@@ -1733,15 +1733,19 @@ def test_with_rows_is_replace(db10: Path) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 500, 501, 1024])
 def test_column_is_n_times_its_value_read_only_and_kept_a_while(n: int) -> None:
-    """``column(n, value)``: ``n`` times ``value``, read-only, the same array again while
-    it is among the last few made (a chunk's epochs), a bounded number kept."""
+    """``column(n, value)``: ``n`` times ``value``, read-only, a view of the same array
+    again while it is among the last few made (a chunk's epochs), which cannot be made
+    writable; a bounded number kept."""
     from blobpipe._io import _plan
 
     for value in (0, 3, 2**40):
         got = _plan.column(n, value)
         assert got.shape == (n,) and got.dtype == np.int64 and not got.flags.writeable
         assert np.array_equal(got, np.full(n, value, np.int64))
-        assert _plan.column(n, value) is got
+        again = _plan.column(n, value)
+        assert again.base is got.base is not None  # kept: views of one array
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            again.flags.writeable = True  # nobody writes to what others share
     for value in range(3 * _plan._COLUMNS_KEPT):
         assert np.array_equal(_plan.column(n, value), np.full(n, value, np.int64))
         assert len(_plan._COLUMNS) <= _plan._COLUMNS_KEPT

@@ -79,18 +79,19 @@ _COLUMNS_KEPT = 8
 def column(n: int, value: int) -> npt.NDArray[np.int64]:
     """``n`` times ``value`` as a read-only int64 array: filled up to 500 (NumPy keeps the
     GIL), else a broadcast of one item (a fill releases it; a broadcast costs a few µs);
-    the last few made are kept and handed out again."""
+    the last few made are kept and handed out again, as views that cannot be made
+    writable (their base is read-only)."""
     key = (n, value)
     made = _COLUMNS.get(key)
     if made is None:
         if n <= len(_SPAN):
             made = read_only(np.full(n, value, np.int64))
         else:
-            made = np.broadcast_to(np.int64(value), (n,))
+            made = np.broadcast_to(read_only(np.array([value], np.int64)), (n,))
         if len(_COLUMNS) >= _COLUMNS_KEPT:  # (any thread may clear it: a cache)
             _COLUMNS.clear()
         _COLUMNS[key] = made
-    return made
+    return made.view()
 
 
 def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
