@@ -91,7 +91,8 @@ def column(n: int, value: int) -> npt.NDArray[np.int64]:
         if len(_COLUMNS) >= _COLUMNS_KEPT:  # (any thread may clear it: a cache)
             _COLUMNS.clear()
         _COLUMNS[key] = made
-    return made.view()
+    view: npt.NDArray[np.int64] = made.view()
+    return view
 
 
 def joined(parts: list[npt.NDArray[_T]]) -> npt.NDArray[_T]:
