@@ -56,11 +56,13 @@ development VM).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,6 +150,7 @@ def _measure(checkout: Path, spec: dict[str, object]) -> dict[str, float]:
 def _other_package(checkout: Path) -> Any:
     """The other checkout's ``blobpipe``, imported as ``blobpipe_other``."""
     folder = Path(tempfile.mkdtemp(prefix="bench_ab_"))
+    atexit.register(shutil.rmtree, folder, True)  # (the link only: the checkout stays)
     (folder / "blobpipe_other").symlink_to((checkout / "blobpipe").resolve())
     sys.path.insert(0, str(folder))
     return importlib.import_module("blobpipe_other")
