@@ -153,7 +153,15 @@ def _other_package(checkout: Path) -> Any:
     atexit.register(shutil.rmtree, folder, True)  # (the link only: the checkout stays)
     (folder / "blobpipe_other").symlink_to((checkout / "blobpipe").resolve())
     sys.path.insert(0, str(folder))
-    return importlib.import_module("blobpipe_other")
+    package = importlib.import_module("blobpipe_other")
+    try:  # without it small batches take another path: the pairing would mislead
+        importlib.import_module("blobpipe_other._io._rowkernel")
+    except ImportError:
+        raise SystemExit(
+            f"{checkout}: its row kernel is not built; run `python setup.py build_ext --inplace` "
+            "there"
+        ) from None
+    return package
 
 
 def in_process(other: Path, chosen: list[tuple[Any, bool]], rounds: int, data_dir: Any) -> None:

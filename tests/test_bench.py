@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -453,6 +454,13 @@ def test_bench_ab_in_process_pairs_loaders_of_two_checkouts(tmp_path: Path) -> N
     number = r"[\d.]+× \([\d.]+–[\d.]+\)"
     for row in rows:  # µs: this, other, again; then this / other and this / again
         assert re.search(rf"(\| [\d.]+ ){{3}}\| {number}( \*)? \| {number} \|$", row), row
+    # a checkout whose row kernel is not built is refused (its small batches would go
+    # another way, and the pairing would read that as the change)
+    shutil.copytree(root / "blobpipe", tmp_path / "bare" / "blobpipe",
+                    ignore=shutil.ignore_patterns("_rowkernel*.so", "__pycache__"))  # fmt: skip
+    bad = [sys.executable, str(BENCH / "bench_ab.py"), str(tmp_path / "bare"), "--in-process"]
+    proc = subprocess.run(bad, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1 and "row kernel is not built" in proc.stderr
 
 
 @pytest.mark.slow
