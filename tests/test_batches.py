@@ -558,6 +558,23 @@ def test_resume_equals_uninterrupted(db10: Path, config: dict[str, Any], cut: in
         assert [g.keys for g in stream(b, 2)] == [g.keys for g in full[cut : cut + 2]]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9)), min_size=1, max_size=12))
+def test_state_sources_are_each_places_state(places: list[tuple[int, int]]) -> None:
+    """``state_sources``: one source per ``(epoch, pos)``, in order, each making the
+    state of its place's record in that epoch's order, for places in any order and
+    runs of epochs (one and many)."""
+    from blobpipe._io._resume import make_state, state_sources
+
+    keys = [f"k{i}".encode() for i in range(10)]
+    orders = {e: np.random.default_rng(e).permutation(10) for e in range(4)}
+    settings, shard = {"seed": 1}, (0, 1)
+    got = state_sources(keys, settings, shard, orders.__getitem__, places)
+    assert [source() for source in got] == [
+        make_state(e, p, keys[int(orders[e][p])], settings, shard) for e, p in places
+    ]
+
+
 def test_resume_errors(db10: Path, tmp_path: Path) -> None:
     with Batches(db10, 3, order="shuffle", seed=1) as b:
         take(b, 2)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -83,7 +82,7 @@ from ._plan import (
 )
 from ._readahead import ReadAhead
 from ._records import DATUM, RecordKind
-from ._resume import check_state, make_state
+from ._resume import check_state, make_state, state_sources
 from ._sources import Source, Sources, check_shared, open_sources
 from ._transform import Phase, Transform
 
@@ -300,35 +299,6 @@ class Batches:
         key = self._keys[int(self.epoch_order(epoch)[pos])]
         return make_state(epoch, pos, key, self._settings, (self._rank, self._world))
 
-    def _states_at(self, places: list[tuple[int, int]]) -> list[Callable[[], dict[str, Any]]]:
-        """What makes the state at each ``(epoch, pos)`` of ``places`` later, also once
-        this Batches is closed (a kept batch's ``state``): the records' indices are
-        looked up now (one gather for each run of places in one epoch), their keys
-        when asked. Each ``pos`` is below the shard's length (:func:`advance`)."""
-        keys, settings, shard = self._keys, self._settings, (self._rank, self._world)
-
-        def at(epoch: int, pos: int, index: int) -> Callable[[], dict[str, Any]]:
-            return lambda: make_state(epoch, pos, keys[index], settings, shard)
-
-        if len(places) == 1:  # next_plan
-            epoch, pos = places[0]
-            return [at(epoch, pos, int(self.epoch_order(epoch)[pos]))]
-        out: list[Callable[[], dict[str, Any]]] = []
-        i = 0
-        while i < len(places):
-            epoch, j = places[i][0], i + 1
-            while j < len(places) and places[j][0] == epoch:
-                j += 1
-            positions = [pos for _, pos in places[i:j]]
-            order = self.epoch_order(epoch)
-            indices = [int(order[positions[0]])] if j == i + 1 else order[positions].tolist()
-            out += [  # (a partial each: made without a Python call)
-                functools.partial(_state_at, keys, settings, shard, epoch, p, x)
-                for p, x in zip(positions, indices, strict=True)
-            ]
-            i = j
-        return out
-
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: the next record to plan, and how the order is made.
 
@@ -426,7 +396,10 @@ class Batches:
         plans: list[BatchPlan | None] = []
         rows, whole = row_arrays(self._epochs, self._random, [runs for runs, _, _ in steps])
         at = 0  # where the plan's rows start in ``whole``
-        states = self._states_at([(e, p) for _, _, (e, p, _) in steps])
+        states = state_sources(  # (each batch's, from the cursor after it)
+            self._keys, self._settings, (self._rank, self._world), self.epoch_order,
+            [(e, p) for _, _, (e, p, _) in steps],
+        )  # fmt: skip
         head = self._sources[0]
         if rows and head.filler.uniform_shape() is None:
             self._learn(rows, steps[-1][0][-1])
@@ -533,7 +506,7 @@ class Batches:
     ) -> BatchPlan:
         """The plan of one batch: its ``rows`` (indices, epochs, positions and words,
         as :func:`row_arrays` makes them), ``valid`` real ones, and what makes the
-        resume state after it (:meth:`_states_at`); reads its first record to learn
+        resume state after it (:func:`state_sources`); reads its first record to learn
         its shape.
 
         ``like``: the plan of an earlier batch of the same call; a batch of one source
@@ -799,13 +772,6 @@ class Batches:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _state_at(
-    keys: Any, settings: Any, shard: tuple[int, int], epoch: int, pos: int, index: int
-) -> dict[str, Any]:
-    """The resume state at ``pos`` of ``epoch``, whose record is ``index``."""
-    return make_state(epoch, pos, keys[index], settings, shard)
 
 
 def _reopened(

@@ -14,13 +14,17 @@ Fields it does not write are ignored.
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from .._errors import ArgumentError, ArgumentTypeError, DataError
 
-__all__ = ["CURSOR", "STATE_VERSION", "check_state", "make_state"]
+__all__ = ["CURSOR", "STATE_VERSION", "check_state", "make_state", "state_sources"]
 
 STATE_VERSION = 1
 MAX_EPOCH = 2**62  # an epoch, and the ones after it, fit the int64 the draws take
@@ -40,6 +44,54 @@ def make_state(
         **settings,
         "shard": [shard[0], shard[1]],
     }
+
+
+def state_sources(
+    keys: Sequence[bytes],
+    settings: Mapping[str, Any],
+    shard: tuple[int, int],
+    order_of: Callable[[int], npt.NDArray[np.int64]],
+    places: list[tuple[int, int]],
+) -> list[Callable[[], dict[str, Any]]]:
+    """What makes the state at each ``(epoch, pos)`` of ``places`` later (a plan's
+    ``state_source``), also once the Batches is closed (a kept batch's ``state``): the
+    records' indices are looked up now in ``order_of(epoch)`` (one gather for each run
+    of places in one epoch), their keys when asked. Each a ``functools.partial``: made
+    without a Python call, once a batch."""
+    if len(places) == 1:  # next_plan: once a batch, as Batches alone plans
+        epoch, pos = places[0]
+        return [
+            functools.partial(
+                _state_at, keys, settings, shard, epoch, pos, int(order_of(epoch)[pos])
+            )
+        ]
+    out: list[Callable[[], dict[str, Any]]] = []
+    i = 0
+    while i < len(places):
+        epoch, j = places[i][0], i + 1
+        while j < len(places) and places[j][0] == epoch:
+            j += 1
+        positions = [pos for _, pos in places[i:j]]
+        order = order_of(epoch)
+        indices = [int(order[positions[0]])] if j == i + 1 else order[positions].tolist()
+        out += [
+            functools.partial(_state_at, keys, settings, shard, epoch, p, x)
+            for p, x in zip(positions, indices, strict=True)
+        ]
+        i = j
+    return out
+
+
+def _state_at(
+    keys: Sequence[bytes],
+    settings: Mapping[str, Any],
+    shard: tuple[int, int],
+    epoch: int,
+    pos: int,
+    index: int,
+) -> dict[str, Any]:
+    """The state at ``pos`` of ``epoch``, whose record is ``index`` (key looked up now)."""
+    return make_state(epoch, pos, keys[index], settings, shard)
 
 
 def _plain(value: Any) -> Any:
