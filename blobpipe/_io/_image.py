@@ -165,8 +165,8 @@ _UNLOADED: Any = object()
 _jpegwindow: Any = _UNLOADED
 _pngrows: Any = _UNLOADED
 # one growing block per thread for the images decode_window and decode_whole return (of a
-# window, only the window is written), kept up to this size; a larger image gets a block
-# of its own, freed with its result
+# window, only the window and its margin are written), kept up to this size; a larger
+# image gets a block of its own, freed with its result
 _scratch = threading.local()
 _SCRATCH_KEEP = 32 << 20
 
