@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -53,6 +54,67 @@ def test_counts_kernel_calls_of_other_threads() -> None:
     # second run whose page faults or cache state may differ. The measuring thread made no call.
     assert len(spent) == 2 and min(spent) > 0
     assert 0.9 * sum(spent) <= b.free * 1e9 <= sum(spent) * 1.01 + 1e6
+
+
+def _call_in_flight(rows: int) -> tuple[_budget.Budget, bool, int, int]:
+    """A block that ends while another thread is inside a kernel call of ``rows`` rows:
+    the budget, whether the call was still running at the block's end, the counter read
+    at the block's end and read again once the call ended."""
+    side = 128
+    src = np.full(rows * 3 * side * side, 7, np.uint8)
+    offsets = np.arange(rows, dtype=np.int64) * 3 * side * side
+    zeros = np.zeros(rows, np.intp)
+    out = np.zeros((rows, 3, side, side), np.float32)  # faulted in here, not in the kernel
+    inside, done = threading.Event(), threading.Event()
+
+    def call() -> None:
+        inside.set()
+        kernel.transform_rows(
+            src, offsets, (3, side, side), zeros, zeros, np.zeros(rows, np.bool_), None, 0.5,
+            out, 0, False,
+        )  # fmt: skip
+        done.set()
+
+    worker = threading.Thread(target=call)
+    with _budget.measure() as b:
+        worker.start()
+        inside.wait()
+        time.sleep(0.005)  # the worker in the kernel (the GIL released), this thread asleep
+        running = not done.is_set()
+    at_end = kernel.free_cpu(False)
+    worker.join()
+    return b, running, at_end, kernel.free_cpu(False)
+
+
+@needs_kernel
+def test_a_call_running_when_the_block_ends_counts_up_to_its_end() -> None:
+    """The process clock has a running call's CPU time so far: so has the GIL-free count
+    (counted only when the call ended, it would count as holding the GIL)."""
+    for rows in (256, 1024, 4096):
+        b, running, at_end, after = _call_in_flight(rows)
+        if running:
+            break
+    else:
+        pytest.skip("the kernel call ended within 5 ms every time")
+    assert b.free > 0.002  # the 5 ms the block slept through, less the thread's start
+    assert b.free <= b.cpu * 1.01 + 1e-4
+    assert b.serial < 0.5
+    assert after == at_end  # and nothing of it after the block
+
+
+def _child() -> None:
+    _transform()  # a section noted while the parent counts: the child's own start
+    assert kernel.free_cpu(False) >= 0
+
+
+@needs_kernel
+def test_a_child_forked_while_counting_counts_without_the_parents_notes() -> None:
+    ctx = multiprocessing.get_context("fork")
+    with _budget.measure():
+        child = ctx.Process(target=_child)
+        child.start()
+        child.join(60)
+    assert child.exitcode == 0
 
 
 def test_python_work_holds_the_gil() -> None:

@@ -14,7 +14,9 @@ reads its thread's CPU clock when counting is on: ``free_cpu`` in ``_kernel.h``)
 difference is counted as holding the GIL: an upper bound, since GIL-free work outside
 the compiled modules (NumPy's copies, OpenCV's decoder, the kernel's read-ahead
 threads) is counted with it. Meant for benchmarks: it counts the whole process,
-so the block should be the only work running.
+so the block should be the only work running. A compiled call still running when
+the block ends is counted up to the end (its thread's clock read from here); one
+already running when it starts is not counted at all, so start from an idle process.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def measure() -> Iterator[Budget]:
     try:
         yield budget
     finally:
-        budget.wall = time.perf_counter() - wall0
-        budget.cpu = time.process_time() - cpu0
+        # the GIL-free time first (the sections still running counted up to now), then
+        # the clocks: what runs in between counts in the process's CPU time alone
         with _lock:
             _counting -= 1
-            budget.free = (_free_ns(_counting > 0) - free0) / 1e9
+            free1 = _free_ns(_counting > 0)
+        budget.cpu = time.process_time() - cpu0
+        budget.wall = time.perf_counter() - wall0
+        budget.free = (free1 - free0) / 1e9

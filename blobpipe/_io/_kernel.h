@@ -948,7 +948,19 @@ static inline PyObject *close_rows(Rows *r) {
 /* The CPU time this module's calls spend without the GIL (this thread's CPU clock
  * around each GIL-free section, summed over threads), counted only while counting
  * is on: how a benchmark splits a batch's CPU time into GIL-free work and the rest
- * (free_cpu). Off, a section costs one load and one branch. */
+ * (free_cpu). Off, a section costs one load and one branch.
+ *
+ * A section that runs while counting is on is noted (its thread's clock and where
+ * it was last counted from, FREE_SLOTS at once, under free_mu), so that a read
+ * (free_cpu) counts each one's time so far: a measurement that ends while a worker
+ * is inside a section has that section's CPU time in the process's clock, and
+ * counting it only at its end would count it as holding the GIL (on W4, a batch's
+ * decode of ~25 ms a filler, up to a third of what a two-epoch measurement counted
+ * as held). Turning counting off counts the sections running then up to that
+ * point, and no further. A section that began before counting was turned on is
+ * not counted: measure from an idle process. Elsewhere than Linux (no clock of
+ * another thread), and beyond FREE_SLOTS sections at once, a section is counted
+ * when it ends, as before. */
 #include <time.h>
 
 static int free_counting;
@@ -960,15 +972,107 @@ static long long thread_cpu_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sys/types.h>
+#include <unistd.h>
+#define FREE_SLOTS 1024
+typedef struct {
+    clockid_t clock; /* the section's thread's CPU clock */
+    long long from;  /* counted up to this reading of it */
+    int used;        /* a section runs */
+    int counting;    /* and its time still counts (counting was not turned off since) */
+} FreeSlot;
+static FreeSlot free_slots[FREE_SLOTS];
+static pthread_mutex_t free_mu = PTHREAD_MUTEX_INITIALIZER;
+/* the process the slots are of: a forked child (whose copy of free_mu may be held by a
+ * thread it does not have) notes nothing until free_cpu starts its own */
+static pid_t free_pid;
+
+static long long clock_ns(clockid_t clock) {
+    struct timespec t;
+    if (clock_gettime(clock, &t) != 0) return -1;
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* A section begins: its slot (-1: none, *t0 its start where counting, else -1). */
+static int free_begin(long long *t0) {
+    *t0 = -1;
+    if (!free_counting) return -1;
+    clockid_t clock;
+    if (getpid() == free_pid && pthread_getcpuclockid(pthread_self(), &clock) == 0) {
+        pthread_mutex_lock(&free_mu);
+        for (int k = 0; k < FREE_SLOTS; k++) {
+            if (!free_slots[k].used) {
+                const long long now = clock_ns(clock);
+                if (now < 0) break;
+                free_slots[k] = (FreeSlot){clock, now, 1, 1};
+                pthread_mutex_unlock(&free_mu);
+                return k;
+            }
+        }
+        pthread_mutex_unlock(&free_mu);
+    }
+    *t0 = thread_cpu_ns();
+    return -1;
+}
+
+/* The section of slot k (or started at t0) ends: its time since it was last counted. */
+static void free_end(int k, long long t0) {
+    if (k >= 0) {
+        pthread_mutex_lock(&free_mu);
+        FreeSlot *f = &free_slots[k];
+        const long long now = clock_ns(f->clock);
+        if (f->counting && now > f->from)
+            __atomic_fetch_add(&free_ns, now - f->from, __ATOMIC_RELAXED);
+        f->used = 0;
+        pthread_mutex_unlock(&free_mu);
+    } else if (t0 >= 0) {
+        __atomic_fetch_add(&free_ns, thread_cpu_ns() - t0, __ATOMIC_RELAXED);
+    }
+}
+
+/* Count the running sections' time so far; `stop`: and none of it after now. */
+static void free_so_far(int stop) {
+    if (getpid() != free_pid) { /* (a forked child: the parent's sections are not its own) */
+        pthread_mutex_init(&free_mu, NULL);
+        memset(free_slots, 0, sizeof(free_slots));
+        free_pid = getpid();
+        return;
+    }
+    pthread_mutex_lock(&free_mu);
+    for (int k = 0; k < FREE_SLOTS; k++) {
+        FreeSlot *f = &free_slots[k];
+        if (!f->used || !f->counting) continue;
+        const long long now = clock_ns(f->clock);
+        if (now > f->from) {
+            __atomic_fetch_add(&free_ns, now - f->from, __ATOMIC_RELAXED);
+            f->from = now;
+        }
+        if (stop) f->counting = 0;
+    }
+    pthread_mutex_unlock(&free_mu);
+}
+
 /* Inside Py_BEGIN_ALLOW_THREADS ... Py_END_ALLOW_THREADS, around the work. */
+#define FREE_BEGIN                                                                   \
+    long long free_t0_;                                                              \
+    const int free_k_ = free_begin(&free_t0_);
+#define FREE_END free_end(free_k_, free_t0_);
+#else
+static void free_so_far(int stop) { (void)stop; }
 #define FREE_BEGIN const long long free_t0_ = free_counting ? thread_cpu_ns() : -1;
 #define FREE_END                                                                     \
     if (free_t0_ >= 0) __atomic_fetch_add(&free_ns, thread_cpu_ns() - free_t0_, __ATOMIC_RELAXED);
+#endif
 
 static PyObject *free_cpu(PyObject *self, PyObject *on) {
     (void)self;
     const int counting = PyObject_IsTrue(on);
     if (counting < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    free_so_far(!counting);
+    Py_END_ALLOW_THREADS;
     free_counting = counting;
     return PyLong_FromLongLong(__atomic_load_n(&free_ns, __ATOMIC_RELAXED));
 }
@@ -976,7 +1080,8 @@ static PyObject *free_cpu(PyObject *self, PyObject *on) {
 #define FREE_CPU_METHOD                                                                   \
     {"free_cpu", free_cpu, METH_O,                                                        \
      "free_cpu(counting) -> int: nanoseconds of CPU time this module's calls spent "      \
-     "without the GIL while counting was on (all threads); turns counting on or off."}
+     "without the GIL while counting was on (all threads), the calls still running "     \
+     "counted up to now; turns counting on or off."}
 
 /* What an image's header announces, for drawing each row's crop before its decode:
  * IMAGE_JPEG (the SOI marker) with the first frame header's height and width, markers
