@@ -49,13 +49,35 @@ def _rows_args(rng: np.random.Generator, n: int, shape: tuple[int, int, int], cr
     return src, offsets, h_off, w_off, mirror, mean, (c, ch, cw)
 
 
+def _placed(shape: tuple[int, ...], shift: int) -> np.ndarray:
+    """A float32 array of ``shape`` full of NaN, its data ``shift`` bytes past a 64-byte
+    boundary (0: on one: the pool's streamed stores take its whole, aligned lines)."""
+    n = int(np.prod(shape))
+    raw = np.empty(4 * n + 128, np.uint8)
+    at = (-raw.ctypes.data) % 64 + shift
+    out = raw[at : at + 4 * n].view(np.float32).reshape(shape)
+    out[...] = np.nan
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("shift", [0, 4])
 @pytest.mark.parametrize(
     ("shape", "crop", "outs", "nhwc"),
-    [((1, 28, 28), 0, 1, 0), ((3, 32, 32), 28, 3, 0), ((3, 40, 40), 33, 2, 1)],
+    [
+        ((1, 28, 28), 0, 1, 0),  # whole planes of 784 pixels
+        ((3, 32, 32), 0, 2, 0),  # whole planes, and mirrored lines of 32
+        ((3, 32, 32), 16, 2, 0),  # cropped lines of 16: whole cache lines
+        ((3, 32, 32), 28, 3, 0),  # lines of 28: never streamed
+        ((3, 40, 40), 33, 2, 1),  # NHWC: never streamed
+    ],
 )
 def test_a_pool_writes_what_the_kernel_writes_in_place(
-    shape: tuple[int, int, int], crop: int, outs: int, nhwc: int
+    shape: tuple[int, int, int], crop: int, outs: int, nhwc: int, shift: int, stream: bool
 ) -> None:
+    """The same bytes from a pool's threads as from the kernel called in place, stored
+    as usual or (``Pool.stream``) around the caches, into outputs on a cache line's
+    boundary or 4 bytes past it (which the streamed stores leave to the usual ones)."""
     kernel = _kernels.row_kernel()
     rng = np.random.default_rng(sum(shape) + crop)
     n = 6 * outs
@@ -63,13 +85,16 @@ def test_a_pool_writes_what_the_kernel_writes_in_place(
     row = (ch, cw, c) if nhwc else (c, ch, cw)
 
     def out() -> Any:
-        parts = [np.full((6, *row), np.nan, np.float32) for _ in range(outs)]
+        parts = [_placed((6, *row), shift) for _ in range(outs)]
         return parts, parts[0] if outs == 1 else tuple(parts)
 
     want, want_arg = out()
     args = (h_off, w_off, mirror, mean, 0.5)
     kernel.transform_rows(src, offsets, shape, *args, want_arg, crop, nhwc)
     pool = kernel.Pool(2)
+    assert pool.stream is False
+    pool.stream = stream
+    assert pool.stream is stream
     jobs = []
     gots = []
     for _ in range(5):  # several queued at once
@@ -342,6 +367,45 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
     assert switches.count("consumer") >= 3, switches
     assert switches.count("fillers") >= 2 and "fillers for good" not in switches, switches
     watch.assert_returned()
+
+
+@pytest.mark.parametrize(("cache", "streams"), [(1, True), (1 << 40, False)])
+@pytest.mark.parametrize(
+    ("shape", "transform"),
+    [
+        ((1, 28, 28), blobpipe.Transform(scale=0.5)),  # whole planes
+        ((3, 32, 32), blobpipe.Transform(mirror=True, mean_value=[1.0, 2.0, 3.0])),
+        ((3, 40, 40), blobpipe.Transform(crop_size=16, mirror=True, scale=0.5)),
+    ],
+)
+def test_the_consumers_rows_go_around_the_caches_where_its_ring_exceeds_them(
+    tmp_path: Path,
+    cache: int,
+    streams: bool,
+    shape: tuple[int, int, int],
+    transform: blobpipe.Transform,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the ring holds more than the last-level cache (here made 1 byte), the
+    pool writes the consumer's rows around the caches (``Pool.stream``); where it fits,
+    as usual. The batches are Batches' either way (TRAIN crops and mirrors, shuffled,
+    past the first epoch, whose chunks and ring are smaller)."""
+    monkeypatch.setattr(blobpipe._loader._chunk, "last_level_cache", lambda: cache)
+    db = raw_db(tmp_path / "db", 160, shape)
+    options: dict[str, Any] = {
+        "transform": transform,
+        "phase": "train",
+        "order": "shuffle",
+        "seed": 3,
+        "mode": "wrap",
+    }
+    n = 3 * 160 // 8
+    with Loader(db, 8, device="cpu", workers=2, **options) as loader:
+        got = [Got.of(b) for _, b in zip(range(n), loader, strict=False)]
+        pool = loader._pipe._pool
+        assert loader._pipe._here and pool is not None
+        assert pool.stream is streams
+    assert_matches(got, expected(db, n, batch_size=8, **options))
 
 
 @pytest.mark.parametrize("device", ["host", "emulated"])

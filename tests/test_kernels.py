@@ -12,6 +12,7 @@ transform), over NumPy and, with a GPU, CuPy.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from blobpipe._io._kernels import (
     draw_geometry,
     draw_word,
     draw_words,
+    last_level_cache,
 )
 from tests.conftest import cupy_backend_or_skip
 
@@ -575,3 +577,22 @@ def test_the_kernel_without_vector_types_equals_caffe(
         spec = KernelSpec(crop, m, np.float32(scale), layout)  # type: ignore[arg-type]
         assert apply_raw(memoryview(buffer.tobytes()), offsets, shape, out, geo, spec)
         assert np.array_equal(out, want)
+
+
+def test_last_level_cache_reads_the_largest_data_cache(tmp_path: Path) -> None:
+    """Linux's ``cache/index*/{type,size}``: the largest cache that holds data; 0 where
+    nothing can be read (then the row pool never streams)."""
+    for name, kind, size in [
+        ("index0", "Data", "48K"),
+        ("index1", "Instruction", "64M"),  # not data: ignored however large
+        ("index2", "Unified", "1024K"),
+        ("index3", "Unified", "32768K"),
+        ("index4", "Unified", "lots"),  # unreadable: skipped
+        ("power", "Unified", "1G"),  # not an index
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "type").write_text(kind + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert last_level_cache(str(tmp_path)) == 32 << 20
+    assert last_level_cache(str(tmp_path / "missing")) == 0
+    assert last_level_cache() >= 0  # this machine's, read once

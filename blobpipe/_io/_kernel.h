@@ -215,18 +215,46 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
 #endif
 /* Block J's 8 output pixels of line y (lines_f32's contiguous case, below); a
  * mirrored line's from its source's pixels cw - 8 - J on, reversed. */
-#define BLOCK8(FLIP, MEAN_FILE, J)                                                       \
+/* 8 floats at p (32-byte aligned) around the caches where NT (non-temporal stores,
+ * x86-64's movntps, ordered by the caller's sfence), else stored as usual. */
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef union {
+    f32x8 v;
+    f32x4 h[2];
+} f32x8_halves;
+#define STORE8(NT, p, x)                                                                 \
+    do {                                                                                 \
+        if (NT) {                                                                        \
+            const f32x8_halves u_ = {.v = (x)};                                          \
+            _mm_stream_ps((p), (__m128)u_.h[0]);                                         \
+            _mm_stream_ps((p) + 4, (__m128)u_.h[1]);                                     \
+        } else {                                                                         \
+            const f32x8 v_ = (x);                                                        \
+            memcpy((p), &v_, sizeof v_);                                                 \
+        }                                                                                \
+    } while (0)
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define STORE8(NT, p, x)                                                                 \
+    do {                                                                                 \
+        const f32x8 v_ = (x);                                                            \
+        memcpy((p), &v_, sizeof v_);                                                     \
+    } while (0)
+#define STREAM_FENCE() ((void)0)
+#endif
+#define BLOCK8(FLIP, MEAN_FILE, NT, J)                                                   \
     do {                                                                                 \
         const ptrdiff_t q = FLIP ? cw - 8 - (J) : (J);                                   \
         const f32x8 x = (PIXELS8(sy + q) - (MEAN_FILE ? FLOATS8(my + q) : mv8)) * sc;    \
-        const f32x8 v = FLIP ? REVERSED8(x) : x;                                         \
-        memcpy(oy + (J), &v, sizeof v);                                                  \
+        STORE8(NT, oy + (J), FLIP ? REVERSED8(x) : x);                                   \
     } while (0)
-/* The contiguous case of lines_f32 (sstep and ostep 1), FLIP and MEAN_FILE constant
+/* The contiguous case of lines_f32 (sstep and ostep 1), FLIP, MEAN_FILE and NT constant
  * in each expansion: 32 pixels a step, then 8, then one; the output written forward
  * (a mirrored NCHW row written backwards, its source read forward, took 1.3-1.4x the
  * time: W3's row, 3x256x256 cropped to 227 with a mean file). */
-#define LINES8(FLIP, MEAN_FILE)                                                          \
+#define LINES8(FLIP, MEAN_FILE, NT)                                                      \
     for (ptrdiff_t y = 0; y < rows; y++) {                                               \
         float *const oy = o + y * orow;                                                  \
         const uint8_t *const sy = s + y * srow;                                          \
@@ -235,12 +263,12 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
         const f32x8 mv8 = (f32x8){mv, mv, mv, mv, mv, mv, mv, mv};                       \
         ptrdiff_t j = 0;                                                                 \
         for (; j + 32 <= cw; j += 32) {                                                  \
-            BLOCK8(FLIP, MEAN_FILE, j);                                                  \
-            BLOCK8(FLIP, MEAN_FILE, j + 8);                                              \
-            BLOCK8(FLIP, MEAN_FILE, j + 16);                                             \
-            BLOCK8(FLIP, MEAN_FILE, j + 24);                                             \
+            BLOCK8(FLIP, MEAN_FILE, NT, j);                                              \
+            BLOCK8(FLIP, MEAN_FILE, NT, j + 8);                                          \
+            BLOCK8(FLIP, MEAN_FILE, NT, j + 16);                                         \
+            BLOCK8(FLIP, MEAN_FILE, NT, j + 24);                                         \
         }                                                                                \
-        for (; j + 8 <= cw; j += 8) BLOCK8(FLIP, MEAN_FILE, j);                          \
+        for (; j + 8 <= cw; j += 8) BLOCK8(FLIP, MEAN_FILE, NT, j);                      \
         for (; j < cw; j++) {                                                            \
             const ptrdiff_t q = FLIP ? cw - 1 - j : j;                                   \
             oy[j] = ((float)sy[q] - (MEAN_FILE ? my[q] : mv)) * sc;                      \
@@ -260,20 +288,34 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
 CLONES static void lines_f32(float *restrict o, ptrdiff_t orow, const uint8_t *restrict s,
                              ptrdiff_t srow, const float *restrict m, int mstep,
                              ptrdiff_t mrow, float scale, ptrdiff_t cw, ptrdiff_t rows,
-                             int flip, int has_mean, int has_scale) {
+                             int flip, int has_mean, int has_scale, int stream) {
 #ifdef VEC8
     const int mean_file = has_mean && mstep;
     const float sc = has_scale ? scale : 1.0f;
-    if (flip && mean_file) {
-        LINES8(1, 1)
+    /* streamed only where every line is whole 64-byte cache lines, each written in
+     * full by consecutive stores (a line written in part by movntps is written to
+     * memory in part, at several times the cost) */
+    if (stream && (cw & 15) == 0 && ((uintptr_t)o & 63) == 0 && (rows == 1 || (orow & 15) == 0)) {
+        if (flip && mean_file) {
+            LINES8(1, 1, 1)
+        } else if (flip) {
+            LINES8(1, 0, 1)
+        } else if (mean_file) {
+            LINES8(0, 1, 1)
+        } else {
+            LINES8(0, 0, 1)
+        }
+    } else if (flip && mean_file) {
+        LINES8(1, 1, 0)
     } else if (flip) {
-        LINES8(1, 0)
+        LINES8(1, 0, 0)
     } else if (mean_file) {
-        LINES8(0, 1)
+        LINES8(0, 1, 0)
     } else {
-        LINES8(0, 0)
+        LINES8(0, 0, 0)
     }
 #else
+    (void)stream;
     for (ptrdiff_t y = 0; y < rows; y++)
         line_f32(o + y * orow, 1, s + y * srow, 1, has_mean ? m + y * mrow : NULL, mstep,
                  scale, cw, flip, has_mean, has_scale);
@@ -384,6 +426,8 @@ typedef struct {
     int itemsize; /* of the output: 4 float32, 1 uint8 */
     float *line;  /* NULL, or 3*cw floats of scratch for a mirrored (H, W, 3) line,
                      owned by the caller; one thread's at a time */
+    int stream;   /* float32 lines of whole cache lines written around the caches
+                     (lines_f32); the caller fences (STREAM_FENCE) before they are read */
 } Spec;
 
 /* The mean at a decoded colour image's source line (at: channel 0's position in
@@ -422,7 +466,7 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
             } else {
                 const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean + c) : NULL;
                 lines_f32((float *)o + o_at, 0, s0 + at, 0, m, sp->mstep, 0, sp->scale, ch * cw,
-                          1, 0, sp->mean != NULL, sp->scale != 1.0f);
+                          1, 0, sp->mean != NULL, sp->scale != 1.0f, sp->stream);
             }
         }
         return;
@@ -493,7 +537,7 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
             const Py_ssize_t at = (h0 + y) * W + w0; /* channel 0's, uncropped, (C, H, W) */
             const float *m = sp->mean ? (sp->mstep ? sp->mean + at : sp->mean) : NULL;
             lines_f32((float *)t, FLIP_LINE, s0 + at, H * W, m, sp->mstep, sp->mstep ? H * W : 1,
-                      sp->scale, cw, 3, 0, sp->mean != NULL, sp->scale != 1.0f);
+                      sp->scale, cw, 3, 0, sp->mean != NULL, sp->scale != 1.0f, 0);
             interleave3_line((float *)o + y * cw * 3, t, cw, flip);
         }
         return;
@@ -513,7 +557,7 @@ static void transform_one(const Spec *sp, const uint8_t *s0, Py_ssize_t h0, Py_s
         const ptrdiff_t mrow = sp->mstep ? W : 0;
         if (ostep == 1 && sstep == 1) {
             lines_f32((float *)o + o_at, orow, s, srow, m, sp->mstep, mrow, sp->scale, cw, ch,
-                      flip, sp->mean != NULL, sp->scale != 1.0f);
+                      flip, sp->mean != NULL, sp->scale != 1.0f, sp->stream);
             continue;
         }
         for (Py_ssize_t y = 0; y < ch; y++)
@@ -548,6 +592,7 @@ static int make_spec(Spec *sp, Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssiz
     sp->ch = crop ? crop : H, sp->cw = crop ? crop : W;
     sp->hwc = hwc, sp->nhwc = nhwc;
     sp->line = NULL;
+    sp->stream = 0;
     const char kind = item_kind(&ob->view);
     if (!((kind == 'f' && ob->view.itemsize == 4) || (kind == 'u' && ob->view.itemsize == 1))) {
         PyErr_Format(PyExc_ValueError,

@@ -36,6 +36,7 @@ are done one row at a time.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -359,9 +360,46 @@ def compiled_row_kernel() -> bool:
 def row_pool(threads: int) -> Any:
     """A pool of ``threads`` native threads that run row-kernel calls without ever
     taking the GIL (``_rowkernel.Pool``; started with its first call), or None where
-    the kernel was not built. Close it with ``close()`` (it joins the threads)."""
+    the kernel was not built. Close it with ``close()`` (it joins the threads). Its
+    ``stream`` (False when made) says whether the calls started from then on write
+    their float32 lines around the caches (see :func:`last_level_cache`)."""
     kernel = row_kernel()
     return None if kernel is None else kernel.Pool(threads)
+
+
+_CACHE_BYTES: list[int] = []  # (read once)
+
+
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the largest data cache of CPU 0 (Linux's ``cache/index*/size``: the
+    last level, shared), 0 where it cannot be read (then nothing is streamed)."""
+    if root == "/sys/devices/system/cpu/cpu0/cache" and _CACHE_BYTES:
+        return _CACHE_BYTES[0]
+    largest = 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, name, "type"), encoding="ascii") as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, name, "size"), encoding="ascii") as f:
+                size = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        unit = units.get(size[-1].upper(), 1)
+        digits = size[:-1] if size[-1].upper() in units else size
+        if digits.isdigit():
+            largest = max(largest, int(digits) * unit)
+    if root == "/sys/devices/system/cpu/cpu0/cache":
+        _CACHE_BYTES.append(largest)
+    return largest
 
 
 class Deferral:

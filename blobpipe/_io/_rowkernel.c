@@ -224,6 +224,7 @@ typedef struct {
     Py_ssize_t threads, started;
     pthread_t *tids;
     int closing, joined;
+    int stream; /* the calls started from now on write float32 lines around the caches */
     pid_t pid;
 } PoolObject;
 
@@ -250,6 +251,7 @@ static void *pool_thread(void *arg) {
         job->next = NULL;
         pthread_mutex_unlock(&pool->mu);
         run_call(&job->call);
+        if (job->call.sp.stream) STREAM_FENCE(); /* the streamed lines, before it is done */
         pthread_mutex_lock(&pool->mu);
         job->ran = 1;
         pthread_cond_broadcast(&pool->done);
@@ -337,6 +339,7 @@ static PyObject *pool_start(PoolObject *pool, PyObject *args) {
         Py_DECREF(job);
         return NULL;
     }
+    job->call.sp.stream = pool->stream;
     Py_INCREF(pool);
     job->pool = pool;
     int failed = 0;
@@ -465,6 +468,33 @@ static PyMethodDef job_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *pool_get_stream(PoolObject *pool, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(pool->stream);
+}
+
+static int pool_set_stream(PoolObject *pool, PyObject *value, void *unused) {
+    (void)unused;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "Pool.stream cannot be deleted");
+        return -1;
+    }
+    const int on = PyObject_IsTrue(value);
+    if (on < 0) return -1;
+    pool->stream = on;
+    return 0;
+}
+
+static PyGetSetDef pool_getset[] = {
+    {"stream", (getter)pool_get_stream, (setter)pool_set_stream,
+     "Whether the calls started from now on write their float32 output lines around the "
+     "caches (non-temporal stores, x86-64; lines of whole, aligned cache lines only): "
+     "for outputs not read again before more than the caches hold is written. False "
+     "when made.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "blobpipe._io._rowkernel.Pool",
     .tp_basicsize = sizeof(PoolObject),
@@ -473,6 +503,7 @@ static PyTypeObject PoolType = {
     .tp_new = pool_new,
     .tp_dealloc = (destructor)pool_dealloc,
     .tp_methods = pool_methods,
+    .tp_getset = pool_getset,
 };
 
 static PyTypeObject JobType = {

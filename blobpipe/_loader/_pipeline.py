@@ -1,16 +1,15 @@
 """The pipeline behind a Loader: the ring, the fillers, the hand-off, the release.
 
-``min(workers, prefetch)`` fillers, each a loop in its own plain thread: take a
-free slot from the ring, wait for the device work still reading it, number and
-plan the next batch (under one lock, so numbers follow plan order), fill it,
-issue its device work, post it to the hand-off by number. While batches are
-small (quick to fill, several to a chunk), each filler fills a chunk of
-consecutive batches at a time straight into their slots, and chunks take their
-slots in number order (``_chunk.py``). A consumer takes the batches
-by number in these steps: :meth:`Pipeline.begin_next`, a take from
-:attr:`Pipeline.handoff` (waiting as its driver waits: ``_async`` on an event
-loop, ``_blocking`` in a thread), :meth:`Pipeline.arrived`, the wait for the
-batch's device event, and :meth:`Pipeline.deliver`.
+``min(workers, prefetch)`` fillers, each a loop in its own plain thread: take a free
+slot from the ring, wait for the device work still reading it, number and plan the next
+batch (under one lock, so numbers follow plan order), fill it, issue its device work,
+post it to the hand-off by number. While batches are small (quick to fill, several to a
+chunk), each filler fills a chunk of consecutive batches at a time straight into their
+slots, and chunks take their slots in number order (``_chunk.py``). A consumer takes the
+batches by number in these steps: :meth:`Pipeline.begin_next`, a take from
+:attr:`Pipeline.handoff` (waiting as its driver waits: ``_async`` on an event loop,
+``_blocking`` in a thread), :meth:`Pipeline.arrived`, the wait for the batch's device
+event, and :meth:`Pipeline.deliver`.
 
 Nothing here refers to the :class:`~blobpipe.Loader` that owns the pipeline or
 keeps an event-loop object: the Loader can be garbage collected while fillers
@@ -694,7 +693,8 @@ class Pipeline:
         self._ring.put_many(slots[len(numbered) :])
         slots = slots[: len(numbered)]
         if want > 1:  # room for the chunks started while the consumer is on another
-            self._ring.grow((self._here_depth + 1) * want + 1)
+            self._ring.grow(room := (self._here_depth + 1) * want + 1)
+            self._pool.stream = _chunk.streamed(planned, room)
         arrays, error = self._prepare_chunk(numbered, slots)
         filled, deferral = 0, None
         if arrays:
