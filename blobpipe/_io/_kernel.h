@@ -109,6 +109,15 @@ CLONES static void reversed_copy(float *restrict o, const float *restrict t, ptr
     for (ptrdiff_t j = 0; j < n; j++) o[j] = t[n - 1 - j];
 }
 
+/* Orders a thread's non-temporal stores (lines_f32's, where streamed) before what it
+ * writes next: a job's fence before it is marked done. */
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define STREAM_FENCE() ((void)0)
+#endif
+
 /* The widest line line_f32 mirrors through a forward line on its stack. */
 #define FLIP_LINE 1024
 
@@ -216,9 +225,8 @@ typedef float f32x8_u __attribute__((vector_size(32), aligned(1), may_alias));
 /* Block J's 8 output pixels of line y (lines_f32's contiguous case, below); a
  * mirrored line's from its source's pixels cw - 8 - J on, reversed. */
 /* 8 floats at p (32-byte aligned) around the caches where NT (non-temporal stores,
- * x86-64's movntps, ordered by the caller's sfence), else stored as usual. */
+ * x86-64's movntps, ordered by the caller's STREAM_FENCE), else stored as usual. */
 #if defined(__x86_64__)
-#include <xmmintrin.h>
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef union {
     f32x8 v;
@@ -235,14 +243,12 @@ typedef union {
             memcpy((p), &v_, sizeof v_);                                                 \
         }                                                                                \
     } while (0)
-#define STREAM_FENCE() _mm_sfence()
 #else
 #define STORE8(NT, p, x)                                                                 \
     do {                                                                                 \
         const f32x8 v_ = (x);                                                            \
         memcpy((p), &v_, sizeof v_);                                                     \
     } while (0)
-#define STREAM_FENCE() ((void)0)
 #endif
 #define BLOCK8(FLIP, MEAN_FILE, NT, J)                                                   \
     do {                                                                                 \
