@@ -301,25 +301,22 @@ CLONES static void lines_f32(float *restrict o, ptrdiff_t orow, const uint8_t *r
     /* streamed only where every line is whole 64-byte cache lines, each written in
      * full by consecutive stores (a line written in part by movntps is written to
      * memory in part, at several times the cost) */
-    if (stream && (cw & 15) == 0 && ((uintptr_t)o & 63) == 0 && (rows == 1 || (orow & 15) == 0)) {
-        if (flip && mean_file) {
-            LINES8(1, 1, 1)
-        } else if (flip) {
-            LINES8(1, 0, 1)
-        } else if (mean_file) {
-            LINES8(0, 1, 1)
-        } else {
-            LINES8(0, 0, 1)
-        }
-    } else if (flip && mean_file) {
-        LINES8(1, 1, 0)
-    } else if (flip) {
-        LINES8(1, 0, 0)
-    } else if (mean_file) {
-        LINES8(0, 1, 0)
-    } else {
-        LINES8(0, 0, 0)
+#define LINES8_OF(NT)                                                                    \
+    if (flip && mean_file) {                                                             \
+        LINES8(1, 1, NT)                                                                 \
+    } else if (flip) {                                                                   \
+        LINES8(1, 0, NT)                                                                 \
+    } else if (mean_file) {                                                              \
+        LINES8(0, 1, NT)                                                                 \
+    } else {                                                                             \
+        LINES8(0, 0, NT)                                                                 \
     }
+    if (stream && (cw & 15) == 0 && ((uintptr_t)o & 63) == 0 && (rows == 1 || (orow & 15) == 0)) {
+        LINES8_OF(1)
+    } else {
+        LINES8_OF(0)
+    }
+#undef LINES8_OF
 #else
     (void)stream;
     for (ptrdiff_t y = 0; y < rows; y++)
