@@ -369,6 +369,7 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
     watch.assert_returned()
 
 
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
 @pytest.mark.parametrize(("cache", "streams"), [(1, True), (1 << 40, False)])
 @pytest.mark.parametrize(
     ("shape", "transform"),
@@ -380,6 +381,7 @@ def test_batches_turning_large_while_the_consumer_plans_go_to_the_fillers_and_ba
 )
 def test_the_consumers_rows_go_around_the_caches_where_its_ring_exceeds_them(
     tmp_path: Path,
+    device: str,
     cache: int,
     streams: bool,
     shape: tuple[int, int, int],
@@ -389,7 +391,8 @@ def test_the_consumers_rows_go_around_the_caches_where_its_ring_exceeds_them(
     """Where the ring holds more than the last-level cache (here made 1 byte), the
     pool writes the consumer's rows around the caches (``Pool.stream``); where it fits,
     as usual. The batches are Batches' either way (TRAIN crops and mirrors, shuffled,
-    past the first epoch, whose chunks and ring are smaller)."""
+    past the first epoch, whose chunks and ring are smaller), on the host and pushed to
+    the emulated device, whose copies read the host rows on a thread of their own."""
     monkeypatch.setattr(blobpipe._loader._chunk, "last_level_cache", lambda: cache)
     db = raw_db(tmp_path / "db", 160, shape)
     options: dict[str, Any] = {
@@ -400,7 +403,9 @@ def test_the_consumers_rows_go_around_the_caches_where_its_ring_exceeds_them(
         "mode": "wrap",
     }
     n = 3 * 160 // 8
-    with Loader(db, 8, device="cpu", workers=2, **options) as loader:
+    backend = "cpu" if device == "cpu" else make_backend(device)
+    # (no device transform: the host fills float32 rows, the rows the pool streams)
+    with Loader(db, 8, device=backend, workers=2, device_transform=False, **options) as loader:
         got = [Got.of(b) for _, b in zip(range(n), loader, strict=False)]
         pool = loader._pipe._pool
         assert loader._pipe._here and pool is not None
