@@ -18,6 +18,8 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blobpipe
 from blobpipe import Batches, DataError, Loader
@@ -107,6 +109,40 @@ def test_a_pool_writes_what_the_kernel_writes_in_place(
         for a, b in zip(got, want, strict=True):
             assert a.tobytes() == b.tobytes()
     pool.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    channels=st.sampled_from([1, 3]),
+    height=st.integers(1, 40),
+    width=st.integers(1, 70),
+    crop=st.integers(0, 40),
+    nhwc=st.booleans(),
+    shift=st.sampled_from([0, 4, 32]),
+    seed=st.integers(0, 2**16),
+)
+def test_streamed_rows_are_the_kernels_rows_at_any_shape(
+    channels: int, height: int, width: int, crop: int, nhwc: bool, shift: int, seed: int
+) -> None:
+    """Fuzzed shapes, crops (lines of any width, whole cache lines or not), mirrors, a
+    mean file, outputs on or off a cache line's boundary: a streaming pool writes the
+    kernel's bytes."""
+    crop = crop if 0 < crop <= min(height, width) else 0
+    if nhwc and channels != 3:
+        nhwc = False
+    shape = (channels, height, width)
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(seed)
+    src, offsets, h_off, w_off, mirror, mean, (c, ch, cw) = _rows_args(rng, 5, shape, crop)
+    row = (ch, cw, c) if nhwc else (c, ch, cw)
+    want, got = _placed((5, *row), shift), _placed((5, *row), shift)
+    args = (h_off, w_off, mirror, mean, 0.5)
+    kernel.transform_rows(src, offsets, shape, *args, want, crop, nhwc)
+    pool = kernel.Pool(1)
+    pool.stream = True
+    pool.start(src, offsets, shape, *args, got, crop, nhwc).synchronize()
+    pool.close()
+    assert got.tobytes() == want.tobytes()
 
 
 def test_a_pool_checks_the_call_when_it_starts_and_refuses_after_close() -> None:

@@ -36,6 +36,7 @@ are done one row at a time.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -367,14 +368,11 @@ def row_pool(threads: int) -> Any:
     return None if kernel is None else kernel.Pool(threads)
 
 
-_CACHE_BYTES: list[int] = []  # (read once)
-
-
+@functools.cache
 def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Bytes of the largest data cache of CPU 0 (Linux's ``cache/index*/size``: the
-    last level, shared), 0 where it cannot be read (then nothing is streamed)."""
-    if root == "/sys/devices/system/cpu/cpu0/cache" and _CACHE_BYTES:
-        return _CACHE_BYTES[0]
+    last level, shared), 0 where it cannot be read (then nothing is streamed); read
+    once."""
     largest = 0
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
@@ -397,8 +395,6 @@ def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
         digits = size[:-1] if size[-1].upper() in units else size
         if digits.isdigit():
             largest = max(largest, int(digits) * unit)
-    if root == "/sys/devices/system/cpu/cpu0/cache":
-        _CACHE_BYTES.append(largest)
     return largest
 
 
