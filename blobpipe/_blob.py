@@ -403,31 +403,34 @@ class Blob(BlobMath, BlobProtoIO):
             )
 
     def _host(self, which: str, mutable: bool, overwrite: bool = False) -> np.ndarray[Any, Any]:
-        mem = self._mem(which)
-        self._check_shaped(f"cpu_{which}")
+        # (once a batch in a training loop: the checks of _mem and _check_shaped inline)
+        if self._closed or not self._shaped:
+            self._mem(which)
+            self._check_shaped(f"cpu_{which}")
+        ref = self._holder.data if which == "data" else self._holder.diff
+        mem = ref.mem  # type: ignore[union-attr]
         if overwrite:
             raw = mem.overwrite_cpu_data()
         else:
             raw = mem.mutable_cpu_data() if mutable else mem.host_bytes()
         # The typed view of a buffer is made once per (buffer, shape), and shared with
         # the blob's views; callers get a fresh view of it, so nothing they do to
-        # theirs reaches the next caller.
+        # theirs reaches the next caller. A read-only one is a view of a read-only
+        # array (its flag cannot be set again), made once per buffer and shape.
         cached = self._typed.get(which)
         if cached is None or cached.raw is not raw or cached.shape != self._shape:
             typed = raw[: self.nbytes].view(self._dtype).reshape(self._shape)
             cached = self._typed[which] = _Typed(raw, self._shape, typed)
-        typed = cached.typed
-        if self._owner is not None:  # it and every view of it keep the owner
-            held = self._held.get(which)
+        if self._owner is None:
+            base = cached.typed if mutable else cached.read_only()
+        else:  # it and every view of it keep the owner
+            key = which if mutable else _READ_ONLY[which]
+            held = self._held.get(key)
             if held is None or held[0] is not cached:
-                if cached.interface is None:  # made once per buffer and shape
-                    cached.interface = cached.typed.__array_interface__
-                held = (cached, hold_array(cached.typed, self._owner, cached.interface))
-                self._held[which] = held
-            typed = held[1]
-        out: np.ndarray[Any, Any] = typed.view()
-        if not mutable:
-            out.flags.writeable = False
+                held = (cached, hold_array(cached.typed, self._owner, cached.exported(mutable)))
+                self._held[key] = held
+            base = held[1]
+        out: np.ndarray[Any, Any] = base.view()
         return out
 
     def _device(self, which: str, mutable: bool) -> Any:
@@ -760,15 +763,39 @@ class Blob(BlobMath, BlobProtoIO):
 
 class _Typed:
     """A buffer's typed view for a shape (made once, shared by a blob and its views),
-    and its array interface, made when a view with an owner first holds it."""
+    its read-only twin, and their array interfaces, made when first asked for."""
 
-    __slots__ = ("interface", "raw", "shape", "typed")
+    __slots__ = ("interface", "raw", "readonly", "readonly_interface", "shape", "typed")
 
     def __init__(self, raw: Any, shape: tuple[int, ...], typed: np.ndarray[Any, Any]) -> None:
         self.raw = raw
         self.shape = shape
         self.typed = typed
+        self.readonly: np.ndarray[Any, Any] | None = None
         self.interface: dict[str, Any] | None = None
+        self.readonly_interface: dict[str, Any] | None = None
+
+    def read_only(self) -> np.ndarray[Any, Any]:
+        """The typed view, read-only (views of it are too, and cannot be made writable)."""
+        if self.readonly is None:
+            readonly = self.typed.view()
+            readonly.flags.writeable = False
+            self.readonly = readonly
+        return self.readonly
+
+    def exported(self, writable: bool) -> dict[str, Any]:
+        """The typed view's array interface, or (not ``writable``) the read-only one's."""
+        if writable:
+            if self.interface is None:
+                self.interface = self.typed.__array_interface__
+            return self.interface
+        if self.readonly_interface is None:
+            self.readonly_interface = self.read_only().__array_interface__
+        return self.readonly_interface
+
+
+#: the held-array cache's key of a read-only host array of data or diff
+_READ_ONLY = {"data": "data (read-only)", "diff": "diff (read-only)"}
 
 
 def _owners(mine: object, other: object) -> object:

@@ -1771,6 +1771,28 @@ def test_host_exports_are_read_only(db30: Path) -> None:
         assert not np.from_dlpack(batch.label).flags.writeable
 
 
+def test_batch_host_arrays_stay_read_only_and_fresh(db30: Path) -> None:
+    """A batch's ``cpu_data()`` cannot be made writable (its memory is a ring slot), each
+    call is a fresh view (what a caller does to its own is not the next caller's), and
+    the blob's mutable accessor still writes through to later reads."""
+    with Loader(db30, 4, device="cpu", mode="epoch") as loader:
+        batch = next(iter(loader))
+        data = batch.data.cpu_data()
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            data.flags.writeable = True
+        shape = data.shape
+        data.shape = (-1,)
+        again = batch.data.cpu_data()
+        assert again.shape == shape and again is not data
+        assert not again.flags.writeable
+        label = batch.label.cpu_data()
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            label.flags.writeable = True
+        batch.data.mutable_cpu_data()[0] = 7
+        assert (batch.data.cpu_data()[0] == 7).all()
+        assert (again[0] == 7).all()  # (the same memory)
+
+
 def test_torch_takes_read_only_exports(db30: Path) -> None:
     torch = pytest.importorskip("torch")
     with Loader(db30, 4, device="cpu", mode="epoch") as loader:

@@ -272,6 +272,23 @@ def test_pending_push_is_invisible_until_its_event_completed() -> None:
     assert mem.head is Head.SYNCED
 
 
+def test_host_read_waits_for_a_pending_push() -> None:
+    """A host read while a push is in flight (the head at the CPU) settles it first, as
+    every accessor does: the head is SYNCED and no copy is pending once it returned."""
+    backend = GatedBackend()
+    mem = SyncedMemory(16, backend)
+    backend.gate.set()
+    mem.mutable_cpu_data()[:] = 2
+    backend.gate.clear()
+    mem.start_gpu_push()
+    assert mem.copy_pending
+    backend.open_after(0.05)
+    assert mem.host_bytes().tolist() == [2] * 16
+    assert not mem.copy_pending  # (read without settling: the property does not wait)
+    assert mem.cpu_data().tolist() == [2] * 16
+    mem.close()
+
+
 def test_emulated_copy_really_is_late() -> None:
     """Without waiting, the device bytes are stale: the emulation catches missing waits."""
     backend = EmulatedBackend(delay=0.2)
