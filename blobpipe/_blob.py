@@ -34,7 +34,6 @@ from typing import Any, Final
 import numpy as np
 
 from ._backends import Backend, Event, Stream, get_backend
-from ._backends._base import hold_array
 from ._blobmath import BlobMath
 from ._blobproto import BlobProtoIO
 from ._errors import (
@@ -43,6 +42,7 @@ from ._errors import (
     StateError,
     UnsupportedOperationError,
 )
+from ._hostviews import TypedViews, held_key
 from ._shape import (
     MAX_BLOB_AXES,
     SUPPORTED_DTYPES,
@@ -101,8 +101,8 @@ class Blob(BlobMath, BlobProtoIO):
         self._holder = MemoryPair(self._new_memory(nbytes), self._new_memory(nbytes))
         self._closed = False
         self._closed_message: str | None = None
-        self._typed: dict[str, _Typed] = {}
-        self._held: dict[str, tuple[_Typed, np.ndarray[Any, Any]]] = {}
+        self._typed: dict[str, TypedViews] = {}
+        self._held: dict[str, tuple[TypedViews, np.ndarray[Any, Any]]] = {}
         self._readonly_export = False
         # What the memory's lifetime depends on beyond this blob (a loader batch's
         # lease): every array and export made from this blob references it.
@@ -413,22 +413,19 @@ class Blob(BlobMath, BlobProtoIO):
             raw = mem.overwrite_cpu_data()
         else:
             raw = mem.mutable_cpu_data() if mutable else mem.host_bytes()
-        # The typed view of a buffer is made once per (buffer, shape), and shared with
-        # the blob's views; callers get a fresh view of it, so nothing they do to
-        # theirs reaches the next caller. A read-only one is a view of a read-only
-        # array (its flag cannot be set again), made once per buffer and shape.
+        # callers get fresh views of the buffer's TypedViews (made once per buffer and
+        # shape, shared with the blob's views: _hostviews.py)
         cached = self._typed.get(which)
         if cached is None or cached.raw is not raw or cached.shape != self._shape:
             typed = raw[: self.nbytes].view(self._dtype).reshape(self._shape)
-            cached = self._typed[which] = _Typed(raw, self._shape, typed)
+            cached = self._typed[which] = TypedViews(raw, self._shape, typed)
         if self._owner is None:
             base = cached.typed if mutable else cached.read_only()
         else:  # it and every view of it keep the owner
-            key = which if mutable else _READ_ONLY[which]
+            key = held_key(which, mutable)
             held = self._held.get(key)
             if held is None or held[0] is not cached:
-                held = (cached, hold_array(cached.typed, self._owner, cached.exported(mutable)))
-                self._held[key] = held
+                held = self._held[key] = (cached, cached.held(self._owner, mutable))
             base = held[1]
         out: np.ndarray[Any, Any] = base.view()
         return out
@@ -759,43 +756,6 @@ class Blob(BlobMath, BlobProtoIO):
         if self._count == 0:
             return
         self._copy_values(source, "diff" if copy_diff else "data")
-
-
-class _Typed:
-    """A buffer's typed view for a shape (made once, shared by a blob and its views),
-    its read-only twin, and their array interfaces, made when first asked for."""
-
-    __slots__ = ("interface", "raw", "readonly", "readonly_interface", "shape", "typed")
-
-    def __init__(self, raw: Any, shape: tuple[int, ...], typed: np.ndarray[Any, Any]) -> None:
-        self.raw = raw
-        self.shape = shape
-        self.typed = typed
-        self.readonly: np.ndarray[Any, Any] | None = None
-        self.interface: dict[str, Any] | None = None
-        self.readonly_interface: dict[str, Any] | None = None
-
-    def read_only(self) -> np.ndarray[Any, Any]:
-        """The typed view, read-only (views of it are too, and cannot be made writable)."""
-        if self.readonly is None:
-            readonly = self.typed.view()
-            readonly.flags.writeable = False
-            self.readonly = readonly
-        return self.readonly
-
-    def exported(self, writable: bool) -> dict[str, Any]:
-        """The typed view's array interface, or (not ``writable``) the read-only one's."""
-        if writable:
-            if self.interface is None:
-                self.interface = self.typed.__array_interface__
-            return self.interface
-        if self.readonly_interface is None:
-            self.readonly_interface = self.read_only().__array_interface__
-        return self.readonly_interface
-
-
-#: the held-array cache's key of a read-only host array of data or diff
-_READ_ONLY = {"data": "data (read-only)", "diff": "diff (read-only)"}
 
 
 def _owners(mine: object, other: object) -> object:

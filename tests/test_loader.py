@@ -1785,9 +1785,10 @@ def test_batch_host_arrays_stay_read_only_and_fresh(db30: Path) -> None:
         again = batch.data.cpu_data()
         assert again.shape == shape and again is not data
         assert not again.flags.writeable
-        label = batch.label.cpu_data()
-        with pytest.raises(ValueError, match="WRITEABLE"):
-            label.flags.writeable = True
+        for other in (batch.label.cpu_data(), batch.data.cpu_diff()):
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                other.flags.writeable = True
+        assert batch.data.mutable_cpu_diff().flags.writeable  # (its own held array)
         batch.data.mutable_cpu_data()[0] = 7
         assert (batch.data.cpu_data()[0] == 7).all()
         assert (again[0] == 7).all()  # (the same memory)
