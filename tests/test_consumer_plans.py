@@ -10,6 +10,7 @@ surface only after the rows were written, and the close while rows are being wri
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import threading
 import time
 from pathlib import Path
@@ -171,6 +172,52 @@ def test_a_pool_checks_the_call_when_it_starts_and_refuses_after_close() -> None
         pool.start(src, offsets, (3, 8, 8), h_off, w_off, mirror, None, 2.0, out, 0, 0)
     with pytest.raises(ValueError, match="threads"):
         kernel.Pool(0)
+
+
+_NEVER_RUN: list[Any] = []  # a job no thread would run: freeing it would wait for good
+
+
+def test_a_close_that_lands_inside_a_start_refuses_its_job_and_lets_go_of_its_buffers() -> None:
+    """``Pool.start`` queues its job without the GIL, so a close in another thread can
+    run meanwhile; the start then raises "closed" rather than queue a job whose
+    threads have ended (no thread would run it: its wait would never end), and holds
+    none of its buffers after."""
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(3)
+    src, offsets, h_off, w_off, mirror, mean, _ = _rows_args(rng, 2, (3, 4, 4), 0)
+    out = np.empty((2, 3, 4, 4), np.float32)
+    args = (src, offsets, (3, 4, 4), h_off, w_off, mirror, mean, 1.0, out, 0, 0)
+    pool = kernel.Pool(1)
+    pool.start(*args).synchronize()  # its thread started
+    base = sys.getrefcount(src), sys.getrefcount(out)
+    result: dict[str, Any] = {}
+
+    def starter() -> None:
+        try:
+            result["job"] = pool.start(*args)
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+
+    kernel._pause_starts(0.3)
+    try:
+        thread = threading.Thread(target=starter)
+        thread.start()
+        time.sleep(0.1)  # the start is in its pause, the GIL released
+        pool.close()
+        thread.join(30)
+    finally:
+        kernel._pause_starts(0)
+    assert not thread.is_alive()
+    if "job" in result:
+        job = result.pop("job")
+        ran = job.wait(5.0)
+        if not ran:
+            _NEVER_RUN.append(job)
+        pytest.fail(f"the start queued a job on a closing pool (ran: {ran})")
+    assert "closed" in result["error"]
+    assert (sys.getrefcount(src), sys.getrefcount(out)) == base  # every buffer let go
+    with pytest.raises(ValueError, match="seconds"):
+        kernel._pause_starts(-1.0)
 
 
 def test_a_job_waits_at_most_the_time_given() -> None:

@@ -207,6 +207,10 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
 
 typedef struct JobObject JobObject;
 
+/* Tests only (_pause_starts): how long each Pool.start waits, the GIL released, before it
+ * queues its job, so that a close in another thread lands inside the start. */
+static struct timespec start_pause;
+
 /* The clock of a timed wait for a job (job.wait): pool->done's. */
 #if defined(CLOCK_MONOTONIC) && !defined(__APPLE__)
 #define POOL_MONOTONIC 1
@@ -342,9 +346,19 @@ static PyObject *pool_start(PoolObject *pool, PyObject *args) {
     job->call.sp.stream = pool->stream;
     Py_INCREF(pool);
     job->pool = pool;
-    int failed = 0;
+    int failed = 0, closing = 0;
+    /* Queued and signalled without the GIL: waking a sleeping pool thread is a system
+     * call (an interrupt to another CPU on a VM), and the woken thread may take this
+     * one's CPU; no Python object is touched here (the job's buffers are held). A
+     * close that began meanwhile (another thread) refuses the job: its threads may
+     * have ended, and none would run it. */
+    Py_BEGIN_ALLOW_THREADS;
+    FREE_BEGIN
+    if (start_pause.tv_sec | start_pause.tv_nsec) nanosleep(&start_pause, NULL);
     pthread_mutex_lock(&pool->mu);
-    if (pool->started < pool->threads) { /* a thread a job, up to `threads` */
+    if (pool->closing) {
+        closing = failed = 1;
+    } else if (pool->started < pool->threads) { /* a thread a job, up to `threads` */
         if (pthread_create(&pool->tids[pool->started], NULL, pool_thread, pool) == 0)
             pool->started++;
         else if (pool->started == 0)
@@ -359,9 +373,13 @@ static PyObject *pool_start(PoolObject *pool, PyObject *args) {
         pthread_cond_signal(&pool->work);
     }
     pthread_mutex_unlock(&pool->mu);
+    FREE_END
+    Py_END_ALLOW_THREADS;
     if (failed) {
+        release_call(&job->call); /* (released is set: the job's end lets go of nothing) */
         Py_DECREF(job);
-        PyErr_SetString(PyExc_RuntimeError, "Pool.start: no thread could be started");
+        PyErr_SetString(PyExc_RuntimeError, closing ? "Pool.start: the pool is closed"
+                                                    : "Pool.start: no thread could be started");
         return NULL;
     }
     return (PyObject *)job;
@@ -763,7 +781,23 @@ done:
     return result;
 }
 
+static PyObject *pause_starts(PyObject *self, PyObject *arg) {
+    (void)self;
+    const double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(seconds >= 0.0 && seconds <= 10.0)) {
+        PyErr_SetString(PyExc_ValueError, "_pause_starts: seconds must be 0 to 10");
+        return NULL;
+    }
+    start_pause.tv_sec = (time_t)seconds;
+    start_pause.tv_nsec = (long)((seconds - (double)start_pause.tv_sec) * 1e9);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"_pause_starts", pause_starts, METH_O,
+     "Tests only: each Pool.start waits this many seconds (the GIL released) before it "
+     "queues its job; 0 (the default): none."},
     {"transform_rows", transform_rows, METH_VARARGS,
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
     {"transform_image", transform_image, METH_VARARGS,
