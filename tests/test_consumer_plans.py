@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import blobpipe
 from blobpipe import Batches, DataError, Loader
 from blobpipe._io import _fill, _kernels
-from blobpipe._loader import _async, _pipeline
+from blobpipe._loader import _async, _chunk, _pipeline
 from blobpipe._loader._chunk import RowsWritten
 from tests._helpers import encoded_db, raw_db
 from tests.conftest import make_backend
@@ -220,32 +220,61 @@ def test_a_close_that_lands_inside_a_start_refuses_its_job_and_lets_go_of_its_bu
         kernel._pause_starts(-1.0)
 
 
-def test_a_job_waits_at_most_the_time_given() -> None:
-    """``job.wait(seconds)``: False while the job has not run (it waited about that
-    long), True once it ran, the rows written; ``Deferral.wait(seconds)`` over its
-    jobs."""
+def _claimed_by_the_pool(job: Any) -> None:
+    """Until a pool thread claimed every row of ``job`` (it is being written)."""
+    deadline = time.monotonic() + 30
+    while job.rows()[0] < job.rows()[2]:
+        assert time.monotonic() < deadline, "no pool thread took the job"
+        time.sleep(0.0005)
+
+
+def test_a_waiter_writes_the_rows_no_thread_took_and_waits_at_most_the_time_given() -> None:
+    """A job queued behind another is written by its waiter (``synchronize``, and
+    ``wait(seconds)`` for seconds > 0), a block at a time, while the pool's one thread
+    is still on the other; rows all claimed by a pool thread it waits for, at most about
+    the time given (False until they are written, True once they are);
+    ``Deferral.wait(seconds)`` over its jobs."""
     kernel = _kernels.row_kernel()
     rng = np.random.default_rng(2)
     pool = kernel.Pool(1)
-    big = _rows_args(rng, 64, (3, 256, 256), 0)
+    # one row of 3×2048×2048 (48 MiB of float32 to write: tens of ms), a block alone
+    big = _rows_args(rng, 1, (3, 2048, 2048), 0)
     src, offsets, h_off, w_off, mirror, mean, _ = big
-    big_out = np.empty((64, 3, 256, 256), np.float32)
+    big_out = np.empty((1, 3, 2048, 2048), np.float32)
     small = _rows_args(rng, 4, (3, 8, 8), 0)
     small_out = np.full((4, 3, 8, 8), np.nan, np.float32)
-    # one thread: the small job is queued behind the big one (milliseconds of rows)
-    first = pool.start(src, offsets, (3, 256, 256), h_off, w_off, mirror, mean, 1.0,
-                       big_out, 0, 0)  # fmt: skip
     s_src, s_off, s_h, s_w, s_mirror, s_mean, _ = small
-    job = pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out, 0, 0)
-    assert job.wait(0) is False
-    t0 = time.monotonic()
-    assert job.wait(0.001) is False
-    assert time.monotonic() - t0 >= 0.0009  # it waited, not returned at once
-    assert job.wait(60) is True
-    assert first.wait(0) is True and job.query()
     want = np.empty_like(small_out)
     kernel.transform_rows(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, want, 0, 0)
+
+    def small_job() -> Any:
+        small_out.fill(np.nan)
+        return pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out,
+                          0, 0)  # fmt: skip
+
+    first = pool.start(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean, 1.0,
+                       big_out, 0, 0)  # fmt: skip
+    _claimed_by_the_pool(first)
+    job = small_job()
+    assert job.wait(0) is False  # no time given: nothing written here
+    job.synchronize()  # written here: the pool's thread is still on the big row
+    assert job.rows() == (4, 4, 4) and first.rows()[1] == 0
     assert small_out.tobytes() == want.tobytes()
+    job = small_job()
+    assert job.wait(60) is True and first.rows()[1] == 0  # the same, timed
+    assert small_out.tobytes() == want.tobytes()
+    t0 = time.monotonic()
+    ran = first.wait(0.001)  # every row claimed: it waits, and writes nothing
+    waited = time.monotonic() - t0
+    if ran:  # (a fast machine: written within the millisecond, by the pool's thread)
+        assert first.rows() == (1, 1, 1)
+    else:
+        assert waited >= 0.0009
+    assert first.wait(60) is True
+    big_want = np.empty_like(big_out)
+    kernel.transform_rows(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean, 1.0,
+                          big_want, 0, 0)  # fmt: skip
+    assert big_out.tobytes() == big_want.tobytes()
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="seconds"):
             job.wait(bad)
@@ -253,14 +282,49 @@ def test_a_job_waits_at_most_the_time_given() -> None:
         job.wait("1")
     # a deferral waits for all its jobs within the time given
     deferral = _kernels.Deferral(pool)
-    deferral.jobs.append(pool.start(src, offsets, (3, 256, 256), h_off, w_off, mirror, mean,
+    deferral.jobs.append(pool.start(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean,
                                     1.0, big_out, 0, 0))  # fmt: skip
-    deferral.jobs.append(
-        pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out, 0, 0)
-    )
-    assert deferral.wait(0) is False and not deferral.query()
+    _claimed_by_the_pool(deferral.jobs[0])
+    deferral.jobs.append(small_job())
+    assert deferral.wait(0) is False
     assert deferral.wait(60) is True and deferral.query()
     pool.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_pool_and_a_waiter_share_a_jobs_rows(threads: int) -> None:
+    """A job's rows are claimed a block at a time by the pool's threads and by its
+    waiter, so whoever writes which rows, the output is the kernel's in place: over
+    row sizes on both sides of the block's byte limit, crops, mirrors, NHWC, several
+    outputs taking the rows in turn, and streamed stores."""
+    kernel = _kernels.row_kernel()
+    rng = np.random.default_rng(4 + threads)
+    for n, shape, crop, nhwc, stream in (
+        (1024, (1, 28, 28), 0, 0, False),
+        (640, (3, 32, 32), 0, 0, True),
+        (333, (3, 40, 40), 32, 0, False),
+        (257, (3, 64, 64), 56, 1, True),
+        (96, (3, 80, 80), 64, 0, False),
+        (9, (3, 200, 200), 0, 0, True),  # rows over the block's bytes: a row a block
+    ):
+        pool = kernel.Pool(threads)
+        pool.stream = stream
+        src, offsets, h_off, w_off, mirror, mean, _ = _rows_args(rng, n, shape, crop)
+        side = crop or shape[1]
+        row = (side, side, shape[0]) if nhwc else (shape[0], side, side)
+        parts = [_placed((m, *row), 0) for m in (n // 3, n - n // 3)]
+        want = np.full((n, *row), np.nan, np.float32)
+        kernel.transform_rows(src, offsets, shape, h_off, w_off, mirror, mean, 0.5, want,
+                              crop, nhwc)  # fmt: skip
+        for _ in range(3):
+            for part in parts:
+                part.fill(np.nan)
+            job = pool.start(src, offsets, shape, h_off, w_off, mirror, mean, 0.5, tuple(parts),
+                             crop, nhwc)  # fmt: skip
+            job.synchronize()  # at once: blocks no pool thread took yet are written here
+            assert job.rows() == (n, n, n)
+            assert np.concatenate(parts).tobytes() == want.tobytes()
+        pool.close()
 
 
 def _start_in_child(pool: Any, queue: Any) -> None:
@@ -345,6 +409,34 @@ def test_small_raw_batches_are_planned_by_the_consumer(
     # the fillers filled the first batches, then stood aside
     assert 1 <= sum(name.startswith("blobpipe-filler") for name in names) <= 4
     watch.assert_returned()
+
+
+@pytest.mark.parametrize(("cpus", "workers", "threads"), [
+    (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 8, 1), (3, 2, 2), (3, 1, 1), (64, 2, 2), (64, 64, 2),
+])  # fmt: skip
+def test_the_consumers_pool_leaves_it_a_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int, threads: int
+) -> None:
+    """The consumer writes rows too (its waits write those no pool thread took), so its
+    pool has a thread for each chunk it starts at once (2, or ``workers``), at most one
+    fewer than the CPUs the process may run on, and at least one; the batches are the
+    same either way."""
+    made: list[int] = []
+    row_pool = _kernels.row_pool
+
+    def counted(n: int) -> Any:
+        made.append(n)
+        return row_pool(n)
+
+    monkeypatch.setattr(_pipeline, "row_pool", counted)
+    monkeypatch.setattr(_chunk.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    db = raw_db(tmp_path / "db", 120)
+    options: dict[str, Any] = {"transform": blobpipe.Transform(scale=0.5), "mode": "wrap"}
+    with Loader(db, 4, device="cpu", workers=workers, **options) as loader:
+        got = [Got.of(b) for _, b in zip(range(90), loader, strict=False)]
+        assert loader._pipe._here
+    assert made == [threads]
+    assert_matches(got, expected(db, 90, batch_size=4, **options))
 
 
 def slow_pool(monkeypatch: pytest.MonkeyPatch) -> list[float]:

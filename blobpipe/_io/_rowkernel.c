@@ -155,22 +155,28 @@ static int parse_call(PyObject *args, RowsCall *c) {
     return 0;
 }
 
-/* The checked call's rows, without the GIL (any thread). */
-static void run_call(RowsCall *c) {
+/* The checked call's rows lo to hi, without the GIL (any thread; several threads may
+ * run disjoint ranges of one call at once: each finds its rows' outputs from a cursor
+ * of its own). */
+static void run_rows(const RowsCall *c, Py_ssize_t lo, Py_ssize_t hi) {
     const Spec *sp = &c->sp;
-    const Py_ssize_t n = c->n;
     const int64_t *offsets = (const int64_t *)c->off.view.buf;
     const Py_ssize_t *hs = (const Py_ssize_t *)c->hb.view.buf, *ws = (const Py_ssize_t *)c->wb.view.buf;
     const uint8_t *flips = (const uint8_t *)c->fb.view.buf;
     const uint8_t *base = (const uint8_t *)c->src.view.buf;
+    Outs outs = c->outs; /* the buffers shared; out_row's place this range's own */
+    outs.k = outs.first = 0;
     FREE_BEGIN
-    for (Py_ssize_t i = 1; i < PREFETCH_ROWS && i < n; i++) prefetch_row(sp, base + offsets[i]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_ROWS < n) prefetch_row(sp, base + offsets[i + PREFETCH_ROWS]);
-        transform_one(sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&c->outs, sp, i));
+    for (Py_ssize_t i = lo + 1; i < lo + PREFETCH_ROWS && i < hi; i++)
+        prefetch_row(sp, base + offsets[i]);
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        if (i + PREFETCH_ROWS < hi) prefetch_row(sp, base + offsets[i + PREFETCH_ROWS]);
+        transform_one(sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&outs, sp, i));
     }
     FREE_END
 }
+
+static void run_call(RowsCall *c) { run_rows(c, 0, c->n); }
 
 static PyObject *transform_rows(PyObject *self, PyObject *args) {
     RowsCall c;
@@ -191,14 +197,17 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  *
  * Pool(threads) -> a pool of `threads` POSIX threads (started with the first call);
  * pool.start(*transform_rows arguments) -> Job: the call checked at once (the same
- * errors as transform_rows, raised here), queued, and run by a pool thread.
+ * errors as transform_rows, raised here), queued, and run by a pool thread, which
+ * claims its rows a block at a time (POOL_BLOCK_ROWS, POOL_BLOCK_BYTES).
  * job.query() -> bool: whether it ran; job.synchronize(): wait until it ran, the GIL
- * released; job.wait(seconds) -> bool: wait at most that long (the GIL released),
- * whether it ran (timed on CLOCK_MONOTONIC where the condition variable can take it:
- * a change of the wall clock neither cuts nor stretches it). A job's buffers stay
- * held (exported: a NumPy array cannot be resized, an mmap not closed) until query,
- * synchronize or wait first finds it done, or until it is
- * freed, which waits for it first. pool.close(): the threads finish the queued jobs
+ * released, writing the blocks no thread claimed yet itself (a waiting consumer writes
+ * rows rather than leave its core idle); job.wait(seconds) -> bool: wait at most that
+ * long (the GIL released; for seconds > 0 writing unclaimed blocks the same way, the
+ * time looked at after each), whether it ran (timed on CLOCK_MONOTONIC where the
+ * condition variable can take it: a change of the wall clock neither cuts nor stretches
+ * it); job.rows() -> (claimed, written, n). A job's buffers stay held (exported: a
+ * NumPy array cannot be resized, an mmap not closed) until query, synchronize or wait
+ * first finds it done, or until it is freed, which waits for it first. pool.close(): the threads finish the queued jobs
  * and end (joined, the GIL released); start raises after it. A pool's threads touch
  * no Python object: queued jobs hold their buffers, and the pool holds no reference
  * to a job (a job holds one to its pool, so a pool is freed after its jobs).
@@ -206,6 +215,14 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  * pool made in another process is neither joined nor its lock touched when freed. */
 
 typedef struct JobObject JobObject;
+
+/* What a thread claims of a job at a time: up to POOL_BLOCK_ROWS rows of up to
+ * POOL_BLOCK_BYTES of output together (at least one row): small enough that a waiter
+ * shares a consumer's chunk (1,024 rows, up to 16 MiB) with the pool and that a timed
+ * wait overruns by little (a block: tens of µs), large enough that the claims (a lock
+ * each) and the prefetch's start cost nothing beside the rows. */
+#define POOL_BLOCK_ROWS 32
+#define POOL_BLOCK_BYTES (256 << 10)
 
 /* Tests only (_pause_starts): how long each Pool.start waits, the GIL released, before it
  * queues its job, so that a close in another thread lands inside the start. */
@@ -224,7 +241,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work; /* a job queued, or closing */
     pthread_cond_t done; /* a job ran */
-    JobObject *head, *tail; /* queued, in order */
+    JobObject *head, *tail; /* queued (rows unclaimed), in order */
     Py_ssize_t threads, started;
     pthread_t *tids;
     int closing, joined;
@@ -237,11 +254,44 @@ struct JobObject {
     PoolObject *pool; /* a strong reference */
     JobObject *next;  /* in the queue, under pool->mu */
     RowsCall call;
-    int ran;      /* under pool->mu */
+    Py_ssize_t claimed, finished; /* rows claimed by a thread, rows written: under pool->mu */
+    int ran;      /* under pool->mu: every row written (and fenced) */
     int released; /* the buffers let go (the GIL held) */
 };
 
 static PyTypeObject PoolType, JobType;
+
+/* Under pool->mu: claim the next block of a queued job's rows, [*lo, *hi); the job leaves
+ * the queue once all its rows are claimed. */
+static void job_claim(PoolObject *pool, JobObject *job, Py_ssize_t *lo, Py_ssize_t *hi) {
+    const Py_ssize_t n = job->call.n, rb = row_bytes(&job->call.sp);
+    Py_ssize_t rows = rb > 0 ? POOL_BLOCK_BYTES / rb : POOL_BLOCK_ROWS;
+    rows = rows < 1 ? 1 : rows > POOL_BLOCK_ROWS ? POOL_BLOCK_ROWS : rows;
+    *lo = job->claimed;
+    *hi = n - *lo > rows ? *lo + rows : n;
+    job->claimed = *hi;
+    if (*hi < n) return;
+    JobObject **at = &pool->head, *before = NULL; /* (a queue of a job or two) */
+    while (*at != NULL && *at != job) before = *at, at = &(*at)->next;
+    if (*at == NULL) return;
+    *at = job->next;
+    if (pool->tail == job) pool->tail = before;
+    job->next = NULL;
+}
+
+/* Rows [lo, hi) of a job, claimed: written without pool->mu (held on entry and on
+ * return), then counted; the job has run once every row is. */
+static void job_run(PoolObject *pool, JobObject *job, Py_ssize_t lo, Py_ssize_t hi) {
+    pthread_mutex_unlock(&pool->mu);
+    run_rows(&job->call, lo, hi);
+    if (job->call.sp.stream) STREAM_FENCE(); /* the streamed lines, before they count */
+    pthread_mutex_lock(&pool->mu);
+    job->finished += hi - lo;
+    if (job->finished == job->call.n) {
+        job->ran = 1;
+        pthread_cond_broadcast(&pool->done);
+    }
+}
 
 static void *pool_thread(void *arg) {
     PoolObject *pool = (PoolObject *)arg;
@@ -250,15 +300,9 @@ static void *pool_thread(void *arg) {
         while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
         JobObject *job = pool->head;
         if (job == NULL) break; /* closing, and nothing queued */
-        pool->head = job->next;
-        if (pool->head == NULL) pool->tail = NULL;
-        job->next = NULL;
-        pthread_mutex_unlock(&pool->mu);
-        run_call(&job->call);
-        if (job->call.sp.stream) STREAM_FENCE(); /* the streamed lines, before it is done */
-        pthread_mutex_lock(&pool->mu);
-        job->ran = 1;
-        pthread_cond_broadcast(&pool->done);
+        Py_ssize_t lo, hi;
+        job_claim(pool, job, &lo, &hi);
+        job_run(pool, job, lo, hi);
     }
     pthread_mutex_unlock(&pool->mu);
     return NULL;
@@ -367,6 +411,7 @@ static PyObject *pool_start(PoolObject *pool, PyObject *args) {
     if (!failed) {
         job->ran = 0;
         job->released = 0;
+        job->claimed = job->finished = 0;
         if (pool->tail != NULL) pool->tail->next = job;
         else pool->head = job;
         pool->tail = job;
@@ -392,14 +437,23 @@ static int job_ran(JobObject *job) {
     return ran;
 }
 
-/* Wait until the job ran (the GIL released), then let go of its buffers. */
+/* Wait until the job ran (the GIL released), writing its unclaimed blocks meanwhile,
+ * then let go of its buffers. */
 static void job_wait(JobObject *job) {
     if (job->released) return;
     if (!job_ran(job)) {
         PoolObject *pool = job->pool;
         Py_BEGIN_ALLOW_THREADS;
         pthread_mutex_lock(&pool->mu);
-        while (!job->ran) pthread_cond_wait(&pool->done, &pool->mu);
+        while (!job->ran) {
+            if (job->claimed < job->call.n) {
+                Py_ssize_t lo, hi;
+                job_claim(pool, job, &lo, &hi);
+                job_run(pool, job, lo, hi);
+            } else {
+                pthread_cond_wait(&pool->done, &pool->mu);
+            }
+        }
         pthread_mutex_unlock(&pool->mu);
         Py_END_ALLOW_THREADS;
     }
@@ -413,6 +467,16 @@ static PyObject *job_query(JobObject *job, PyObject *unused) {
         job_wait(job);
     }
     Py_RETURN_TRUE;
+}
+
+/* job.rows() -> (claimed, written, n): how many of its rows threads have claimed and
+ * written (tests: a wait that finds every row claimed waits, writing none). */
+static PyObject *job_rows(JobObject *job, PyObject *unused) {
+    const int here = job->pool->pid == getpid(); /* (a parent's lock may be held for good) */
+    if (here) pthread_mutex_lock(&job->pool->mu);
+    const Py_ssize_t claimed = job->claimed, finished = job->finished;
+    if (here) pthread_mutex_unlock(&job->pool->mu);
+    return Py_BuildValue("nnn", claimed, finished, job->call.n);
 }
 
 static PyObject *job_synchronize(JobObject *job, PyObject *unused) {
@@ -446,7 +510,18 @@ static PyObject *job_timed_wait(JobObject *job, PyObject *arg) {
         Py_BEGIN_ALLOW_THREADS;
         pthread_mutex_lock(&pool->mu);
         while (!job->ran) {
-            if (pthread_cond_timedwait(&pool->done, &pool->mu, &deadline) == ETIMEDOUT) break;
+            if (job->claimed < job->call.n) { /* a block, then the time is looked at */
+                Py_ssize_t lo, hi;
+                job_claim(pool, job, &lo, &hi);
+                job_run(pool, job, lo, hi);
+                struct timespec now;
+                clock_gettime(POOL_CLOCK, &now);
+                if (now.tv_sec > deadline.tv_sec ||
+                    (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec))
+                    break;
+            } else if (pthread_cond_timedwait(&pool->done, &pool->mu, &deadline) == ETIMEDOUT) {
+                break;
+            }
         }
         ran = job->ran;
         pthread_mutex_unlock(&pool->mu);
@@ -480,9 +555,13 @@ static PyMethodDef pool_methods[] = {
 static PyMethodDef job_methods[] = {
     {"query", (PyCFunction)job_query, METH_NOARGS, "Whether the job ran."},
     {"synchronize", (PyCFunction)job_synchronize, METH_NOARGS,
-     "Wait until the job ran, the GIL released."},
+     "Wait until the job ran, the GIL released, writing blocks no thread claimed yet."},
     {"wait", (PyCFunction)job_timed_wait, METH_O,
-     "wait(seconds) -> bool: wait at most `seconds` (the GIL released); whether it ran."},
+     "wait(seconds) -> bool: wait at most `seconds` (the GIL released; for seconds > 0 "
+     "writing blocks no thread claimed yet, the time looked at after each); whether it "
+     "ran."},
+    {"rows", (PyCFunction)job_rows, METH_NOARGS,
+     "rows() -> (claimed, written, n): the job's rows claimed by a thread and written."},
     {NULL, NULL, 0, NULL},
 };
 

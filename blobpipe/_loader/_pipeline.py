@@ -49,8 +49,8 @@ Stop = tuple[int, End | Failure | None]  # what ended planning: at a number (Non
 #: Seconds: a batch that fills in less, and that a chunk holds more than one of, is
 #: small: the fillers fill such batches a chunk at a time; other batches one at a time.
 SMALL_FILL = 0.001
-#: The most chunks the consumer has started at once (and threads in its pool): the
-#: ring then holds this many chunks and the one the consumer is on.
+#: The most chunks the consumer has started at once (and threads in its pool, at most
+#: one fewer than the CPUs): the ring then holds this many chunks and the consumer's.
 HERE_DEPTH = 2
 
 
@@ -120,7 +120,7 @@ class Pipeline:
         # yet); re-entrant for a close from the consumer's own thread
         self._pumping = threading.RLock()
         self._here_chunk = CHUNK_BATCHES  # how many batches the consumer's next chunk holds
-        # chunks started at once, and the pool's threads (a chunk's rows are one call)
+        # chunks started at once (a chunk's rows are one call; the pool's threads: fewer)
         self._here_depth = min(self._n_fillers, HERE_DEPTH)
         # chunks take their slots in number order: the first numbers of the chunks
         # planned that have not taken their slots yet (at most one per filler), and
@@ -608,7 +608,7 @@ class Pipeline:
             if self._here or not self._here_ok or self.lifecycle.state is not State.OPEN:
                 return
             if self._pool is None:
-                self._pool = row_pool(self._here_depth)
+                self._pool = row_pool(_chunk.pool_threads(self._here_depth))
             if self._pool is None:  # not built
                 self._here_ok = False
                 self._wide.clear()
