@@ -56,6 +56,30 @@ def test_counts_kernel_calls_of_other_threads() -> None:
     assert 0.9 * sum(spent) <= b.free * 1e9 <= sum(spent) * 1.01 + 1e6
 
 
+@needs_kernel
+def test_a_pools_threads_and_its_waiter_count_as_gil_free() -> None:
+    """A pool job's rows, claimed a block at a time by its threads and by the waiter,
+    count as GIL-free whole: the claims between blocks too (a pool thread never holds
+    the GIL), and not a pair of clock reads and a lock a block, which counted as holding
+    the GIL while a benchmark counts."""
+    rows, side = 8192, 32
+    src = np.full(rows * 3 * side * side, 7, np.uint8)
+    offsets = np.arange(rows, dtype=np.int64) * 3 * side * side
+    zeros = np.zeros(rows, np.intp)
+    out = np.zeros((rows, 3, side, side), np.float32)  # faulted in here, not in the pool
+    pool = kernel.Pool(2)
+    args = (src, offsets, (3, side, side), zeros, zeros, np.zeros(rows, np.bool_), None, 0.5,
+            out, 0, False)  # fmt: skip
+    pool.start(*args).synchronize()  # the threads started, the caches as they will be
+    with _budget.measure() as b:
+        for _ in range(3):
+            pool.start(*args).synchronize()
+    pool.close()
+    assert out[-1, 0, 0, 0] == 3.5
+    assert b.free > 0
+    assert b.serial < 0.05, b  # ~400 blocks a job
+
+
 def _call_in_flight(rows: int) -> tuple[_budget.Budget, bool, int, int]:
     """A block that ends while another thread is inside a kernel call of ``rows`` rows:
     the budget, whether the call was still running at the block's end, the counter read

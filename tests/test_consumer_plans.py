@@ -237,10 +237,10 @@ def test_a_waiter_writes_the_rows_no_thread_took_and_waits_at_most_the_time_give
     kernel = _kernels.row_kernel()
     rng = np.random.default_rng(2)
     pool = kernel.Pool(1)
-    # one row of 3×2048×2048 (48 MiB of float32 to write: tens of ms), a block alone
-    big = _rows_args(rng, 1, (3, 2048, 2048), 0)
+    # one row of 3×3072×3072 (108 MiB of float32 to write: tens of ms), a block alone
+    big = _rows_args(rng, 1, (3, 3072, 3072), 0)
     src, offsets, h_off, w_off, mirror, mean, _ = big
-    big_out = np.empty((1, 3, 2048, 2048), np.float32)
+    big_out = np.empty((1, 3, 3072, 3072), np.float32)
     small = _rows_args(rng, 4, (3, 8, 8), 0)
     small_out = np.full((4, 3, 8, 8), np.nan, np.float32)
     s_src, s_off, s_h, s_w, s_mirror, s_mean, _ = small
@@ -252,7 +252,7 @@ def test_a_waiter_writes_the_rows_no_thread_took_and_waits_at_most_the_time_give
         return pool.start(s_src, s_off, (3, 8, 8), s_h, s_w, s_mirror, s_mean, 0.5, small_out,
                           0, 0)  # fmt: skip
 
-    first = pool.start(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean, 1.0,
+    first = pool.start(src, offsets, (3, 3072, 3072), h_off, w_off, mirror, mean, 1.0,
                        big_out, 0, 0)  # fmt: skip
     _claimed_by_the_pool(first)
     job = small_job()
@@ -272,7 +272,7 @@ def test_a_waiter_writes_the_rows_no_thread_took_and_waits_at_most_the_time_give
         assert waited >= 0.0009
     assert first.wait(60) is True
     big_want = np.empty_like(big_out)
-    kernel.transform_rows(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean, 1.0,
+    kernel.transform_rows(src, offsets, (3, 3072, 3072), h_off, w_off, mirror, mean, 1.0,
                           big_want, 0, 0)  # fmt: skip
     assert big_out.tobytes() == big_want.tobytes()
     for bad in (-1.0, float("nan")):
@@ -282,7 +282,7 @@ def test_a_waiter_writes_the_rows_no_thread_took_and_waits_at_most_the_time_give
         job.wait("1")
     # a deferral waits for all its jobs within the time given
     deferral = _kernels.Deferral(pool)
-    deferral.jobs.append(pool.start(src, offsets, (3, 2048, 2048), h_off, w_off, mirror, mean,
+    deferral.jobs.append(pool.start(src, offsets, (3, 3072, 3072), h_off, w_off, mirror, mean,
                                     1.0, big_out, 0, 0))  # fmt: skip
     _claimed_by_the_pool(deferral.jobs[0])
     deferral.jobs.append(small_job())

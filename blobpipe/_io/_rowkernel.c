@@ -157,7 +157,9 @@ static int parse_call(PyObject *args, RowsCall *c) {
 
 /* The checked call's rows lo to hi, without the GIL (any thread; several threads may
  * run disjoint ranges of one call at once: each finds its rows' outputs from a cursor
- * of its own). */
+ * of its own). The caller counts the GIL-free time (FREE_BEGIN): per call, or per
+ * stretch of a pool thread's blocks (a count per block read two thread clocks a block,
+ * and took a lock, while a benchmark counts). */
 static void run_rows(const RowsCall *c, Py_ssize_t lo, Py_ssize_t hi) {
     const Spec *sp = &c->sp;
     const int64_t *offsets = (const int64_t *)c->off.view.buf;
@@ -166,17 +168,19 @@ static void run_rows(const RowsCall *c, Py_ssize_t lo, Py_ssize_t hi) {
     const uint8_t *base = (const uint8_t *)c->src.view.buf;
     Outs outs = c->outs; /* the buffers shared; out_row's place this range's own */
     outs.k = outs.first = 0;
-    FREE_BEGIN
     for (Py_ssize_t i = lo + 1; i < lo + PREFETCH_ROWS && i < hi; i++)
         prefetch_row(sp, base + offsets[i]);
     for (Py_ssize_t i = lo; i < hi; i++) {
         if (i + PREFETCH_ROWS < hi) prefetch_row(sp, base + offsets[i + PREFETCH_ROWS]);
         transform_one(sp, base + offsets[i], hs[i], ws[i], flips[i] != 0, out_row(&outs, sp, i));
     }
-    FREE_END
 }
 
-static void run_call(RowsCall *c) { run_rows(c, 0, c->n); }
+static void run_call(RowsCall *c) {
+    FREE_BEGIN
+    run_rows(c, 0, c->n);
+    FREE_END
+}
 
 static PyObject *transform_rows(PyObject *self, PyObject *args) {
     RowsCall c;
@@ -293,16 +297,29 @@ static void job_run(PoolObject *pool, JobObject *job, Py_ssize_t lo, Py_ssize_t 
     }
 }
 
+/* Under pool->mu: the queued jobs' blocks, one after another, until none is left. */
+static void run_queued(PoolObject *pool) {
+    JobObject *job;
+    while ((job = pool->head) != NULL) {
+        Py_ssize_t lo, hi;
+        job_claim(pool, job, &lo, &hi);
+        job_run(pool, job, lo, hi);
+    }
+}
+
 static void *pool_thread(void *arg) {
     PoolObject *pool = (PoolObject *)arg;
     pthread_mutex_lock(&pool->mu);
     for (;;) {
         while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
-        JobObject *job = pool->head;
-        if (job == NULL) break; /* closing, and nothing queued */
-        Py_ssize_t lo, hi;
-        job_claim(pool, job, &lo, &hi);
-        job_run(pool, job, lo, hi);
+        if (pool->head == NULL) break; /* closing, and nothing queued */
+        pthread_mutex_unlock(&pool->mu);
+        FREE_BEGIN /* (all of a pool thread's time is GIL-free: counted a stretch at a time) */
+        pthread_mutex_lock(&pool->mu);
+        run_queued(pool);
+        pthread_mutex_unlock(&pool->mu);
+        FREE_END
+        pthread_mutex_lock(&pool->mu);
     }
     pthread_mutex_unlock(&pool->mu);
     return NULL;
@@ -444,6 +461,7 @@ static void job_wait(JobObject *job) {
     if (!job_ran(job)) {
         PoolObject *pool = job->pool;
         Py_BEGIN_ALLOW_THREADS;
+        FREE_BEGIN
         pthread_mutex_lock(&pool->mu);
         while (!job->ran) {
             if (job->claimed < job->call.n) {
@@ -455,6 +473,7 @@ static void job_wait(JobObject *job) {
             }
         }
         pthread_mutex_unlock(&pool->mu);
+        FREE_END
         Py_END_ALLOW_THREADS;
     }
     job->released = 1;
@@ -508,6 +527,7 @@ static PyObject *job_timed_wait(JobObject *job, PyObject *arg) {
             deadline.tv_nsec -= 1000000000L;
         }
         Py_BEGIN_ALLOW_THREADS;
+        FREE_BEGIN
         pthread_mutex_lock(&pool->mu);
         while (!job->ran) {
             if (job->claimed < job->call.n) { /* a block, then the time is looked at */
@@ -525,6 +545,7 @@ static PyObject *job_timed_wait(JobObject *job, PyObject *arg) {
         }
         ran = job->ran;
         pthread_mutex_unlock(&pool->mu);
+        FREE_END
         Py_END_ALLOW_THREADS;
     }
     if (!ran) Py_RETURN_FALSE;

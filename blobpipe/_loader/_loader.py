@@ -72,7 +72,9 @@ class Loader(AsyncForm, BlockingForm):
         shuffle: shorthand for ``order="shuffle"``.
         workers: the worker-thread limit (default: the CPU count): ``min(workers,
             prefetch)`` threads fill batches, one each (raise ``prefetch`` for more);
-            of small raw batches, ``min(workers, 2)`` native threads write chunks.
+            of small raw batches, ``min(workers, 2)`` native threads, at most one
+            fewer than the CPUs, write chunks, and the consumer's thread with them
+            while it waits for one.
         device_transform: mean/scale/float conversion on the device, from uint8
             transfers (4× less traffic). Default: on with a device and a float32
             transform; records holding float_data need it off.
