@@ -157,9 +157,9 @@ static int parse_call(PyObject *args, RowsCall *c) {
 
 /* The checked call's rows lo to hi, without the GIL (any thread; several threads may
  * run disjoint ranges of one call at once: each finds its rows' outputs from a cursor
- * of its own). The caller counts the GIL-free time (FREE_BEGIN): per call, or per
- * stretch of a pool thread's blocks (a count per block read two thread clocks a block,
- * and took a lock, while a benchmark counts). */
+ * of its own). The caller counts the GIL-free time (FREE_BEGIN): per call, or per job a
+ * pool thread or a waiter works on (a count per block read two thread clocks, and took
+ * a lock, a block while a benchmark counts). */
 static void run_rows(const RowsCall *c, Py_ssize_t lo, Py_ssize_t hi) {
     const Spec *sp = &c->sp;
     const int64_t *offsets = (const int64_t *)c->off.view.buf;
@@ -211,8 +211,8 @@ static PyObject *transform_rows(PyObject *self, PyObject *args) {
  * condition variable can take it: a change of the wall clock neither cuts nor stretches
  * it); job.rows() -> (claimed, written, n). A job's buffers stay held (exported: a
  * NumPy array cannot be resized, an mmap not closed) until query, synchronize or wait
- * first finds it done, or until it is freed, which waits for it first. pool.close(): the threads finish the queued jobs
- * and end (joined, the GIL released); start raises after it. A pool's threads touch
+ * first finds it done, or until it is freed, which waits for it first. pool.close(): the
+ * threads finish the queued jobs and end (joined, the GIL released); start raises after it. A pool's threads touch
  * no Python object: queued jobs hold their buffers, and the pool holds no reference
  * to a job (a job holds one to its pool, so a pool is freed after its jobs).
  * Fork: a child process has none of the parent's threads; start raises there, and a
@@ -297,26 +297,24 @@ static void job_run(PoolObject *pool, JobObject *job, Py_ssize_t lo, Py_ssize_t 
     }
 }
 
-/* Under pool->mu: the queued jobs' blocks, one after another, until none is left. */
-static void run_queued(PoolObject *pool) {
-    JobObject *job;
-    while ((job = pool->head) != NULL) {
-        Py_ssize_t lo, hi;
-        job_claim(pool, job, &lo, &hi);
-        job_run(pool, job, lo, hi);
-    }
-}
-
 static void *pool_thread(void *arg) {
     PoolObject *pool = (PoolObject *)arg;
     pthread_mutex_lock(&pool->mu);
     for (;;) {
         while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
-        if (pool->head == NULL) break; /* closing, and nothing queued */
+        JobObject *job = pool->head;
+        if (job == NULL) break; /* closing, and nothing queued */
         pthread_mutex_unlock(&pool->mu);
-        FREE_BEGIN /* (all of a pool thread's time is GIL-free: counted a stretch at a time) */
+        /* The job's blocks while it is queued, counted as one GIL-free section (all of a
+         * pool thread's time is; a section a job keeps a count bounded by a chunk). The
+         * job may be gone once its last block is claimed: only its address is compared. */
+        FREE_BEGIN
         pthread_mutex_lock(&pool->mu);
-        run_queued(pool);
+        while (pool->head == job) {
+            Py_ssize_t lo, hi;
+            job_claim(pool, job, &lo, &hi);
+            job_run(pool, job, lo, hi);
+        }
         pthread_mutex_unlock(&pool->mu);
         FREE_END
         pthread_mutex_lock(&pool->mu);
