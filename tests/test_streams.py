@@ -228,7 +228,9 @@ async def test_copy_time_excludes_the_consumers_work(
         delivered = 0
         while delivered < n:
             async for batch in loader:
-                src = batch.data.gpu_data()
+                # as a queued kernel, the late work keeps no reference: the lease ends
+                # at the next step, with that work still queued
+                src = unowned(backend, batch.data.gpu_data())
                 queue_late(backend, lambda src=src: src.sum(), late)
                 delivered += 1
                 if delivered == n:
@@ -240,7 +242,11 @@ async def test_copy_time_excludes_the_consumers_work(
         assert stats.copy_time < LATE, stats.copy_time
         return
     waited = [(queued, started) for queued, started in refills if queued]
-    assert waited, "no slot was refilled while the consumer's work on it was queued"
+    # (about 110 of some 150 refills here; 3-5 while the late work kept the batch's
+    # lease, which then ended only once that work ran)
+    assert len(waited) >= 10, (
+        f"{len(waited)} slots were refilled while the consumer's work on them was queued"
+    )
     for queued, started in waited:
         assert started.completed_at >= max(e.completed_at for e in queued)
 
