@@ -487,9 +487,10 @@ def test_bench_kernel_ab_pairs_two_kernels_in_one_process(tmp_path: Path) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) -> None:
-    """Batches alone, the consumer planning and the fillers planning, on a workload and a
-    point, each row with its three times and ratios, the A/A control's median and 90%
-    interval, and item 2's target read against it."""
+    """Batches alone, the consumer planning, the fillers planning and the consumer's rows
+    alone (its kernel calls replayed), on a workload and a point, each row with its four
+    times and ratios (the last the bound), the A/A control's median and 90% interval,
+    and item 2's target read against it."""
     proc = run_quick(
         "bench_planners.py", tmp_path, "--workloads", "W1", "--point", "raw 3x32x32 TEST, scale"
     )
@@ -499,7 +500,7 @@ def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) ->
     assert [r.split("|")[1].strip() for r in rows] == ["W1", "raw 3×32×32 TEST, scale"]
     for row in rows:
         assert re.search(
-            r"(\| [\d.]+ ){3}(\| [\d.]+× ){3}\| [\d.]+× \([\d.]+–[\d.]+\) "
+            r"(\| [\d.]+ ){4}(\| [\d.]+× ){4}\| [\d.]+× \([\d.]+–[\d.]+\) "
             r"\| (PASS|MISS)( \(unresolved\))? \|$",
             row,
         ), row
