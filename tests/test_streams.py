@@ -29,6 +29,8 @@ from tests._helpers import queue_late, unowned
 from tests.conftest import CAFFE, cupy_backend_or_skip, make_backend, to_numpy
 
 LATE = 0.2  # seconds the consumer's queued work runs late
+# the side-stream reads: batches (past the ring's ~50 slots of small batches) and lateness
+SIDE_BATCHES, SIDE_LATE = 64, 0.02
 RAW_COLOR = CAFFE / "lmdb" / "raw_color"
 MEAN_FILE = CAFFE / "raw_color_mean.binaryproto"
 
@@ -128,7 +130,9 @@ async def test_consumer_on_a_side_stream_reads_its_batch_whole(
     """A consumer on its own stream queues a read of each batch, late, and moves on:
     the loader refills the slot only after that read ran. The loader knows the
     stream as the consumer's current one when it asks for the next batch
-    ("current"), or from ``Loader(stream=...)`` ("named")."""
+    ("current"), or from ``Loader(stream=...)`` ("named"). Enough batches that every
+    slot is refilled (small batches: a ring of about 50); the late reads hold no
+    reference (as a queued kernel), so a batch's lease ends at the next step."""
     backend = make_backend(device)
     side = backend.create_stream()
     xp = backend.xp
@@ -144,19 +148,19 @@ async def test_consumer_on_a_side_stream_reads_its_batch_whole(
         device_transform=device_transform,
         **named,
     ) as loader:
-        for _ in range(6):
+        for _ in range(SIDE_BATCHES):
             if known == "current":
                 with backend.using(side):
                     batch = await anext(loader)
             else:
                 batch = await anext(loader)
-            src = batch.data.gpu_data()
+            src = unowned(backend, batch.data.gpu_data())
             dst = xp.empty_like(src)
             with backend.using(side):
-                queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), LATE)
+                queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), SIDE_LATE)
             seen.append(dst)
     side.synchronize()
-    want = _expected(db30, 6, batch_size=4, transform=t)
+    want = _expected(db30, SIDE_BATCHES, batch_size=4, transform=t)
     for k, (got, w) in enumerate(zip(seen, want, strict=True)):
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
 
@@ -174,13 +178,13 @@ def test_blocking_consumer_on_a_side_stream(
         Loader(db30, 4, device=backend, prefetch=2, device_transform=device_transform) as loader,
         backend.using(side),
     ):
-        for _, batch in zip(range(6), loader, strict=False):
-            src = batch.data.gpu_data()
+        for _, batch in zip(range(SIDE_BATCHES), loader, strict=False):
+            src = unowned(backend, batch.data.gpu_data())
             dst = xp.empty_like(src)
-            queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), LATE)
+            queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), SIDE_LATE)
             seen.append(dst)
     side.synchronize()
-    want = _expected(db30, 6, batch_size=4)
+    want = _expected(db30, SIDE_BATCHES, batch_size=4)
     for k, (got, w) in enumerate(zip(seen, want, strict=True)):
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
 
