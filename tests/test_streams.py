@@ -717,7 +717,8 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     there, without ``Loader(stream=)`` and asking for the next batch off that
     stream: the slot is refilled only after that read. (The emulated ``xp`` passes
     its stream object; CUDA's integer handles, 1 and 2 included, are mapped by
-    ``CupyBackend.dlpack_stream``, checked on the CuPy stand-in and under ``-m gpu``.)"""
+    ``CupyBackend.dlpack_stream``, checked on the CuPy stand-in and under ``-m gpu``.)
+    Every slot refilled, the late reads holding no reference, as in the tests above."""
     backend = make_backend(device)
     side = backend.create_stream()
     xp = backend.xp
@@ -726,15 +727,17 @@ async def test_a_dlpack_consumers_stream_orders_the_slots_reuse(
     async with Loader(
         db30, 4, device=backend, prefetch=2, transform=t, device_transform=device_transform
     ) as loader:
-        for _ in range(6):
+        for _ in range(SIDE_BATCHES):
             batch = await anext(loader)
             with backend.using(side):
                 x = xp.from_dlpack(batch.data)
+                src = unowned(backend, x)
                 dst = xp.empty_like(x)
-                queue_late(backend, lambda dst=dst, x=x: xp.copyto(dst, x), LATE)
+                queue_late(backend, lambda dst=dst, src=src: xp.copyto(dst, src), SIDE_LATE)
+            del x  # off the side stream: the lease ends at the next step, off it too
             seen.append(dst)
         side.synchronize()
-    want = _expected(db30, 6, batch_size=4, transform=t)
+    want = _expected(db30, SIDE_BATCHES, batch_size=4, transform=t)
     for k, (got, w) in enumerate(zip(seen, want, strict=True)):
         assert np.array_equal(to_numpy(got), w), f"batch {k} was overwritten under the read"
 
