@@ -83,10 +83,11 @@ class Recorded:
     def __init__(self, calls: list[tuple[Any, ...]], stream: bool, depth: int) -> None:
         from blobpipe._backends._hostmem import alloc
         from blobpipe._io._kernels import row_pool
+        from blobpipe._loader._chunk import pool_threads
 
         self.stream = stream
         self.depth = depth
-        self._pool = row_pool(_chunk_threads(self.depth))
+        self._pool = row_pool(pool_threads(self.depth))
         self._pool.stream = self.stream
         # the ring's buffers, by address: one of ours each, as large as the largest
         # array seen there (an epoch's last batch may be short)
@@ -101,7 +102,7 @@ class Recorded:
         def own(out: np.ndarray) -> np.ndarray:
             return mine[out.ctypes.data][: out.nbytes].view(out.dtype).reshape(out.shape)
 
-        self.calls = []
+        self.calls: list[tuple[Any, ...]] = []
         self.batches = 0
         for call in calls:
             outs = call[8] if isinstance(call[8], tuple) else (call[8],)
@@ -123,7 +124,10 @@ class Recorded:
         return self.batches
 
     def close(self) -> None:
+        """Join the pool's threads and let go of the calls (they reference the
+        database's map)."""
         self._pool.close()
+        self.calls.clear()
 
 
 def record(loader: Any) -> Recorded | None:
@@ -159,12 +163,6 @@ def record(loader: Any) -> Recorded | None:
     if not calls:
         return None
     return Recorded(calls, bool(pools[-1].stream), loader._pipe._here_depth)
-
-
-def _chunk_threads(depth: int) -> int:
-    from blobpipe._loader._chunk import pool_threads
-
-    return int(pool_threads(depth))
 
 
 def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[], int]], list[Any]]:
@@ -203,7 +201,7 @@ def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[],
     if rows is None:  # the consumer planned no batch: no bound to show
         return runs, [*loaders.values(), batches]
     runs["rows"] = rows.epoch
-    return runs, [*loaders.values(), batches, rows]
+    return runs, [rows, *loaders.values(), batches]  # (the replay first: it reads their maps)
 
 
 def measure(db: str, options: dict[str, Any], rounds: int) -> dict[str, list[float]]:
