@@ -246,8 +246,7 @@ async def test_copy_time_excludes_the_consumers_work(
         assert stats.copy_time < LATE, stats.copy_time
         return
     waited = [(queued, started) for queued, started in refills if queued]
-    # (about 110 of some 150 refills here; 3-5 while the late work kept the batch's
-    # lease, which then ended only once that work ran)
+    # (about 110 of some 150 refills wait here: the rule below is held many times over)
     assert len(waited) >= 10, (
         f"{len(waited)} slots were refilled while the consumer's work on them was queued"
     )
