@@ -89,12 +89,13 @@ class Recorded:
         self.depth = depth
         self._pool = row_pool(pool_threads(self.depth))
         self._pool.stream = self.stream
+        # each call's outputs (argument 8: one array, or a tuple of consecutive batches')
+        outs = [c[8] if isinstance(c[8], tuple) else (c[8],) for c in calls]
         # the ring's buffers, by address: one of ours each, as large as the largest
         # array seen there (an epoch's last batch may be short)
         sizes: dict[int, int] = {}
-        for call in calls:
-            for o in call[8] if isinstance(call[8], tuple) else (call[8],):
-                sizes[o.ctypes.data] = max(sizes.get(o.ctypes.data, 0), o.nbytes)
+        for o in (o for group in outs for o in group):
+            sizes[o.ctypes.data] = max(sizes.get(o.ctypes.data, 0), o.nbytes)
         mine = {at: alloc(n) for at, n in sizes.items()}
         for buffer in mine.values():
             buffer[:] = 0  # touched once: no first-touch faults in the timed epochs
@@ -103,13 +104,11 @@ class Recorded:
             return mine[out.ctypes.data][: out.nbytes].view(out.dtype).reshape(out.shape)
 
         self.calls: list[tuple[Any, ...]] = []
-        self.batches = 0
-        for call in calls:
-            outs = call[8] if isinstance(call[8], tuple) else (call[8],)
-            replaced = tuple(own(o) for o in outs)
-            self.batches += len(outs)
+        for call, group in zip(calls, outs, strict=True):
+            replaced = tuple(own(o) for o in group)
             out = replaced if isinstance(call[8], tuple) else replaced[0]
             self.calls.append((*call[:8], out, *call[9:]))
+        self.batches = sum(len(group) for group in outs)
 
     def epoch(self) -> int:
         """The recorded calls, as many started at once as the Loader starts; the
