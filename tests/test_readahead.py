@@ -460,6 +460,34 @@ def test_a_cold_epoch_reads_ahead_and_gives_the_same_batches(
     assert wait_until(lambda: not readahead_threads())
 
 
+def test_the_records_read_at_open_are_requested_together_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records an open reads to tell the database's kind (its first and eight spread
+    over it): all requested in one ``will_need`` before the first is read, so a cold
+    file reads them at once, not a B-tree descent and a value after another."""
+    events: list[tuple[str, object]] = []
+    will_need, get = LmdbReader.will_need, LmdbReader.get
+
+    def requesting(self: LmdbReader, indices: np.ndarray, *args: object, **kw: object) -> object:
+        events.append(("request", [int(i) for i in indices]))
+        return will_need(self, indices, *args, **kw)  # type: ignore[arg-type]
+
+    def reading(self: LmdbReader, key: bytes) -> bytes:
+        events.append(("read", key))
+        return get(self, key)
+
+    monkeypatch.setattr(LmdbReader, "will_need", requesting)
+    monkeypatch.setattr(LmdbReader, "get", reading)
+    with Batches(raw_db(tmp_path / "db", 120, shape=(3, 40, 40)), 4) as b:
+        keys = list(b._sources[0].keys)
+    kind, first = events[0]
+    assert kind == "request", events
+    assert isinstance(first, list) and len(set(first)) == 9 and {0, 119} <= set(first)
+    read = [keys.index(k) for what, k in events if what == "read"]
+    assert len(read) == 9 and set(read) == set(first), events
+
+
 def test_will_need_with_an_advisor_requests_the_rest_in_the_background(cold_db: Path) -> None:
     with LmdbReader(cold_db) as r:
         size = len(r.get(r.keys()[0]))

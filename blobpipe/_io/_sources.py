@@ -42,6 +42,8 @@ __all__ = ["Part", "Record", "Source", "SourceArg", "Sources", "check_shared", "
 
 # records read at open, besides the first, to tell a database's kind
 _SAMPLE = 8
+# the most bytes of their values requested from the OS at once before they are read
+_SAMPLE_BYTES = 16 << 20
 _NAMES = {DATUM: "Datum", BLOBPROTO: "BlobProto"}
 SourceArg = str | os.PathLike[str] | RecordSource
 Sources = SourceArg | list[SourceArg] | tuple[SourceArg, ...]
@@ -296,10 +298,14 @@ def _record_kind(record: Any, src: Part) -> RecordKind:
     n = len(keys)
     if not n:
         return DATUM  # empty: refused with its own message
-    first = record_kind(src.reader.get(keys[0]))
     # the kind most records have, told from a few spread over the database: a first
     # record of the other kind is the one named
     picks = sorted({(n - 1) * i // _SAMPLE for i in range(1, _SAMPLE + 1)} - {0})
+    if isinstance(src.reader, LmdbReader):
+        # all of them requested before the first is read: a cold file reads them at
+        # once, not one after another (a hint: a cached file costs a lookup a record)
+        src.reader.will_need(np.array([0, *picks], np.int64), _SAMPLE_BYTES)
+    first = record_kind(src.reader.get(keys[0]))
     seen = {i: record_kind(src.reader.get(keys[i])) for i in picks}
     counts: Counter[RecordKind] = Counter(k for k in seen.values() if k is not None)
     majority = counts.most_common(1)[0][0] if counts else None
