@@ -524,8 +524,8 @@ def test_will_need_of_a_warm_file_sorts_and_joins_nothing(
         assert r.will_need(order, part, now=5, advisor=advisor) == (100, part)
         assert made == [] and advisor.requests == []
         assert r.will_need(order[:SAMPLE], 1 << 30, now=5, advisor=advisor)[0] == SAMPLE
-        assert made  # few records: looked at one by one, as before
-        made.clear()
+        assert r.will_need(order[:3], 1 << 30)[0] == 3
+        assert made == []  # few records: each looked at, all cached
         # a page of the sample out of the cache (told as mincore would; an open map's
         # pages cannot be evicted here): the ranges are made and requested
         monkeypatch.setattr(_lmdb, "missing", lambda m, at, n: np.ones(len(at), np.bool_))

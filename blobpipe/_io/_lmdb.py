@@ -54,7 +54,6 @@ from ._lmdbfile import Extents, current_txnid, extents_of
 from ._readahead import (
     AHEAD_GROUP_BYTES,
     AHEAD_JOIN_GAP,
-    SAMPLE,
     Advisor,
     advice_cap,
     advise_pieces,
@@ -389,13 +388,10 @@ class LmdbReader:
         total = np.cumsum(sizes)
         count = max(1, int(np.searchsorted(total, max_bytes, side="right")))
         own = shared.mapped
-        if (
-            own is not None
-            and count > SAMPLE
-            and not missing(own, starts[:count], sizes[:count]).any()
-        ):
-            # a warm epoch (the sample of the records is cached): nothing to request, and
-            # no ranges to sort and join (a file's epoch: a millisecond per 20,000 records)
+        if own is not None and not missing(own, starts[:count], sizes[:count]).any():
+            # a warm epoch (the sample of the records, or each of a few, is cached):
+            # nothing to request, and no ranges to sort and join (a file's epoch: a
+            # millisecond per 20,000 records) nor the device's limit read
             return count, int(total[count - 1])
         stops = starts + sizes
         cap = self._advice_cap()
