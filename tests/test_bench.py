@@ -484,6 +484,18 @@ def test_bench_kernel_ab_pairs_two_kernels_in_one_process(tmp_path: Path) -> Non
     assert proc.returncode != 0 and "build_ext --inplace" in proc.stderr
 
 
+def test_bench_planners_reads_a_miss_past_the_bound_only_under_a_real_bound() -> None:
+    sys.path.insert(0, str(BENCH))
+    import bench_planners as bp
+
+    assert bp.read_target(1.6, 2.0) == "PASS"
+    assert bp.read_target(1.6, None) == "PASS"
+    assert bp.read_target(1.3, 2.0) == "MISS"
+    assert bp.read_target(1.3, 1.4) == "MISS, past the bound"
+    assert bp.read_target(1.43, 1.32) == "MISS, no bound"  # the replay slower: no bound
+    assert bp.read_target(1.6, 1.5) == "PASS, no bound"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) -> None:
@@ -503,7 +515,7 @@ def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) ->
         assert re.search(
             r"(\| [\d.]+ ){3}\| ([\d.]+|—) (\| [\d.]+× ){3}\| ([\d.]+×|—) "
             r"\| [\d.]+× \([\d.]+–[\d.]+\) "
-            r"\| (PASS|MISS(, past the bound)?)( \(unresolved\))? \|$",
+            r"\| (PASS|MISS)(, past the bound|, no bound)?( \(unresolved\))? \|$",
             row,
         ), row
 
