@@ -34,6 +34,12 @@ Loader's own ratio), the target lies past what this machine's memory moves (the 
 are written to fresh memory a batch, as the batch contract asks; ``Batches`` rewrites
 one cached buffer): such a miss reads "MISS, past the bound". Where the replay ran
 slower than the Loader, it bounds nothing in that run: the row reads ", no bound".
+
+**Rows, cached** replays the same calls into one chunk's buffers, every chunk into the
+same ones, written through the caches: the rows' time where their output stays in
+cache, as ``Batches``' one buffer does (a ring cannot: its chunks in flight hold their
+own slots, the batch contract's). Against rows alone it shows how much of a batch's
+rows is the memory their slots are written to, not the writing.
 """
 
 from __future__ import annotations
@@ -104,18 +110,40 @@ class Recorded:
         def own(out: np.ndarray) -> np.ndarray:
             return mine[out.ctypes.data][: out.nbytes].view(out.dtype).reshape(out.shape)
 
+        # one chunk's buffers, which every call writes (the k-th batch of each into the
+        # k-th): what its lines hold stays in cache from one call to the next
+        one = [alloc(max(sizes.values())) for _ in range(max(len(group) for group in outs))]
+        for buffer in one:
+            buffer[:] = 0
+
+        def ours(k: int, out: np.ndarray) -> np.ndarray:
+            return one[k][: out.nbytes].view(out.dtype).reshape(out.shape)
+
         self.calls: list[tuple[Any, ...]] = []
+        self.cached_calls: list[tuple[Any, ...]] = []
         for call, group in zip(calls, outs, strict=True):
-            replaced = tuple(own(o) for o in group)
-            out = replaced if isinstance(call[8], tuple) else replaced[0]
-            self.calls.append((*call[:8], out, *call[9:]))
+            for made, into in ((self.calls, own), (self.cached_calls, None)):
+                if into is None:
+                    replaced = tuple(ours(k, o) for k, o in enumerate(group))
+                else:
+                    replaced = tuple(into(o) for o in group)
+                out = replaced if isinstance(call[8], tuple) else replaced[0]
+                made.append((*call[:8], out, *call[9:]))
         self.batches = sum(len(group) for group in outs)
 
     def epoch(self) -> int:
         """The recorded calls, as many started at once as the Loader starts; the
         batches written."""
+        return self._replay(self.calls, self.stream)
+
+    def epoch_cached(self) -> int:
+        """:meth:`epoch` into one chunk's buffers, written through the caches."""
+        return self._replay(self.cached_calls, False)
+
+    def _replay(self, calls: list[tuple[Any, ...]], stream: bool) -> int:
+        self._pool.stream = stream
         started: list[Any] = []
-        for call in self.calls:
+        for call in calls:
             started.append(self._pool.start(*call))
             if len(started) > self.depth - 1:
                 started.pop(0).synchronize()
@@ -128,6 +156,7 @@ class Recorded:
         database's map)."""
         self._pool.close()
         self.calls.clear()
+        self.cached_calls.clear()
 
 
 def record(loader: Any) -> Recorded | None:
@@ -201,6 +230,7 @@ def contenders(db: str, options: dict[str, Any]) -> tuple[dict[str, Callable[[],
     if rows is None:  # the consumer planned no batch: no bound to show
         return runs, [*loaders.values(), batches]
     runs["rows"] = rows.epoch
+    runs["cached"] = rows.epoch_cached
     return runs, [rows, *loaders.values(), batches]  # (the replay first: it reads their maps)
 
 
@@ -312,11 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     rounds = rounds_of(parser, args)
     print(f"planners paired in one process, {rounds} rounds, later epochs, µs a batch (medians)")
     print(
-        "| case | Batches | consumer | fillers | rows alone | Batches / consumer "
+        "| case | Batches | consumer | fillers | rows alone | rows, cached | Batches / consumer "
         "| Batches / fillers | fillers / consumer | bound: Batches / rows alone "
         f"| A/A (90%) | consumer ≥ {PIPELINE_TARGET:.2f}× Batches |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for w, path, options in prepared(args):
         t = measure(path, options, rounds)
         med = {k: statistics.median(v) for k, v in t.items()}
@@ -328,9 +358,10 @@ def main(argv: list[str] | None = None) -> None:
         bound = ratio(t["Batches"], t["rows"]) if "rows" in t else None
         verdict = read_target(speed, bound)
         rows = "—" if bound is None else f"{med['rows']:.1f}"
+        cached = "—" if bound is None else f"{med['cached']:.1f}"
         print(
             f"| {w.name} | {med['Batches']:.1f} | {med['consumer']:.1f} | {med['fillers']:.1f} "
-            f"| {rows} | {speed:.2f}× | {ratio(t['Batches'], t['fillers']):.2f}× "
+            f"| {rows} | {cached} | {speed:.2f}× | {ratio(t['Batches'], t['fillers']):.2f}× "
             f"| {ratio(t['fillers'], t['consumer']):.2f}× "
             f"| {'—' if bound is None else f'{bound:.2f}×'} "
             f"| {statistics.median(aa):.2f}× ({lo:.2f}–{hi:.2f}) "
