@@ -111,7 +111,8 @@ class Recorded:
             return mine[out.ctypes.data][: out.nbytes].view(out.dtype).reshape(out.shape)
 
         # one chunk's buffers, which every call writes (the k-th batch of each into the
-        # k-th): what its lines hold stays in cache from one call to the next
+        # k-th): what its lines hold stays in cache from one call to the next (the calls
+        # in flight at once write the same ones: a timing, their values are not kept)
         one = [alloc(max(sizes.values())) for _ in range(max(len(group) for group in outs))]
         for buffer in one:
             buffer[:] = 0
