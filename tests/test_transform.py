@@ -295,6 +295,32 @@ def test_kernel_spec_is_the_one_constructor_and_takes_a_mean_in_other_memory() -
     assert raw.mean is None and raw.scale == 1
 
 
+def test_records_of_every_size_share_one_kernel_spec_without_a_mean_file() -> None:
+    """Only a mean file depends on a record's height and width: without one, records of
+    any size (JPEGs of a few thousand sizes) share one spec and one mean column per
+    channel count, so neither cache grows with the sizes a database holds, and each
+    size's crop is still checked. With a mean file, a spec per shape, and a record of
+    another shape refused."""
+    sizes = [(h, w) for h in range(240, 300) for w in range(240, 290)]  # 3,000 sizes
+    for t in (
+        Transform(crop_size=227, mirror=True, mean_value=(104, 117, 123)),
+        Transform(crop_size=227, scale=0.5),
+        Transform(crop_size=227, mean_value=(1, 2, 3), dtype="uint8"),
+    ):
+        first = t.kernel_spec((3, 240, 240))
+        assert all(t.kernel_spec((3, h, w)) is first for h, w in sizes)
+        mean = t.mean_array((3, 240, 240))
+        assert all(t.mean_array((3, h, w)) is mean for h, w in sizes[::100])
+        assert len(t._mean_cache) <= 2 and len(t._spec_cache) <= 2
+        with pytest.raises(ShapeError, match=r"crop_size 227 is larger .*height 226"):
+            t.kernel_spec((3, 226, 500))
+    t = Transform(mean_file=MEAN_FILE, crop_size=4)
+    shape = t.mean_array(load_mean_file(MEAN_FILE).shape).shape
+    assert t.kernel_spec(shape) is t.kernel_spec(shape)
+    with pytest.raises(ShapeError, match="mean file"):
+        t.kernel_spec((shape[0], shape[1] + 1, shape[2]))
+
+
 def test_mean_file_shape_mismatch_names_both_shapes() -> None:
     t = Transform(mean_file=MEAN_FILE)
     with pytest.raises(

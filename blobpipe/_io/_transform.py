@@ -284,7 +284,9 @@ class Transform:
         c, h, w = _chw(record_shape)
         if self._mean_blob is None and not self._mean_value:
             return None
-        key = (c, h, w)
+        # mean values make the same column for records of any size: one per channel
+        # count (a cache per size would grow with the sizes a database holds)
+        key = (c, h, w) if self._mean_blob is not None else (c, 0, 0)
         cached = self._mean_cache.get(key)
         if cached is not None:
             return cached
@@ -420,8 +422,10 @@ class Transform:
     ) -> KernelSpec:
         """What the transform kernel needs for records of ``(C, H, W)`` besides their
         geometry: crop, mean (None for uint8 output, or without ``with_mean``),
-        scale and layout. Cached per shape (thread-safe). The one place a
-        :class:`KernelSpec` is made.
+        scale and layout. Cached (thread-safe): per shape with a mean file, else per
+        channel count, since only a mean file depends on the record's height and width
+        (records of many sizes, as JPEGs are, share one spec; the crop is checked for
+        each). The one place a :class:`KernelSpec` is made.
 
         ``mean``: the mean to use instead of :meth:`mean_array` of ``record_shape``:
         the same values in another array library's memory (a device's copy, for
@@ -431,27 +435,28 @@ class Transform:
             ShapeError: the crop is larger than the record, or the mean does not fit.
         """
         own = mean is _OWN_MEAN
-        if own and with_mean and type(record_shape) is tuple:
-            spec = self._spec_cache.get(record_shape)
+        plain = not with_mean or self._dtype == "uint8"  # no mean, no scale
+        sized = self._mean_blob is not None and not plain  # its mean is the record's size
+        if own and sized and type(record_shape) is tuple:
+            spec = self._spec_cache.get(record_shape)  # (checked when it was made)
             if spec is not None:
                 return spec
         chw = _chw(record_shape)
         self._check_crop(chw[1], chw[2])
-        scale = self._scale
-        keep = False  # in the cache
-        if not with_mean or self._dtype == "uint8":
-            mean, scale = None, np.float32(1)
-        elif own:
-            spec = self._spec_cache.get(chw)
-            if spec is not None:
-                return spec
-            mean, keep = self.mean_array(chw), True
-        spec = KernelSpec(self._crop, mean, scale, self._layout)
-        if keep:
-            with self._lock:
-                if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
-                    self._spec_cache.pop(next(iter(self._spec_cache)))
-                self._spec_cache[chw] = spec
+        if not (own or plain):
+            return KernelSpec(self._crop, mean, self._scale, self._layout)
+        key = chw if sized else (chw[0], -1 if plain else 0, 0)
+        spec = self._spec_cache.get(key)
+        if spec is not None:
+            return spec
+        if plain:
+            spec = KernelSpec(self._crop, None, np.float32(1), self._layout)
+        else:
+            spec = KernelSpec(self._crop, self.mean_array(chw), self._scale, self._layout)
+        with self._lock:
+            if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
+                self._spec_cache.pop(next(iter(self._spec_cache)))
+            self._spec_cache[key] = spec
         return spec
 
     def check_record(self, chw: np.ndarray) -> None:
