@@ -123,11 +123,10 @@ class Recorded:
         self.calls: list[tuple[Any, ...]] = []
         self.cached_calls: list[tuple[Any, ...]] = []
         for call, group in zip(calls, outs, strict=True):
-            for made, into in ((self.calls, own), (self.cached_calls, None)):
-                if into is None:
-                    replaced = tuple(ours(k, o) for k, o in enumerate(group))
-                else:
-                    replaced = tuple(into(o) for o in group)
+            for made, replaced in (
+                (self.calls, tuple(own(o) for o in group)),
+                (self.cached_calls, tuple(ours(k, o) for k, o in enumerate(group))),
+            ):
                 out = replaced if isinstance(call[8], tuple) else replaced[0]
                 made.append((*call[:8], out, *call[9:]))
         self.batches = sum(len(group) for group in outs)

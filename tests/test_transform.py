@@ -315,7 +315,7 @@ def test_records_of_every_size_share_one_kernel_spec_without_a_mean_file() -> No
         with pytest.raises(ShapeError, match=r"crop_size 227 is larger .*height 226"):
             t.kernel_spec((3, 226, 500))
     t = Transform(mean_file=MEAN_FILE, crop_size=4)
-    shape = t.mean_array(load_mean_file(MEAN_FILE).shape).shape
+    shape = load_mean_file(MEAN_FILE).shape
     assert t.kernel_spec(shape) is t.kernel_spec(shape)
     with pytest.raises(ShapeError, match="mean file"):
         t.kernel_spec((shape[0], shape[1] + 1, shape[2]))
