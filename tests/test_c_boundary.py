@@ -1,6 +1,6 @@
-"""The compiled entry points at their boundary (``_rowkernel.c``'s ``transform_rows`` and
-``transform_image``, the decoders' ``decode_rows``; the checks they share in
-``_kernel.h``), called directly as a careless or hostile caller would.
+"""The compiled entry points at their boundary (``_rowkernel.c``'s ``transform_rows``,
+``transform_image``, ``match_raw`` and ``draw``, the decoders' ``decode_rows``; the checks
+they share in ``_kernel.h``), called directly as a careless or hostile caller would.
 
 The property: a correct result, or a ValueError / TypeError / OverflowError /
 MemoryError that names the argument, with nothing written; never a crash, a read or
@@ -169,6 +169,65 @@ def test_match_raw_refuses_records_outside_its_buffer_and_other_formats(
         rowkernel.match_raw(*a.values())
     assert (a["good"] == 7).all() and (a["labels"] == 7).all()
     assert rowkernel.match_raw(*_match_args().values()) == 0  # the arguments as made: no raw record
+
+
+def _draw_args() -> dict[str, Any]:
+    """draw's arguments for three words, sides of 9 cropped to 8, outputs filled with 7."""
+    return {
+        "words": np.array([1, 2**63 + 5, 2**64 - 1], np.uint64),
+        "height": 9,
+        "width": np.array([9, 10, 8], np.intp),
+        "crop": 8,
+        "h_off": np.full(3, 7, np.intp),
+        "w_off": np.full(3, 7, np.intp),
+        "flips": np.full(3, 7, np.uint8),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "match"),
+    [
+        ("words", np.zeros(3, np.int64), ValueError, "words must be uint64"),
+        ("words", np.zeros(3, np.float64), ValueError, "words must be uint64"),
+        ("words", [1, 2, 3], TypeError, "words must support the buffer protocol"),
+        ("height", 7, ValueError, "row 0's 7x9 is smaller than the crop 8"),
+        ("height", -1, ValueError, "smaller than the crop"),
+        ("height", 2**70, OverflowError, "too large"),
+        ("height", 9.0, TypeError, "height must support the buffer protocol"),
+        ("width", np.array([9, 10, 7], np.intp), ValueError, "row 2's 9x7 is smaller"),
+        ("width", np.array([9, 10], np.intp), ValueError, "width must be an int or one per word"),
+        ("width", np.array([9, 10, 8], np.int32), ValueError, "width must be intp"),
+        ("width", np.array([9, 9, 10, 10, 8, 8], np.intp)[::2], ValueError, "C-contiguous"),
+        ("crop", -1, ValueError, "crop must be > 0 with h_off"),
+        ("crop", 0, ValueError, "crop must be > 0 with h_off"),
+        ("h_off", None, ValueError, "must both be given, or neither"),
+        ("h_off", np.full(2, 7, np.intp), ValueError, "one per word"),
+        ("h_off", np.full(3, 7, np.uint64), ValueError, "h_off must be intp"),
+        ("w_off", np.full(3, 7, np.intp)[::-1], ValueError, "C-contiguous"),
+        ("flips", np.full(3, 7, np.int8), ValueError, "flips must be bool or uint8"),
+        ("flips", np.full(4, 7, np.uint8), ValueError, "flips must be one per word"),
+        ("flips", b"\x07\x07\x07", TypeError, "flips must support the buffer protocol"),
+    ],
+)
+def test_draw_refuses_what_it_cannot_draw_and_writes_nothing(
+    name: str, value: Any, error: type[Exception], match: str
+) -> None:
+    """The crop-and-flip draw checks every buffer's format, count and layout and every
+    row's side against the crop before it writes an item; what it refuses it names."""
+    a, b = _draw_args(), _draw_args()
+    a.update(b)  # the same outputs: checked for writes below
+    a[name] = value
+    with pytest.raises(error, match=match):
+        rowkernel.draw(*a.values())
+    assert all((b[k] == 7).all() for k in ("h_off", "w_off", "flips") if a[k] is b[k])
+    b = _draw_args()
+    assert rowkernel.draw(*b.values()) is None  # the arguments as made: drawn
+    w = b["words"]
+    assert b["h_off"].tolist() == (((w >> np.uint64(1)) & np.uint64(0x7FFFFFFF)) % 2).tolist()
+    assert (
+        b["w_off"].tolist() == ((w >> np.uint64(32)) % (b["width"] - 7).astype(np.uint64)).tolist()
+    )
+    assert b["flips"].tolist() == (w & np.uint64(1)).tolist()
 
 
 @pytest.mark.parametrize("name", ["out", "offsets", "h_off", "mirror", "src"])

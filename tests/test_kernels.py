@@ -28,6 +28,7 @@ from blobpipe._io._kernels import (
     draw_word,
     draw_words,
     last_level_cache,
+    row_kernel,
 )
 from tests.conftest import cupy_backend_or_skip
 
@@ -165,6 +166,63 @@ def test_draw_words_equal_draw_word(seed: int, epochs: list[int], index: int) ->
     indices = [index + k for k in range(len(epochs))]
     got = draw_words(seed, epochs, indices).tolist()
     assert got == [draw_word(seed, e, i) for e, i in zip(epochs, indices, strict=True)]
+
+
+def _numpy_draw(*args: Any) -> Geometry:
+    """:func:`draw_geometry` with the compiled kernel taken away (NumPy's arithmetic)."""
+    import blobpipe._io._kernels as kernels
+
+    saved = kernels._rowkernel
+    kernels._rowkernel = None
+    try:
+        return draw_geometry(*args)
+    finally:
+        kernels._rowkernel = saved
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    words=st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=40),
+    crop=st.integers(0, 40),
+    extra=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 300)), min_size=40, max_size=40),
+    per_row=st.booleans(),
+    mirror=st.booleans(),
+    train=st.booleans(),
+    strided=st.booleans(),
+)
+def test_the_compiled_draw_equals_numpys(
+    words: list[int], crop: int, extra: list[tuple[int, int]], per_row: bool, mirror: bool,
+    train: bool, strided: bool,
+) -> None:  # fmt: skip
+    # every crop offset and flip the kernel draws is NumPy's, for sides given once or one
+    # per row (a strided column of (H, W) sizes, as a batch of JPEGs gives them), up to
+    # the 2**31 a side may be, words of every bit pattern
+    if row_kernel() is None:
+        pytest.skip("the compiled row kernel was not built (no C compiler at install)")
+    n = len(words)
+    w = np.array(words, np.uint64)
+    sizes = np.array([[crop + a, crop + b] for a, b in extra[:n]], np.intp).reshape(n, 2)
+    height: Any
+    width: Any
+    if per_row:
+        height, width = sizes[:, 0], sizes[:, 1]
+        if not strided:
+            height, width = height.copy(), width.copy()
+    else:
+        height, width = crop + extra[0][0], np.int64(crop + extra[0][1])
+    got = draw_geometry(height, width, crop, mirror, train, w)
+    want = _numpy_draw(height, width, crop, mirror, train, w)
+    for a, b in zip(got.arrays(), want.arrays(), strict=True):
+        assert a.dtype == b.dtype and a.shape == (n,)
+        assert np.array_equal(a, b)
+
+
+def test_the_compiled_draw_refuses_a_side_smaller_than_the_crop() -> None:
+    # (the caller checks the crop first; the kernel checks it again, naming the row)
+    if row_kernel() is None:
+        pytest.skip("the compiled row kernel was not built (no C compiler at install)")
+    with pytest.raises(ValueError, match="row 1's 7x9 is smaller than the crop 8"):
+        draw_geometry(np.array([9, 7, 9]), 9, 8, True, True, np.arange(3, dtype=np.uint64))
 
 
 class _CountingNumpy:

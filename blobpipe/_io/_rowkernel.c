@@ -789,6 +789,112 @@ done:
     return result;
 }
 
+/* A side (`side`: a Python int, or one intp per row) as draw reads it: row i's. */
+typedef struct {
+    Buf buf;
+    Py_ssize_t value; /* the one side, where `buf` is not held */
+    const Py_ssize_t *each;
+} Side;
+
+static int get_side(PyObject *o, Side *s, Py_ssize_t n, const char *name) {
+    if (PyLong_Check(o)) {
+        s->value = PyLong_AsSsize_t(o);
+        return s->value == -1 && PyErr_Occurred() ? -1 : 0;
+    }
+    if (get_buf(o, &s->buf, 0, name) ||
+        !items_are(&s->buf, "i", (Py_ssize_t)sizeof(Py_ssize_t), name, "intp"))
+        return -1;
+    if (s->buf.view.len / s->buf.view.itemsize != n) {
+        PyErr_Format(PyExc_ValueError, "draw: %s must be an int or one per word", name);
+        return -1;
+    }
+    s->each = (const Py_ssize_t *)s->buf.view.buf;
+    return 0;
+}
+
+/* draw(words, height, width, crop, h_off, w_off, flips): Transform's TRAIN draw of each
+ * row's crop and flip from its random word (draw_geometry's arithmetic, in one call):
+ * h_off and w_off (writable buffers of n intp, or both None: no crop, crop 0) get
+ * ((word >> 1) & 0x7FFFFFFF) % (H - crop + 1) and (word >> 32) % (W - crop + 1); flips
+ * (a writable n-byte bool buffer, or None for no mirror) gets bit 0 of the word.
+ * height and width: ints, or one intp per word; each at least the crop (checked for
+ * every row before anything is written). Keeps the GIL (a batch's words: well under a
+ * microsecond). */
+static PyObject *draw(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *words_o, *h_o, *w_o, *ho_o, *wo_o, *flip_o;
+    Py_ssize_t crop;
+    if (!PyArg_ParseTuple(args, "OOOnOOO", &words_o, &h_o, &w_o, &crop, &ho_o, &wo_o, &flip_o))
+        return NULL;
+    Buf words = {0}, h_off = {0}, w_off = {0}, flips = {0};
+    Side hs = {0}, ws = {0};
+    PyObject *result = NULL;
+    if (get_buf(words_o, &words, 0, "words") || !items_are(&words, "u", 8, "words", "uint64"))
+        goto done;
+    const Py_ssize_t n = words.view.len / 8;
+    if (get_side(h_o, &hs, n, "height") || get_side(w_o, &ws, n, "width")) goto done;
+    if ((ho_o == Py_None) != (wo_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "draw: h_off and w_off must both be given, or neither");
+        goto done;
+    }
+    if (crop < 0 || (crop == 0) != (ho_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "draw: crop must be > 0 with h_off and w_off, 0 without them");
+        goto done;
+    }
+    if (ho_o != Py_None) {
+        if (get_buf(ho_o, &h_off, PyBUF_WRITABLE, "h_off") ||
+            !items_are(&h_off, "i", (Py_ssize_t)sizeof(Py_ssize_t), "h_off", "intp") ||
+            get_buf(wo_o, &w_off, PyBUF_WRITABLE, "w_off") ||
+            !items_are(&w_off, "i", (Py_ssize_t)sizeof(Py_ssize_t), "w_off", "intp"))
+            goto done;
+        if (h_off.view.len / h_off.view.itemsize != n || w_off.view.len / w_off.view.itemsize != n) {
+            PyErr_SetString(PyExc_ValueError, "draw: h_off and w_off must be one per word");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t H = hs.each ? hs.each[i] : hs.value, W = ws.each ? ws.each[i] : ws.value;
+            if (H < crop || W < crop) {
+                PyErr_Format(PyExc_ValueError,
+                             "draw: row %zd's %zdx%zd is smaller than the crop %zd", i, H, W, crop);
+                goto done;
+            }
+        }
+    }
+    if (flip_o != Py_None) {
+        if (get_buf(flip_o, &flips, PyBUF_WRITABLE, "flips") ||
+            !items_are(&flips, "?u", 1, "flips", "bool or uint8"))
+            goto done;
+        if (flips.view.len != n) {
+            PyErr_SetString(PyExc_ValueError, "draw: flips must be one per word");
+            goto done;
+        }
+    }
+    const uint64_t *w = (const uint64_t *)words.view.buf;
+    if (h_off.held) { /* every side checked above: H - crop >= 0 */
+        Py_ssize_t *ho = (Py_ssize_t *)h_off.view.buf, *wo = (Py_ssize_t *)w_off.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t H = hs.each ? hs.each[i] : hs.value, W = ws.each ? ws.each[i] : ws.value;
+            ho[i] = (Py_ssize_t)(((w[i] >> 1) & 0x7FFFFFFFu) % ((uint64_t)(H - crop) + 1));
+            wo[i] = (Py_ssize_t)((w[i] >> 32) % ((uint64_t)(W - crop) + 1));
+        }
+    }
+    if (flips.held) {
+        uint8_t *f = (uint8_t *)flips.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++) f[i] = (uint8_t)(w[i] & 1u);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&words);
+    release(&hs.buf);
+    release(&ws.buf);
+    release(&h_off);
+    release(&w_off);
+    release(&flips);
+    return result;
+}
+
 /* Record [p, p + len): 1 and *label where it is header, `size` pixels and the raw
  * layout's tail (match_raw's comment); else 0. */
 static int raw_layout(const uint8_t *p, Py_ssize_t len, const uint8_t *header, Py_ssize_t hl,
@@ -900,6 +1006,8 @@ static PyMethodDef methods[] = {
      "Caffe's transform of raw (C, H, W) uint8 rows of one buffer (see the module source)."},
     {"transform_image", transform_image, METH_VARARGS,
      "Caffe's transform of one uint8 image, (C, H, W) or (H, W, C) (see the module source)."},
+    {"draw", draw, METH_VARARGS,
+     "Each row's TRAIN crop offsets and flip from its random word (see the module source)."},
     {"take", take, METH_VARARGS,
      "src[rows] into out, for items of 4 or 8 bytes, without releasing the GIL."},
 #ifdef __linux__
