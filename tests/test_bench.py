@@ -498,6 +498,20 @@ def test_bench_planners_reads_a_miss_past_the_bound_only_under_a_real_bound() ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_bench_cold_python_times_planning_after_each_kind_of_traffic(tmp_path: Path) -> None:
+    """One row per kind of work between two plans, nothing first (its ratio 1.00×), each
+    with µs a batch and its ratio to nothing."""
+    proc = run_quick("bench_cold_python.py", tmp_path)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")][2:]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == ["nothing", "read the records", "copy the output", "fill the batch"]
+    assert rows[0].endswith("| 1.00× |")
+    for row in rows:
+        assert re.fullmatch(r"\| [a-z ]+ \| [\d.]+ \| [\d.]+× \|", row), row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_bench_planners_pairs_the_two_planners_in_one_process(tmp_path: Path) -> None:
     """Batches alone, the consumer planning, the fillers planning, the consumer's rows
     alone (its kernel calls replayed) and those rows into one chunk's cached buffers, on a

@@ -246,9 +246,9 @@ def draw_geometry(
     n = len(w64)
     kernel = row_kernel()
     if train and (crop or mirror) and kernel is not None:
-        # the same arithmetic in one compiled call: a dozen NumPy calls are 11 µs a
-        # batch, and after a large batch's rows have left nothing of them in the
-        # caches, up to 100 µs holding the GIL (docs/performance.md, "Cold Python")
+        # the same arithmetic in one compiled call: a dozen NumPy calls take 11 µs a
+        # batch of 64 warm, and ~80 holding the GIL once a large batch's rows have
+        # evicted them from the caches (docs/performance.md, "The GIL budget")
         if crop:
             hs, ws = np.empty(n, np.intp), np.empty(n, np.intp)
         else:
