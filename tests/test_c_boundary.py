@@ -230,6 +230,22 @@ def test_draw_refuses_what_it_cannot_draw_and_writes_nothing(
     assert b["flips"].tolist() == (w & np.uint64(1)).tolist()
 
 
+def test_draw_into_an_output_that_overlaps_its_sides_does_not_trap() -> None:
+    """An output that overlaps the sides rewrites them as it goes: row 0 writes 7 as row
+    1's height, below the crop of 8 (its room H - crop + 1 is 0): wrong offsets, never a
+    division by zero (run in a fresh interpreter: a trap shows as a signal)."""
+    proc = run_script("""
+        import numpy as np
+        from blobpipe._io import _rowkernel
+        base = np.full(4, 15, np.intp)
+        words = np.full(3, 14, np.uint64)  # (14 >> 1) % (15 - 8 + 1) = 7
+        _rowkernel.draw(words, base[:3], 15, 8, base[1:], np.zeros(3, np.intp), None)
+        print(base.tolist())
+    """)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[15,", "7,", "0,", "7]"]
+
+
 @pytest.mark.parametrize("name", ["out", "offsets", "h_off", "mirror", "src"])
 def test_a_buffer_with_gaps_is_refused_as_a_value(name: str) -> None:
     """Strides other than C-contiguous are a ValueError naming the argument (the type

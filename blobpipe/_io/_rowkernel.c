@@ -871,12 +871,17 @@ static PyObject *draw(PyObject *self, PyObject *args) {
         }
     }
     const uint64_t *w = (const uint64_t *)words.view.buf;
-    if (h_off.held) { /* every side checked above: H - crop >= 0 */
+    if (h_off.held) {
         Py_ssize_t *ho = (Py_ssize_t *)h_off.view.buf, *wo = (Py_ssize_t *)w_off.view.buf;
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_ssize_t H = hs.each ? hs.each[i] : hs.value, W = ws.each ? ws.each[i] : ws.value;
-            ho[i] = (Py_ssize_t)(((w[i] >> 1) & 0x7FFFFFFFu) % ((uint64_t)(H - crop) + 1));
-            wo[i] = (Py_ssize_t)((w[i] >> 32) % ((uint64_t)(W - crop) + 1));
+            /* H - crop + 1 >= 1 for every side checked above; unsigned, and a zero
+             * divisor guarded, for an output that overlaps a side (which its writes may
+             * then have changed): wrong offsets, never a trap */
+            const uint64_t rh = (uint64_t)H - (uint64_t)crop + 1u;
+            const uint64_t rw = (uint64_t)W - (uint64_t)crop + 1u;
+            ho[i] = rh ? (Py_ssize_t)(((w[i] >> 1) & 0x7FFFFFFFu) % rh) : 0;
+            wo[i] = rw ? (Py_ssize_t)((w[i] >> 32) % rw) : 0;
         }
     }
     if (flips.held) {
