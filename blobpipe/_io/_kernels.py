@@ -4,7 +4,8 @@ Everything Caffe's transform does to pixels lives here, once:
 
 * :func:`draw_words` and :func:`draw_geometry` — the per-record random choices
   (crop offset, mirror), derived from ``(seed, epoch, index)`` by SplitMix64, so
-  any thread computes any record's choice on its own;
+  any thread computes any record's choice on its own (a TRAIN draw in one call of the
+  compiled row kernel where it is built, NumPy's same arithmetic elsewhere);
 * :func:`apply` — crop, mirror, mean (the mean file at the crop's *uncropped*
   position, or one value per channel), scale and layout, for a block of rows,
   over ``xp`` (NumPy on the host, CuPy on a device). A single row is a block of
