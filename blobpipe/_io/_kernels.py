@@ -250,16 +250,11 @@ def draw_geometry(
         # the same arithmetic in one compiled call: a dozen NumPy calls take 11 µs a
         # batch of 64 warm, and ~80 holding the GIL once a large batch's rows have
         # evicted them from the caches (docs/performance.md, "The GIL budget")
-        if crop:
-            hs, ws = np.empty(n, np.intp), np.empty(n, np.intp)
-        else:
-            hs = ws = shared_zeros(n, np.intp)
-        flips = np.empty(n, np.bool_) if mirror else shared_zeros(n, np.bool_)
-        kernel.draw(
-            w64, _side(height), _side(width), crop, hs if crop else None,
-            ws if crop else None, flips if mirror else None,
-        )  # fmt: skip
-        return Geometry(hs, ws, flips)
+        offsets = (np.empty(n, np.intp), np.empty(n, np.intp)) if crop else (None, None)
+        flips = np.empty(n, np.bool_) if mirror else None
+        kernel.draw(w64, _side(height), _side(width), crop, *offsets, flips)
+        hs, ws = (shared_zeros(n, np.intp),) * 2 if offsets[0] is None else offsets
+        return Geometry(hs, ws, shared_zeros(n, np.bool_) if flips is None else flips)
     if crop and train:
         h_off = ((w64 >> _U64(1)) & _U64(0x7FFFFFFF)) % _u64(height, 1 - crop)
         w_off = (w64 >> _U64(32)) % _u64(width, 1 - crop)
