@@ -183,7 +183,7 @@ def test_decode_rows_of_many_sizes_equal_the_whole_decode_then_the_transform(
     else:
         done = _image.decode_rows(images, (3, crop, crop), 1, args, given_sizes)
     assert done is not None
-    assert done.tolist() == [True, False, True, True, False, True]
+    assert np.frombuffer(done, np.bool_).tolist() == [True, False, True, True, False, True]
     for i in (0, 2, 3, 5):
         want = reference_row(
             full(images[i] or b"", 1), int(h_off[i]), int(w_off[i]), crop, bool(flips[i]),

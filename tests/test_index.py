@@ -548,6 +548,32 @@ def test_train_crops_over_images_of_several_sizes(tmp_path: Path, ext: str) -> N
         assert_same(got[e], expected[e])
     assert (loc.kind == ENCODED).all()
     assert {tuple(s) for s in loc.shape.tolist()} == {(3, h, w) for h, w in sizes}
+    assert index.shapes_known  # every record decoded once: later fills look for none
+
+
+def test_shapes_are_known_once_the_last_encoded_record_is_noted(tmp_path: Path) -> None:
+    """``shapes_known`` turns true when the last encoded record's shape is noted, not
+    before, however the notes repeat rows (in one call or across calls)."""
+    n = 12
+    with Batches(encoded_db(tmp_path / "db", n, ".jpg"), 4) as b:
+        index = b._filler.index()
+        assert index is not None
+        rows = np.arange(n, dtype=np.intp)
+        assert not index.shapes_known  # nothing classified yet
+        index.locate(rows)  # every record classified: encoded, no shape known
+        assert not index.shapes_known
+
+        def note(at: list[int]) -> None:
+            index.note_shapes(np.array(at, np.intp), np.full((len(at), 3), 5, np.int32))
+
+        note([0, 1, 1, 2])
+        note([2, 3])
+        note(list(range(n - 1)))
+        assert not index.shapes_known  # record n - 1 is not noted yet
+        note([0, n - 1, n - 1])
+        assert index.shapes_known
+        note([n - 1])
+        assert index.shapes_known
 
 
 def test_the_walker_reads_the_meta_page_lmdb_reads(tmp_path: Path) -> None:

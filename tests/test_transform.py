@@ -321,6 +321,35 @@ def test_records_of_every_size_share_one_kernel_spec_without_a_mean_file() -> No
         t.kernel_spec((shape[0], shape[1] + 1, shape[2]))
 
 
+def test_shapes_of_one_output_class_make_one_row_shape_and_spec() -> None:
+    """``output_class`` is the key a plan's output is cached by: shapes it calls alike
+    make one row shape through one kernel spec, or are refused alike; a record the
+    crop does not fit, or any shape where a mean file (or no crop) ties the output to
+    it, is its own class."""
+    sizes = [(h, w) for h in range(225, 300, 7) for w in range(224, 290, 9)]
+    for t in (
+        Transform(crop_size=227, mirror=True, mean_value=(104, 117, 123)),
+        Transform(crop_size=227, layout="NHWC", dtype="uint8"),
+        Transform(scale=0.5),
+        Transform(mean_file=MEAN_FILE, crop_size=4),
+    ):
+        for c in (1, 3):
+            classes: dict[tuple[int, ...], set[object]] = {}
+            for h, w in sizes:
+                made: object
+                try:
+                    made = (t.output_shape((c, h, w)), id(t.kernel_spec((c, h, w))))
+                except ShapeError as exc:
+                    made = str(exc)
+                    if not t.crop_fits(h, w):
+                        assert t.output_class((c, h, w)) == (c, h, w)
+                classes.setdefault(t.output_class((c, h, w)), set()).add(made)
+            assert all(len(made) == 1 for made in classes.values())
+            fit = sum(t.crop_fits(h, w) for h, w in sizes)
+            many = len(sizes) - fit + 1 if t.crops_any_size else len(sizes)
+            assert len(classes) == many
+
+
 def test_mean_file_shape_mismatch_names_both_shapes() -> None:
     t = Transform(mean_file=MEAN_FILE)
     with pytest.raises(

@@ -39,7 +39,6 @@ transform applied by one kernel (``_kernels.py``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -458,9 +457,12 @@ class Batches:
         fill), and is raised there, for that batch: not here."""
         indices = rows[0][0] if len(rows) == 1 else np.concatenate([r[0] for r in rows])
         epoch, _, end = last
+        ahead = self._epochs.order(epoch)[end:]
         for src in self._sources:
-            with contextlib.suppress(Exception):
-                src.filler.learn(indices, self._epochs.order(epoch)[end:])
+            try:
+                src.filler.learn(indices, ahead)
+            except Exception:  # (raised again where a batch reads them)
+                pass
 
     def _cursor(self) -> tuple[int, int, int, int, str, str]:
         """Where the cursor is and how it moves: :func:`advance`'s arguments."""
@@ -535,7 +537,7 @@ class Batches:
             filler = src.filler
             if k:
                 record_shape, decoded = filler.first(first)
-            cache_key = (k, record_shape)
+            cache_key = (k, filler.transform.output_class(record_shape))
             out = self._out_shapes.get(cache_key)
             if out is None:  # checks it against the transform
                 out = filler.output(record_shape, self._keys[first])

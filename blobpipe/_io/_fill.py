@@ -43,6 +43,7 @@ import numpy.typing as npt
 from .._errors import BlobpipeError, DataError, ShapeError, spell
 from ._datum import DEFAULT_MAX_PIXELS, checked_view, view_record
 from ._image import (
+    Decoded,
     Undecodable,
     decode_image,
     decode_rows,
@@ -75,6 +76,9 @@ _U1 = np.dtype(np.uint8)
 # most one run per this many rows (a kernel call per run); more runs than that:
 # a gather or a view per row.
 _ROWS_PER_RUN = 16
+#: the most record shapes whose fit ``Filler._fits`` keeps (a database of images of
+#: every size asks about each; past these, each is checked again)
+_FITS_KEPT = 256
 
 
 def _stride_runs(offsets: list[int], most: int) -> list[tuple[int, int, int]] | None:
@@ -142,16 +146,6 @@ class Part(NamedTuple):
     data: np.ndarray
     label: np.ndarray
     geometry: Geometry | None
-
-
-class Decoded(NamedTuple):
-    """The rows of a fill range decoded and transformed in one call: which were written
-    (``done``), every row's crop and flip (``geometry``: those of the rows written are
-    theirs) and ``(H, W)`` size (``sizes``: the rows written were decoded at theirs)."""
-
-    done: npt.NDArray[np.bool_]
-    geometry: Geometry
-    sizes: npt.NDArray[np.intp]
 
 
 def part_of(
@@ -235,6 +229,8 @@ class Filler:
         self._index: RecordIndex | None = None
         self._index_tried = False
         self._lock = threading.Lock()
+        # _fits' answers: (shape, dtype, expected row shape) -> whether it fits
+        self._fit: dict[tuple[tuple[int, ...], np.dtype[Any], tuple[int, ...]], bool] = {}
 
     def close(self) -> None:
         with self._lock:  # the index's map of the file goes with the reader
@@ -409,10 +405,10 @@ class Filler:
         for a, part in spans:
             part.label[:] = loc.label[a : a + len(part.label)]
         t = self._transform
-        spec = t.kernel_spec(shape)  # validated by next_plan; rows of other shapes share it
         words = plan.words[start:stop]
         started = False  # the rows' kernel call was started on defer's pool
         if loc.raw_shape == shape or ((loc.kind == RAW).all() and (loc.shape == shape).all()):
+            spec = t.kernel_spec(shape)  # validated by next_plan
             geometry = t.geometry(shape, self._phase, words)
             outs = [part.data for _, part in spans]
             kernel = apply_raw(loc.buffer, loc.offset, shape, outs, geometry, spec, defer)
@@ -431,7 +427,7 @@ class Filler:
         else:  # encoded rows in one call; the rest row by row, each image transformed in cache
             # the JPEGs and PNGs, each of its own size, in one call where it can be done
             batch = self._decode_rows(plan, loc, start, words, [part.data for _, part in spans])
-            every = batch is not None and bool(batch.done.all())
+            every = batch is not None and batch.every
             # each row's crop and flip (those of the rows written there, the others set
             # below, or their checked path raises), then stored in the parts' geometry
             drawn = batch.geometry if batch is not None and every else Geometry.zeros(n)
@@ -444,7 +440,8 @@ class Filler:
                     store_geometry(
                         part.geometry, slice(None), drawn.take(slice(a, a + len(part.label)))
                     )
-            if persistent and batch is not None:  # the shapes of the rows written, once
+            if persistent and batch is not None and not index.shapes_known:
+                # the shapes of the rows written, once
                 new = batch.done & (loc.shape[:, 0] == 0)
                 if new.any():
                     at = np.flatnonzero(new)
@@ -538,21 +535,17 @@ class Filler:
         expected = plan.data_shape[1:]
         learned: list[tuple[int, tuple[int, ...]]] = []
         # rows of the batch's record shape (all, mostly) take their crops and flips from
-        # one draw for the whole range (the windows decoded too); a record's fit depends
-        # on its shape and dtype alone: checked once each
+        # one draw for the whole range (the windows decoded too)
         shared = t.geometry(shape, self._phase, words)
-        fits: set[tuple[tuple[int, ...], np.dtype[Any]]] = set()
         kinds = loc.kind.tolist()
         done = None if batch is None else batch.done
         for r, chw in self._rows(plan, loc, start, shared, done):
             part, at = where[r]
-            fit = None if chw is None else (chw.shape, chw.dtype)
-            if fit is None or (fit not in fits and not self._fits(chw, expected)):
+            if chw is None or not self._fits(chw.shape, chw.dtype, expected):
                 # the checked path raises; a row it fills after all is done
                 p, part.label[at] = self._checked_row(plan, start + r, part.data[at])
                 h_off[r], w_off[r], mirror[r] = p.h_off, p.w_off, p.mirror
                 continue
-            fits.add(fit)
             if chw.shape == shape:
                 hh, ww, flip = shared.row(r)
             else:
@@ -581,7 +574,7 @@ class Filler:
         expected = plan.data_shape[1:]
         if not rows_decodable(shape, self._flag):
             return None
-        if not self._fits(np.broadcast_to(np.zeros((), np.uint8), shape), expected):
+        if not self._fits(shape, _U1, expected):
             return None
         encoded = loc.kind == ENCODED
         if start == 0 and plan.first_decoded is not None:
@@ -609,7 +602,9 @@ class Filler:
             extents[~ok, 0] = -1
             sizes = np.where(ok[:, None], sizes, np.array(shape[1:], np.intp))
         sizes = np.ascontiguousarray(sizes, np.intp)
-        geometry = t.geometry_of(sizes[:, 0], sizes[:, 1], self._phase, words)
+        # every size fits the crop: a row's own where ok, else the batch's record shape
+        # (next_plan checked it)
+        geometry = t.geometry_of(sizes[:, 0], sizes[:, 1], self._phase, words, checked=True)
         args = kernel_args(outs, geometry, t.kernel_spec(shape))
         if args is None:
             return None
@@ -682,18 +677,28 @@ class Filler:
             else:
                 yield r, None
 
-    def _fits(self, chw: np.ndarray, expected: tuple[int, ...]) -> bool:
-        """Whether a record's pixels make a row of this batch (else the checked path
-        names why)."""
-        t = self._transform
-        try:
-            t.check_record(chw)
-            if t.output_shape(chw.shape) != expected:
-                return False
-            t.kernel_spec(chw.shape)  # a mean file must fit the record
-        except BlobpipeError:
-            return False
-        return True
+    def _fits(
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], expected: tuple[int, ...]
+    ) -> bool:
+        """Whether a record's pixels of ``shape`` and ``dtype`` make a row of shape
+        ``expected`` (else the checked path names why). Decided once for each (shapes
+        of one :meth:`Transform.output_class` alike): the answer depends on them and
+        the transform alone, and a batch asks each time (the checks took ~100 µs of a
+        W4 batch's GIL time, run with cold caches)."""
+        key = (self._transform.output_class(shape), dtype, expected)
+        fits = self._fit.get(key)
+        if fits is None:
+            t = self._transform
+            try:
+                t.check_record(np.broadcast_to(np.zeros((), dtype), shape))
+                fits = t.output_shape(shape) == expected
+                if fits:
+                    t.kernel_spec(shape)  # a mean file must fit the record
+            except BlobpipeError:
+                fits = False
+            if len(self._fit) < _FITS_KEPT:
+                self._fit[key] = fits
+        return fits
 
     def _values(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None where one cannot be read: the checked path

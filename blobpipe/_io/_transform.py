@@ -377,20 +377,25 @@ class Transform:
         widths: npt.NDArray[np.intp],
         phase: Phase,
         words: npt.ArrayLike,
+        *,
+        checked: bool = False,
     ) -> Geometry:
         """:meth:`geometry` for records each of its own height and width (one per word),
         drawn for them all at once: row ``i``'s crop and flip are those of
         :meth:`geometry` of a record of ``heights[i] × widths[i]`` with ``words[i]``.
+        ``checked``: the caller has found that the crop fits every record (each check
+        costs a W4 batch tens of µs holding the GIL).
 
         Raises:
             ShapeError: the crop is larger than one of the records (the first named).
         """
         heights = np.asarray(heights, np.intp)
         widths = np.asarray(widths, np.intp)
-        small = (heights < self._crop) | (widths < self._crop)
-        if small.any():
-            i = int(np.flatnonzero(small)[0])
-            self._check_crop(int(heights[i]), int(widths[i]))
+        if not checked:
+            small = (heights < self._crop) | (widths < self._crop)
+            if small.any():
+                i = int(np.flatnonzero(small)[0])
+                self._check_crop(int(heights[i]), int(widths[i]))
         return draw_geometry(heights, widths, self._crop, self._mirror, phase == "train", words)
 
     @property
@@ -400,6 +405,15 @@ class Transform:
         and no mean file (its shape is the records') unless the output is uint8 (which
         takes no mean)."""
         return bool(self._crop) and (self._mean_blob is None or self._dtype == "uint8")
+
+    def output_class(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A key equal for record shapes that make one row shape through one
+        :meth:`kernel_spec`: ``(C, -1, -1)`` for a ``(C, H, W)`` the crop fits where
+        :attr:`crops_any_size`, else ``shape`` itself (what a plan's output is cached
+        by: W4's JPEGs are of hundreds of sizes)."""
+        if len(shape) == 3 and self.crops_any_size and self.crop_fits(shape[1], shape[2]):
+            return (shape[0], -1, -1)
+        return shape
 
     def crop_fits(self, h: int, w: int) -> bool:
         """Whether the crop fits a record ``h`` high and ``w`` wide (the one place
