@@ -183,7 +183,10 @@ class Batches:
                 "shard": (self._rank, self._world),
                 "num_records": self._n,
             }
-            self._out_shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], Any]] = {}
+            # (source, output class) -> row shape, element type and bytes a row
+            self._out_shapes: dict[
+                tuple[int, tuple[int, ...]], tuple[tuple[int, ...], Any, int]
+            ] = {}
             if self._shard_len == 0:
                 raise DataError(
                     f"shard rank {self._rank} of {self._world} holds no records "
@@ -540,11 +543,13 @@ class Batches:
             cache_key = (k, filler.transform.output_class(record_shape))
             out = self._out_shapes.get(cache_key)
             if out is None:  # checks it against the transform
-                out = filler.output(record_shape, self._keys[first])
+                out_shape, dtype = filler.output(record_shape, self._keys[first])
+                out = (out_shape, dtype, math.prod(out_shape) * np.dtype(dtype).itemsize)
                 if len(self._out_shapes) < 64:
                     self._out_shapes[cache_key] = out
-            out_shape, dtype = out
-            self._check_batch_bytes(len(indices), out_shape, dtype, first, record_shape, src)
+            out_shape, dtype, row_bytes = out
+            if len(indices) * row_bytes > self._max_batch_bytes:
+                self._check_batch_bytes(len(indices), out_shape, dtype, first, record_shape, src)
             plans.append(
                 BatchPlan(
                     key_source=keys,
