@@ -13,7 +13,9 @@ one thread (the workload benchmark's "Batches, one thread" row), the thread's CP
 of its best later epoch; with ``--loader``, a ``Loader`` (2 workers, device "cpu") in its
 blocking form (``for batch in loader``) or, with ``--loader async``, its ``async for``
 form under asyncio, the whole process's CPU seconds and the wall-clock seconds of its best
-later epoch, and the wall-clock seconds of its first epoch (open to close). The loop
+later epoch, and the wall-clock seconds of its first epoch (open to close); either way also
+the µs a batch that some thread held the GIL (``_io/_budget.py``; the median of the later
+epochs). The loop
 reads each batch's data on the host and keeps nothing but its loop variable, as a
 training loop does. It prints, per workload and figure, both sides' minimum and median
 and the median over pairs of this side / the other side: below 1.00 means this checkout
@@ -76,24 +78,36 @@ ROOT = HERE.parent
 
 # One measurement, run in a fresh process of either side: prints a JSON line.
 _CHILD = r"""
-import json, sys, time
+import json, statistics, sys, time
 spec = json.loads(sys.argv[1])
 pad = bytearray(spec["pad"])  # kept: every later heap address shifts by it
 import numpy as np
 import blobpipe
+try:
+    from blobpipe._io._budget import measure
+except ImportError:  # (a checkout from before the GIL budget: no figure)
+    import contextlib, types
+
+    @contextlib.contextmanager
+    def measure():
+        yield types.SimpleNamespace(held=float("nan"))
 t = blobpipe.Transform(**spec["transform"])
 kw = dict(transform=t, phase=spec["phase"], order=spec["order"], mode="epoch")
-walls, cpus = [], []
+walls, cpus, gils = [], [], []  # gils: µs holding the GIL a batch
 first = 0.0
 if spec["loader"] == "blocking":
     t0 = time.perf_counter()
     with blobpipe.Loader(spec["db"], spec["batch"], device="cpu", workers=2, **kw) as loader:
         for _ in range(spec["epochs"]):
             t0, c0 = (t0 if not walls else time.perf_counter()), time.process_time()
-            for batch in loader:
-                batch.data.cpu_data()
+            n = 0
+            with measure() as bud:
+                for batch in loader:
+                    batch.data.cpu_data()
+                    n += 1
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
+            gils.append(1e6 * bud.held / max(n, 1))
 elif spec["loader"] == "async":
     import anyio
 
@@ -104,10 +118,14 @@ elif spec["loader"] == "async":
         ) as loader:
             for _ in range(spec["epochs"]):
                 t0, c0 = (t0 if not walls else time.perf_counter()), time.process_time()
-                async for batch in loader:
-                    batch.data.cpu_data()
+                n = 0
+                with measure() as bud:
+                    async for batch in loader:
+                        batch.data.cpu_data()
+                        n += 1
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.process_time() - c0)
+                gils.append(1e6 * bud.held / max(n, 1))
 
     anyio.run(run)
 else:
@@ -116,15 +134,20 @@ else:
     for _ in range(spec["epochs"]):
         t0, c0 = time.perf_counter(), time.thread_time()
         data = None
-        while (plan := b.next_plan()) is not None:
-            if data is None or data.shape != plan.data_shape:
-                data = np.empty(plan.data_shape, plan.dtype)
-            b.fill(plan, data, label[: len(plan)])
+        n = 0
+        with measure() as bud:
+            while (plan := b.next_plan()) is not None:
+                if data is None or data.shape != plan.data_shape:
+                    data = np.empty(plan.data_shape, plan.dtype)
+                b.fill(plan, data, label[: len(plan)])
+                n += 1
         walls.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
+        gils.append(1e6 * bud.held / max(n, 1))
     b.close()
 print(json.dumps({
     "file": blobpipe.__file__, "cpu": min(cpus[1:]), "wall": min(walls[1:]), "first": walls[0],
+    "gil": statistics.median(gils[1:]),
 }))
 """
 
@@ -292,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.loader
         else "Batches: thread CPU s of the best later epoch"
     )
+    figure += "; µs holding the GIL a batch (_io/_budget.py), the median of the later epochs"
     print(f"paired A/B: this checkout ({ROOT}) / {args.other}; {figure}")
     pad = "heap shifted per pair" if args.heap_pad else "no heap shift"
     print(
@@ -334,13 +358,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, checkout in sides[k % len(sides) :] + sides[: k % len(sides)]:
                 got[name].append(_measure(checkout, spec))
                 time.sleep(0.2)
-        for key in ("cpu", "wall", "first") if args.loader else ("cpu",):
+        for key in ("cpu", "wall", "first", "gil") if args.loader else ("cpu", "gil"):
             a = [m[key] for m in got["this"]]
             b = [t[key] for t in got["other"]]
             ratio = statistics.median(x / y for x, y in zip(a, b, strict=True))
+            unit, f = ("GIL µs a batch", ".0f") if key == "gil" else (f"{key} s", ".3f")
             row = (
-                f"| {w.name} | {key} s | {min(a):.3f} · {statistics.median(a):.3f} | "
-                f"{min(b):.3f} · {statistics.median(b):.3f} | {ratio:.2f}× |"
+                f"| {w.name} | {unit} | {min(a):{f}} · {statistics.median(a):{f}} | "
+                f"{min(b):{f}} · {statistics.median(b):{f}} | {ratio:.2f}× |"
             )
             if args.control:
                 aa = [x / y[key] for x, y in zip(a, got["again"], strict=True)]

@@ -406,16 +406,22 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     root = BENCH.parent
     proc = run_quick("bench_ab.py", tmp_path, str(root), "--pairs", "2", "--workloads", "W1,W3")
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| W")]
-    assert [r.split("|")[1].strip() for r in rows] == ["W1", "W3"]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [f" {w} ", f" {figure} "] for w in ("W1", "W3") for figure in ("cpu s", "GIL µs a batch")
+    ]
     for row in rows:
         assert row.rstrip(" |").endswith("×")  # the median ratio of this side over the other
+    gil = [float(r.split("|")[3].split("·")[0]) for r in rows[1::2]]
+    assert all(g > 0 for g in gil)  # every batch holds the GIL a while
     proc = run_quick(
         "bench_ab.py", tmp_path, str(root), "--pairs", "2", "--workloads", "W1,W5",
         "--loader", "async", "--control",
     )  # fmt: skip
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| W")]
     assert [r.split("|")[1:3] for r in rows] == [
-        [f" {w} ", f" {figure} s "] for w in ("W1", "W5") for figure in ("cpu", "wall", "first")
+        [f" {w} ", f" {figure} "]
+        for w in ("W1", "W5")
+        for figure in ("cpu s", "wall s", "first s", "GIL µs a batch")
     ]
     for row in rows:  # this / other, then the A/A control's median and range
         assert re.search(r"\| [\d.]+× \| [\d.]+× \([\d.]+–[\d.]+\) \|$", row), row
@@ -426,7 +432,8 @@ def test_bench_ab_pairs_two_checkouts(tmp_path: Path) -> None:
     )  # fmt: skip
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| raw")]
     assert [r.split("|")[1:3] for r in rows] == [
-        [" raw 3×48×48 TEST, scale ", f" {figure} s "] for figure in ("cpu", "wall", "first")
+        [" raw 3×48×48 TEST, scale ", f" {figure} "]
+        for figure in ("cpu s", "wall s", "first s", "GIL µs a batch")
     ]
     assert "heap shifted per pair" in proc.stdout
     proc = run_quick("bench_ab.py", tmp_path, str(root), "--pairs", "1", "--workloads", "W1",
