@@ -551,6 +551,32 @@ def test_train_crops_over_images_of_several_sizes(tmp_path: Path, ext: str) -> N
     assert index.shapes_known  # every record decoded once: later fills look for none
 
 
+def test_images_of_many_sizes_share_one_output_and_one_fit(tmp_path: Path) -> None:
+    """Where the crop fits every image and no mean file ties rows to a size, a plan's
+    output and a record's fit are decided once for all sizes (Transform.output_class),
+    not once per size; an image the crop does not fit is its own class, refused."""
+    sizes = [(10 + i % 5, 9 + i % 7) for i in range(35)]
+
+    def encode(i: int) -> bytes:
+        h, w = sizes[i]
+        pix = np.ascontiguousarray(image(i, (3, h, w)).transpose(1, 2, 0))
+        ok, buf = cv2.imencode(".png", pix)
+        assert ok
+        return blobpipe.encode_encoded_datum(buf.tobytes(), i)
+
+    path = write_lmdb(tmp_path / "db", [(key(i), encode(i)) for i in range(len(sizes))])
+    t = Transform(crop_size=8, mirror=True, mean_value=(3, 2, 1))
+    with Batches(path, 5, transform=t, phase="train", mode="epoch", order="shuffle") as b:
+        epochs(b, 2)
+        assert len(b._out_shapes) == 1 and len(b._filler._fit) <= 1
+    two = write_lmdb(tmp_path / "two", [(key(0), encode(0)), (key(1), encode(1))])
+    with Batches(two, 1, transform=Transform(crop_size=10), mode="epoch") as b:
+        with pytest.raises(DataError, match=r"crop_size 10 is larger .*height 10, width 9"):
+            b.next_plan()
+        assert b.next_plan() is not None  # 11x10: the crop fits
+        assert list(b._out_shapes) == [(0, (3, -1, -1))]
+
+
 def test_shapes_are_known_once_the_last_encoded_record_is_noted(tmp_path: Path) -> None:
     """``shapes_known`` turns true when the last encoded record's shape is noted, not
     before, however the notes repeat rows (in one call or across calls)."""
